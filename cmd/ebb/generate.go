@@ -1,0 +1,184 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"ebb/engine"
+	"ebb/ioschema"
+	"ebb/scheduler"
+)
+
+func generateCmd() *cobra.Command {
+	var (
+		cfg           engine.Config
+		prompts       []string
+		inputIDs      []string
+		maxNew        int
+		temperature   float32
+		topP          float32
+		topK          int
+		minP          float32
+		seed          uint64
+		ignoreEOS     bool
+		returnLogprob bool
+		asJSON        bool
+	)
+	cmd := &cobra.Command{
+		Use:   "generate --model DIR (--prompt TEXT | --input-ids 1,2,3)...",
+		Short: "Generate from a model in this process, without a server",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if len(prompts) == 0 && len(inputIDs) == 0 {
+				return fmt.Errorf("give --prompt or --input-ids")
+			}
+			cfg.MaxRunningRequests = max(len(prompts)+len(inputIDs), 1)
+			cfg.ChunkedPrefillSize = 2048
+			e, err := engine.Open(cfg)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			var sp ioschema.SamplingParams
+			flags := cmd.Flags()
+			if flags.Changed("max-new-tokens") {
+				sp.MaxNewTokens = &maxNew
+			}
+			if flags.Changed("temperature") {
+				sp.Temperature = &temperature
+			}
+			if flags.Changed("top-p") {
+				sp.TopP = &topP
+			}
+			if flags.Changed("top-k") {
+				sp.TopK = &topK
+			}
+			if flags.Changed("min-p") {
+				sp.MinP = &minP
+			}
+			if flags.Changed("seed") {
+				sp.SamplingSeed = &seed
+			}
+			sp.IgnoreEOS = ignoreEOS
+			params, err := sp.Resolve(e.Defaults())
+			if err != nil {
+				return err
+			}
+			var inputs [][]int32
+			for _, p := range prompts {
+				if e.Tokenizer == nil {
+					return fmt.Errorf("%s has no tokenizer.json: use --input-ids", cfg.ModelDir)
+				}
+				inputs = append(inputs, e.Tokenizer.Encode(p, true))
+			}
+			for _, s := range inputIDs {
+				ids, err := parseIDs(s)
+				if err != nil {
+					return err
+				}
+				inputs = append(inputs, ids)
+			}
+			outs, err := runOffline(e, inputs, params, returnLogprob)
+			if err != nil {
+				return err
+			}
+			enc := json.NewEncoder(os.Stdout)
+			for _, o := range outs {
+				if asJSON {
+					if err := enc.Encode(o); err != nil {
+						return err
+					}
+				} else if o.Text != nil {
+					fmt.Println(*o.Text)
+				} else {
+					fmt.Println(o.OutputIDs)
+				}
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	addEngineFlags(f, &cfg)
+	f.StringArrayVar(&prompts, "prompt", nil, "prompt text (repeatable)")
+	f.StringArrayVar(&inputIDs, "input-ids", nil, "comma-separated prompt token ids (repeatable)")
+	f.IntVar(&maxNew, "max-new-tokens", ioschema.DefaultMaxNewTokens, "tokens to generate")
+	f.Float32Var(&temperature, "temperature", 1, "sampling temperature (0: greedy); default from generation_config.json")
+	f.Float32Var(&topP, "top-p", 1, "nucleus sampling mass")
+	f.IntVar(&topK, "top-k", -1, "sample among the k most likely tokens (-1: all)")
+	f.Float32Var(&minP, "min-p", 0, "drop tokens below min_p times the top probability")
+	f.Uint64Var(&seed, "seed", 0, "sampling seed (reproducible draws)")
+	f.BoolVar(&ignoreEOS, "ignore-eos", false, "keep generating past end-of-sequence tokens")
+	f.BoolVar(&returnLogprob, "return-logprob", false, "report the logprob of each generated token")
+	f.BoolVar(&asJSON, "json", false, "print one SGLang /generate-shaped JSON object per prompt")
+	return cmd
+}
+
+func parseIDs(s string) ([]int32, error) {
+	var ids []int32
+	for _, part := range strings.Split(s, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		v, err := strconv.ParseInt(part, 10, 32)
+		if err != nil {
+			return nil, fmt.Errorf("--input-ids: %q is not a token id", part)
+		}
+		ids = append(ids, int32(v))
+	}
+	if len(ids) == 0 {
+		return nil, fmt.Errorf("--input-ids: no ids")
+	}
+	return ids, nil
+}
+
+// GenerateOutput is the shape of SGLang's /generate response.
+type GenerateOutput struct {
+	Text      *string        `json:"text"`
+	OutputIDs []int32        `json:"output_ids"`
+	MetaInfo  map[string]any `json:"meta_info"`
+}
+
+// runOffline generates every input at once and shapes the results.
+func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, returnLogprob bool) ([]GenerateOutput, error) {
+	reqs := make([]scheduler.Request, len(inputs))
+	for i, ids := range inputs {
+		reqs[i] = scheduler.Request{Rid: fmt.Sprintf("generate-%d", i), InputIDs: ids, Params: params,
+			ReturnLogprob: returnLogprob, LogprobStartLen: -1}
+	}
+	results, err := e.Generate(reqs)
+	if err != nil {
+		return nil, err
+	}
+	outs := make([]GenerateOutput, len(results))
+	for i, r := range results {
+		o := GenerateOutput{OutputIDs: r.OutputIDs, MetaInfo: map[string]any{
+			"id": r.Rid, "prompt_tokens": r.PromptTokens, "completion_tokens": r.CompletionTokens,
+			"cached_tokens": r.CachedTokens, "finish_reason": r.FinishReason,
+		}}
+		if o.OutputIDs == nil {
+			o.OutputIDs = []int32{}
+		}
+		if e.Tokenizer != nil {
+			text := e.Tokenizer.Decode(r.OutputIDs, params.SkipSpecialTokens)
+			o.Text = &text
+		}
+		if returnLogprob {
+			lps := make([][]any, len(r.OutputIDs))
+			for j, t := range r.OutputIDs {
+				var text any
+				if e.Tokenizer != nil {
+					text = e.Tokenizer.Decode([]int32{t}, false)
+				}
+				lps[j] = []any{float64(r.OutputLogprobs[j]), t, text}
+			}
+			o.MetaInfo["output_token_logprobs"] = lps
+		}
+		outs[i] = o
+	}
+	return outs, nil
+}

@@ -1,0 +1,111 @@
+#include "ebbcuda.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+#define EBB_POINTER(name, sym, args, call) static int (*p_##name) args;
+EBB_CU_FUNCS(EBB_POINTER)
+EBB_NVRTC_FUNCS(EBB_POINTER)
+EBB_CUBLAS_FUNCS(EBB_POINTER)
+EBB_NCCL_FUNCS(EBB_POINTER)
+#undef EBB_POINTER
+
+// A missing library gives code -1000 from every call rather than a crash.
+#define EBB_WRAP(name, sym, args, call) \
+	int ebb_##name args { return p_##name ? p_##name call : -1000; }
+EBB_CU_FUNCS(EBB_WRAP)
+EBB_NVRTC_FUNCS(EBB_WRAP)
+EBB_CUBLAS_FUNCS(EBB_WRAP)
+EBB_NCCL_FUNCS(EBB_WRAP)
+#undef EBB_WRAP
+
+static int (*p_cuGetErrorName)(int, const char **);
+static const char *(*p_nvrtcGetErrorString)(int);
+static const char *(*p_ncclGetErrorString)(int);
+
+// open_first tries each soname on the loader's path, then in the CUDA
+// toolkit's usual places (often missing from ld.so.conf).
+static void *open_first(const char *const *names, char *err, int n) {
+	static const char *const dirs[] = {"", "/usr/local/cuda/lib64/", "/usr/local/cuda/targets/x86_64-linux/lib/", NULL};
+	char path[512];
+	for (int d = 0; dirs[d]; d++) {
+		for (int i = 0; names[i]; i++) {
+			snprintf(path, sizeof path, "%s%s", dirs[d], names[i]);
+			void *h = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+			if (h) return h;
+		}
+	}
+	snprintf(err, n, "none of %s%s could be loaded (%s)", names[0], names[1] ? " and its other versions" : "",
+		dlerror());
+	return NULL;
+}
+
+#define EBB_RESOLVE(name, sym, args, call) \
+	p_##name = (int(*) args)dlsym(h, sym); \
+	if (!p_##name) { snprintf(err, n, "%s: symbol %s not found", lib, sym); return -1; }
+
+int ebb_load_cuda(char *err, int n) {
+	static const char *const names[] = {"libcuda.so.1", "libcuda.so", NULL};
+	const char *lib = "libcuda";
+	void *h = open_first(names, err, n);
+	if (!h) return -1;
+	EBB_CU_FUNCS(EBB_RESOLVE)
+	p_cuGetErrorName = (int (*)(int, const char **))dlsym(h, "cuGetErrorName");
+	return 0;
+}
+
+int ebb_load_nvrtc(char *err, int n) {
+	static const char *const names[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so.11.2", "libnvrtc.so", NULL};
+	const char *lib = "libnvrtc";
+	void *h = open_first(names, err, n);
+	if (!h) return -1;
+	EBB_NVRTC_FUNCS(EBB_RESOLVE)
+	p_nvrtcGetErrorString = (const char *(*)(int))dlsym(h, "nvrtcGetErrorString");
+	return 0;
+}
+
+int ebb_load_cublas(char *err, int n) {
+	static const char *const names[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so", NULL};
+	const char *lib = "libcublas";
+	void *h = open_first(names, err, n);
+	if (!h) return -1;
+	EBB_CUBLAS_FUNCS(EBB_RESOLVE)
+	return 0;
+}
+
+int ebb_load_nccl(char *err, int n) {
+	static const char *const names[] = {"libnccl.so.2", "libnccl.so", NULL};
+	const char *lib = "libnccl";
+	void *h = open_first(names, err, n);
+	if (!h) return -1;
+	EBB_NCCL_FUNCS(EBB_RESOLVE)
+	p_ncclGetErrorString = (const char *(*)(int))dlsym(h, "ncclGetErrorString");
+	return 0;
+}
+#undef EBB_RESOLVE
+
+const char *ebb_cu_error_name(int code) {
+	const char *s = NULL;
+	if (code == -1000) return "EBB_LIBRARY_NOT_LOADED";
+	if (p_cuGetErrorName && p_cuGetErrorName(code, &s) == 0 && s) return s;
+	return "CUDA_ERROR_UNKNOWN_CODE";
+}
+
+const char *ebb_nvrtc_error_string(int code) {
+	if (code == -1000) return "EBB_LIBRARY_NOT_LOADED";
+	return p_nvrtcGetErrorString ? p_nvrtcGetErrorString(code) : "NVRTC_ERROR";
+}
+
+const char *ebb_nccl_error_string(int code) {
+	if (code == -1000) return "EBB_LIBRARY_NOT_LOADED";
+	return p_ncclGetErrorString ? p_ncclGetErrorString(code) : "NCCL_ERROR";
+}
+
+int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs) {
+	void *params[32];
+	if (nargs > 32) return 1; // CUDA_ERROR_INVALID_VALUE
+	for (int i = 0; i < nargs; i++) params[i] = &args[i];
+	return ebb_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL);
+}

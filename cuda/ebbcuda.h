@@ -1,0 +1,144 @@
+// Our own prototypes for the CUDA driver, NVRTC, cuBLAS and NCCL calls ebb
+// makes. The libraries are loaded with dlopen at run time, so building needs
+// no CUDA header or library. Layouts follow cuda.h (CUDA 12/13).
+#ifndef EBB_CUDA_H
+#define EBB_CUDA_H
+
+#include <stddef.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef void *CUmodule;
+typedef void *CUfunction;
+typedef void *CUgraph;
+typedef void *CUgraphExec;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+	int type;                 // CU_MEM_ALLOCATION_TYPE_PINNED = 1
+	int requestedHandleTypes; // CU_MEM_HANDLE_TYPE_NONE = 0
+	CUmemLocation location;   // CU_MEM_LOCATION_TYPE_DEVICE = 1
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+
+typedef int nvrtcResult;
+typedef void *nvrtcProgram;
+typedef int cublasStatus_t;
+typedef void *cublasHandle_t;
+typedef int ncclResult_t;
+typedef void *ncclComm_t;
+typedef struct { char internal[128]; } ncclUniqueId;
+
+// X(name, symbol, args, call)
+#define EBB_CU_FUNCS(X) \
+	X(cuInit, "cuInit", (unsigned int f), (f)) \
+	X(cuDriverGetVersion, "cuDriverGetVersion", (int *v), (v)) \
+	X(cuDeviceGetCount, "cuDeviceGetCount", (int *n), (n)) \
+	X(cuDeviceGet, "cuDeviceGet", (CUdevice *d, int o), (d, o)) \
+	X(cuDeviceGetName, "cuDeviceGetName", (char *s, int n, CUdevice d), (s, n, d)) \
+	X(cuDeviceGetAttribute, "cuDeviceGetAttribute", (int *v, int a, CUdevice d), (v, a, d)) \
+	X(cuDeviceTotalMem, "cuDeviceTotalMem_v2", (size_t *b, CUdevice d), (b, d)) \
+	X(cuDeviceGetPCIBusId, "cuDeviceGetPCIBusId", (char *s, int n, CUdevice d), (s, n, d)) \
+	X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", (CUcontext *c, CUdevice d), (c, d)) \
+	X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", (CUdevice d), (d)) \
+	X(cuCtxSetCurrent, "cuCtxSetCurrent", (CUcontext c), (c)) \
+	X(cuCtxSynchronize, "cuCtxSynchronize", (void), ()) \
+	X(cuMemGetInfo, "cuMemGetInfo_v2", (size_t *f, size_t *t), (f, t)) \
+	X(cuMemAddressReserve, "cuMemAddressReserve", (CUdeviceptr *p, size_t s, size_t a, CUdeviceptr h, unsigned long long f), (p, s, a, h, f)) \
+	X(cuMemAddressFree, "cuMemAddressFree", (CUdeviceptr p, size_t s), (p, s)) \
+	X(cuMemCreate, "cuMemCreate", (CUmemGenericAllocationHandle *h, size_t s, const CUmemAllocationProp *p, unsigned long long f), (h, s, p, f)) \
+	X(cuMemRelease, "cuMemRelease", (CUmemGenericAllocationHandle h), (h)) \
+	X(cuMemMap, "cuMemMap", (CUdeviceptr p, size_t s, size_t o, CUmemGenericAllocationHandle h, unsigned long long f), (p, s, o, h, f)) \
+	X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr p, size_t s), (p, s)) \
+	X(cuMemSetAccess, "cuMemSetAccess", (CUdeviceptr p, size_t s, const CUmemAccessDesc *d, size_t n), (p, s, d, n)) \
+	X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", (size_t *g, const CUmemAllocationProp *p, int o), (g, p, o)) \
+	X(cuMemHostAlloc, "cuMemHostAlloc", (void **p, size_t s, unsigned int f), (p, s, f)) \
+	X(cuMemFreeHost, "cuMemFreeHost", (void *p), (p)) \
+	X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", (CUdeviceptr d, const void *s, size_t n, CUstream st), (d, s, n, st)) \
+	X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", (void *d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st)) \
+	X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st)) \
+	X(cuMemsetD32Async, "cuMemsetD32Async", (CUdeviceptr d, unsigned int v, size_t n, CUstream st), (d, v, n, st)) \
+	X(cuMemsetD8Async, "cuMemsetD8Async", (CUdeviceptr d, unsigned char v, size_t n, CUstream st), (d, v, n, st)) \
+	X(cuStreamCreate, "cuStreamCreate", (CUstream *s, unsigned int f), (s, f)) \
+	X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream s), (s)) \
+	X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream s), (s)) \
+	X(cuEventCreate, "cuEventCreate", (CUevent *e, unsigned int f), (e, f)) \
+	X(cuEventDestroy, "cuEventDestroy_v2", (CUevent e), (e)) \
+	X(cuEventRecord, "cuEventRecord", (CUevent e, CUstream s), (e, s)) \
+	X(cuEventSynchronize, "cuEventSynchronize", (CUevent e), (e)) \
+	X(cuEventElapsedTime, "cuEventElapsedTime", (float *ms, CUevent a, CUevent b), (ms, a, b)) \
+	X(cuModuleLoadData, "cuModuleLoadData", (CUmodule *m, const void *img), (m, img)) \
+	X(cuModuleUnload, "cuModuleUnload", (CUmodule m), (m)) \
+	X(cuModuleGetFunction, "cuModuleGetFunction", (CUfunction *f, CUmodule m, const char *n), (f, m, n)) \
+	X(cuFuncSetAttribute, "cuFuncSetAttribute", (CUfunction f, int a, int v), (f, a, v)) \
+	X(cuLaunchKernel, "cuLaunchKernel", (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by, unsigned int bz, unsigned int sh, CUstream s, void **p, void **e), (f, gx, gy, gz, bx, by, bz, sh, s, p, e)) \
+	X(cuStreamBeginCapture, "cuStreamBeginCapture_v2", (CUstream s, int mode), (s, mode)) \
+	X(cuStreamEndCapture, "cuStreamEndCapture", (CUstream s, CUgraph *g), (s, g)) \
+	X(cuGraphInstantiate, "cuGraphInstantiateWithFlags", (CUgraphExec *e, CUgraph g, unsigned long long f), (e, g, f)) \
+	X(cuGraphLaunch, "cuGraphLaunch", (CUgraphExec e, CUstream s), (e, s)) \
+	X(cuGraphExecDestroy, "cuGraphExecDestroy", (CUgraphExec e), (e)) \
+	X(cuGraphDestroy, "cuGraphDestroy", (CUgraph g), (g)) \
+	X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *p, CUipcMemHandle h, unsigned int f), (p, h, f)) \
+	X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr p), (p))
+
+#define EBB_NVRTC_FUNCS(X) \
+	X(nvrtcVersion, "nvrtcVersion", (int *a, int *b), (a, b)) \
+	X(nvrtcCreateProgram, "nvrtcCreateProgram", (nvrtcProgram *p, const char *src, const char *name, int nh, const char *const *h, const char *const *hn), (p, src, name, nh, h, hn)) \
+	X(nvrtcCompileProgram, "nvrtcCompileProgram", (nvrtcProgram p, int n, const char *const *o), (p, n, o)) \
+	X(nvrtcGetProgramLogSize, "nvrtcGetProgramLogSize", (nvrtcProgram p, size_t *n), (p, n)) \
+	X(nvrtcGetProgramLog, "nvrtcGetProgramLog", (nvrtcProgram p, char *s), (p, s)) \
+	X(nvrtcGetPTXSize, "nvrtcGetPTXSize", (nvrtcProgram p, size_t *n), (p, n)) \
+	X(nvrtcGetPTX, "nvrtcGetPTX", (nvrtcProgram p, char *s), (p, s)) \
+	X(nvrtcGetCUBINSize, "nvrtcGetCUBINSize", (nvrtcProgram p, size_t *n), (p, n)) \
+	X(nvrtcGetCUBIN, "nvrtcGetCUBIN", (nvrtcProgram p, char *s), (p, s)) \
+	X(nvrtcDestroyProgram, "nvrtcDestroyProgram", (nvrtcProgram *p), (p))
+
+#define EBB_CUBLAS_FUNCS(X) \
+	X(cublasCreate, "cublasCreate_v2", (cublasHandle_t *h), (h)) \
+	X(cublasDestroy, "cublasDestroy_v2", (cublasHandle_t h), (h)) \
+	X(cublasSetStream, "cublasSetStream_v2", (cublasHandle_t h, CUstream s), (h, s)) \
+	X(cublasSetWorkspace, "cublasSetWorkspace_v2", (cublasHandle_t h, void *w, size_t n), (h, w, n)) \
+	X(cublasSetMathMode, "cublasSetMathMode", (cublasHandle_t h, int m), (h, m)) \
+	X(cublasGemmEx, "cublasGemmEx", (cublasHandle_t h, int ta, int tb, int m, int n, int k, const void *alpha, const void *A, int at, int lda, const void *B, int bt, int ldb, const void *beta, void *C, int ct, int ldc, int compute, int algo), (h, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc, compute, algo))
+
+#define EBB_NCCL_FUNCS(X) \
+	X(ncclGetUniqueId, "ncclGetUniqueId", (ncclUniqueId *id), (id)) \
+	X(ncclCommInitRank, "ncclCommInitRank", (ncclComm_t *c, int n, ncclUniqueId id, int r), (c, n, id, r)) \
+	X(ncclCommDestroy, "ncclCommDestroy", (ncclComm_t c), (c)) \
+	X(ncclBroadcast, "ncclBroadcast", (const void *s, void *r, size_t n, int dt, int root, ncclComm_t c, CUstream st), (s, r, n, dt, root, c, st))
+
+#define EBB_DECLARE(name, sym, args, call) int ebb_##name args;
+EBB_CU_FUNCS(EBB_DECLARE)
+EBB_NVRTC_FUNCS(EBB_DECLARE)
+EBB_CUBLAS_FUNCS(EBB_DECLARE)
+EBB_NCCL_FUNCS(EBB_DECLARE)
+#undef EBB_DECLARE
+
+// Loaders return 0 on success, or -1 with a message in err.
+int ebb_load_cuda(char *err, int n);
+int ebb_load_nvrtc(char *err, int n);
+int ebb_load_cublas(char *err, int n);
+int ebb_load_nccl(char *err, int n);
+
+const char *ebb_cu_error_name(int code);
+const char *ebb_nvrtc_error_string(int code);
+const char *ebb_nccl_error_string(int code);
+
+// ebb_launch passes nargs 8-byte kernel arguments packed in args.
+int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs);
+
+#endif

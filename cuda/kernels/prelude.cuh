@@ -1,0 +1,50 @@
+// Shared helpers for every ebb kernel. No CUDA headers: NVRTC on the GPU
+// machines ships without cuda_bf16.h, so bf16 is a 16-bit integer here and
+// conversions use PTX (sm_80 and later).
+typedef unsigned short bf16;
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
+
+#define EBB_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned int)x) << 16); }
+
+__device__ __forceinline__ bf16 f2bf(float f) {
+	unsigned short r;
+	asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+	return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+	for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+	return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+	for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+	return v;
+}
+
+// block_sum reduces over the whole block; shared must hold 32 floats.
+__device__ __forceinline__ float block_sum(float v, float *shared) {
+	int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	v = warp_sum(v);
+	__syncthreads();
+	if (lane == 0) shared[warp] = v;
+	__syncthreads();
+	int nwarps = (blockDim.x + 31) >> 5;
+	v = lane < nwarps ? shared[lane] : 0.f;
+	return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float *shared) {
+	int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	v = warp_max(v);
+	__syncthreads();
+	if (lane == 0) shared[warp] = v;
+	__syncthreads();
+	int nwarps = (blockDim.x + 31) >> 5;
+	v = lane < nwarps ? shared[lane] : -EBB_INF;
+	return warp_max(v);
+}

@@ -1,0 +1,263 @@
+package cuda
+
+/*
+#include <stdlib.h>
+#include "ebbcuda.h"
+*/
+import "C"
+
+import (
+	"crypto/sha256"
+	"embed"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"unsafe"
+)
+
+//go:embed kernels/*.cuh kernels/*.cu
+var kernelFS embed.FS
+
+// KernelSource is every kernel file, prelude first, as one translation unit.
+func KernelSource() (string, error) {
+	var b strings.Builder
+	prelude, err := kernelFS.ReadFile("kernels/prelude.cuh")
+	if err != nil {
+		return "", err
+	}
+	b.Write(prelude)
+	entries, err := kernelFS.ReadDir("kernels")
+	if err != nil {
+		return "", err
+	}
+	var names []string
+	for _, e := range entries {
+		if strings.HasSuffix(e.Name(), ".cu") {
+			names = append(names, e.Name())
+		}
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		src, err := kernelFS.ReadFile("kernels/" + n)
+		if err != nil {
+			return "", err
+		}
+		fmt.Fprintf(&b, "\n// ---- %s ----\n", n)
+		b.Write(src)
+	}
+	return b.String(), nil
+}
+
+// NVRTCVersion is the run-time compiler's version.
+func NVRTCVersion() (int, int, error) {
+	if err := LoadNVRTC(); err != nil {
+		return 0, 0, err
+	}
+	var a, b C.int
+	if r := C.ebb_nvrtcVersion(&a, &b); r != 0 {
+		return 0, 0, nvrtcError("nvrtcVersion", r)
+	}
+	return int(a), int(b), nil
+}
+
+func nvrtcError(call string, r C.int) error {
+	return fmt.Errorf("%s: %s", call, C.GoString(C.ebb_nvrtc_error_string(r)))
+}
+
+// CompileError carries the compiler's log.
+type CompileError struct {
+	Arch string
+	Log  string
+}
+
+func (e *CompileError) Error() string {
+	return fmt.Sprintf("kernel compilation for %s failed:\n%s", e.Arch, e.Log)
+}
+
+// Compile builds source for arch: "sm_90" gives a CUBIN, "compute_90" PTX.
+func Compile(source, name, arch string) ([]byte, error) {
+	if err := LoadNVRTC(); err != nil {
+		return nil, err
+	}
+	csrc, cname := C.CString(source), C.CString(name)
+	defer C.free(unsafe.Pointer(csrc))
+	defer C.free(unsafe.Pointer(cname))
+	var prog C.nvrtcProgram
+	if r := C.ebb_nvrtcCreateProgram(&prog, csrc, cname, 0, nil, nil); r != 0 {
+		return nil, nvrtcError("nvrtcCreateProgram", r)
+	}
+	defer C.ebb_nvrtcDestroyProgram(&prog)
+	opts := []string{"--gpu-architecture=" + arch, "--std=c++17", "--fmad=true", "-DEBB_NVRTC=1"}
+	copts := make([]*C.char, len(opts))
+	for i, o := range opts {
+		copts[i] = C.CString(o)
+		defer C.free(unsafe.Pointer(copts[i]))
+	}
+	r := C.ebb_nvrtcCompileProgram(prog, C.int(len(copts)), &copts[0])
+	var logSize C.size_t
+	C.ebb_nvrtcGetProgramLogSize(prog, &logSize)
+	log := make([]byte, logSize+1)
+	C.ebb_nvrtcGetProgramLog(prog, (*C.char)(unsafe.Pointer(&log[0])))
+	if r != 0 {
+		return nil, &CompileError{Arch: arch, Log: strings.TrimRight(string(log), "\x00")}
+	}
+	var size C.size_t
+	var out []byte
+	if strings.HasPrefix(arch, "sm_") {
+		if r := C.ebb_nvrtcGetCUBINSize(prog, &size); r != 0 {
+			return nil, nvrtcError("nvrtcGetCUBINSize", r)
+		}
+		out = make([]byte, size)
+		if r := C.ebb_nvrtcGetCUBIN(prog, (*C.char)(unsafe.Pointer(&out[0]))); r != 0 {
+			return nil, nvrtcError("nvrtcGetCUBIN", r)
+		}
+	} else {
+		if r := C.ebb_nvrtcGetPTXSize(prog, &size); r != 0 {
+			return nil, nvrtcError("nvrtcGetPTXSize", r)
+		}
+		out = make([]byte, size)
+		if r := C.ebb_nvrtcGetPTX(prog, (*C.char)(unsafe.Pointer(&out[0]))); r != 0 {
+			return nil, nvrtcError("nvrtcGetPTX", r)
+		}
+	}
+	return out, nil
+}
+
+// cacheDir is where compiled kernels are kept: $EBB_KERNEL_CACHE, else the
+// user cache directory.
+func cacheDir() string {
+	if d := os.Getenv("EBB_KERNEL_CACHE"); d != "" {
+		return d
+	}
+	if d, err := os.UserCacheDir(); err == nil {
+		return filepath.Join(d, "ebb", "kernels")
+	}
+	return filepath.Join(os.TempDir(), "ebb-kernels")
+}
+
+// compileCached returns the CUBIN for arch from the disk cache, compiling on
+// a miss. The key covers the source, the architecture and the compiler.
+func compileCached(source, arch string) ([]byte, error) {
+	major, minor, err := NVRTCVersion()
+	if err != nil {
+		return nil, err
+	}
+	h := sha256.Sum256([]byte(fmt.Sprintf("%s\x00%s\x00nvrtc %d.%d", source, arch, major, minor)))
+	path := filepath.Join(cacheDir(), hex.EncodeToString(h[:16])+"-"+arch+".cubin")
+	if b, err := os.ReadFile(path); err == nil {
+		return b, nil
+	}
+	bin, err := Compile(source, "ebb_kernels.cu", arch)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err == nil {
+		tmp := path + fmt.Sprintf(".%d.tmp", os.Getpid())
+		if os.WriteFile(tmp, bin, 0o644) == nil {
+			_ = os.Rename(tmp, path) // a failed cache write only costs a recompile
+		}
+	}
+	return bin, nil
+}
+
+// Module is loaded kernel code.
+type Module struct {
+	m     C.CUmodule
+	funcs map[string]*Kernel
+}
+
+// Kernel is one __global__ function.
+type Kernel struct {
+	f    C.CUfunction
+	Name string
+}
+
+// LoadKernels compiles (or takes from the cache) every embedded kernel for
+// this GPU and loads them.
+func (c *Context) LoadKernels() (*Module, error) {
+	src, err := KernelSource()
+	if err != nil {
+		return nil, err
+	}
+	arch := fmt.Sprintf("sm_%d%d", c.CCMajor, c.CCMinor)
+	bin, err := compileCached(src, arch)
+	if err != nil {
+		return nil, err
+	}
+	m := &Module{funcs: map[string]*Kernel{}}
+	if err := check("cuModuleLoadData", C.ebb_cuModuleLoadData(&m.m, unsafe.Pointer(&bin[0]))); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// Func looks a kernel up by name.
+func (m *Module) Func(name string) (*Kernel, error) {
+	if k, ok := m.funcs[name]; ok {
+		return k, nil
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	k := &Kernel{Name: name}
+	if err := check("cuModuleGetFunction("+name+")", C.ebb_cuModuleGetFunction(&k.f, m.m, cname)); err != nil {
+		return nil, err
+	}
+	m.funcs[name] = k
+	return k, nil
+}
+
+// MustFuncs resolves several kernels at once.
+func (m *Module) Funcs(names ...string) (map[string]*Kernel, error) {
+	out := map[string]*Kernel{}
+	var errs []error
+	for _, n := range names {
+		k, err := m.Func(n)
+		errs = append(errs, err)
+		out[n] = k
+	}
+	return out, errors.Join(errs...)
+}
+
+// Unload frees the module.
+func (m *Module) Unload() error { return check("cuModuleUnload", C.ebb_cuModuleUnload(m.m)) }
+
+// SetMaxDynamicShared raises a kernel's dynamic shared memory limit.
+func (k *Kernel) SetMaxDynamicShared(bytes int) error {
+	return check("cuFuncSetAttribute", C.ebb_cuFuncSetAttribute(k.f, 8 /* MAX_DYNAMIC_SHARED_SIZE_BYTES */, C.int(bytes)))
+}
+
+// Dim3 is a grid or block shape.
+type Dim3 struct{ X, Y, Z uint32 }
+
+// D1 is a one-dimensional shape.
+func D1(x int) Dim3 { return Dim3{uint32(x), 1, 1} }
+
+// Kernel arguments are passed as 8-byte slots: pointers and 64-bit values
+// fill them; 32-bit values use the low half (little-endian).
+
+// P is a pointer argument.
+func P(p uintptr) uint64 { return uint64(p) }
+
+// I is a 32-bit integer argument.
+func I(v int) uint64 { return uint64(uint32(int32(v))) }
+
+// F is a float argument.
+func F(v float32) uint64 { return uint64(*(*uint32)(unsafe.Pointer(&v))) }
+
+// LaunchKernel queues k on the stream.
+func (c *Context) LaunchKernel(k *Kernel, grid, block Dim3, shmem int, args ...uint64) error {
+	var a *C.ulonglong
+	if len(args) > 0 {
+		a = (*C.ulonglong)(unsafe.Pointer(&args[0]))
+	}
+	r := C.ebb_launch(k.f, C.uint(grid.X), C.uint(grid.Y), C.uint(grid.Z), C.uint(block.X), C.uint(block.Y),
+		C.uint(block.Z), C.uint(shmem), c.stream, a, C.int(len(args)))
+	if r != 0 {
+		return &Error{Call: "cuLaunchKernel(" + k.Name + ")", Code: int(r), Name: C.GoString(C.ebb_cu_error_name(r))}
+	}
+	return nil
+}

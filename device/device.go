@@ -1,0 +1,228 @@
+// Package device defines the operations the model needs from a compute
+// backend (tensors in tagged memory regions, GEMM, normalisation, RoPE, paged
+// attention, sampling) so that the same model code runs on the CPU reference
+// backend and on CUDA.
+//
+// Operations are queued in order on one stream and may run asynchronously;
+// the first failure is kept and returned by Sync, so model code reads like
+// straight-line math. A Device is owned by one goroutine.
+package device
+
+import (
+	"fmt"
+	"strings"
+
+	"ebb/memory"
+)
+
+// DType is an element type.
+type DType uint8
+
+// Element types.
+const (
+	F32 DType = iota + 1
+	BF16
+	F16
+	I32
+)
+
+// Size is the element size in bytes.
+func (d DType) Size() int {
+	switch d {
+	case F32, I32:
+		return 4
+	case BF16, F16:
+		return 2
+	}
+	return 0
+}
+
+func (d DType) String() string {
+	switch d {
+	case F32:
+		return "float32"
+	case BF16:
+		return "bfloat16"
+	case F16:
+		return "float16"
+	case I32:
+		return "int32"
+	}
+	return fmt.Sprintf("DType(%d)", int(d))
+}
+
+// ParseDType accepts safetensors and PyTorch spellings.
+func ParseDType(s string) (DType, error) {
+	switch strings.ToLower(strings.TrimPrefix(s, "torch.")) {
+	case "f32", "float32", "float":
+		return F32, nil
+	case "bf16", "bfloat16":
+		return BF16, nil
+	case "f16", "float16", "half":
+		return F16, nil
+	case "i32", "int32":
+		return I32, nil
+	}
+	return 0, fmt.Errorf("unknown dtype %q", s)
+}
+
+// Tensor is a dense row-major view of device memory.
+type Tensor struct {
+	Ptr   uintptr
+	DType DType
+	Shape []int
+}
+
+// Numel is the number of elements.
+func (t Tensor) Numel() int {
+	n := 1
+	for _, d := range t.Shape {
+		n *= d
+	}
+	return n
+}
+
+// Bytes is the size in bytes.
+func (t Tensor) Bytes() int64 { return int64(t.Numel()) * int64(t.DType.Size()) }
+
+// Valid reports whether the tensor points at memory.
+func (t Tensor) Valid() bool { return t.Ptr != 0 }
+
+// Dim returns the size of dimension i (negative counts from the end).
+func (t Tensor) Dim(i int) int {
+	if i < 0 {
+		i += len(t.Shape)
+	}
+	return t.Shape[i]
+}
+
+// RowSize is the number of elements per index of the first dimension.
+func (t Tensor) RowSize() int {
+	n := 1
+	for _, d := range t.Shape[1:] {
+		n *= d
+	}
+	return n
+}
+
+// Rows views rows [from, to) of the first dimension.
+func (t Tensor) Rows(from, to int) Tensor {
+	if from < 0 || to < from || to > t.Shape[0] {
+		panic(fmt.Sprintf("Rows(%d, %d) of shape %v", from, to, t.Shape))
+	}
+	shape := append([]int{to - from}, t.Shape[1:]...)
+	return Tensor{Ptr: t.Ptr + uintptr(from*t.RowSize()*t.DType.Size()), DType: t.DType, Shape: shape}
+}
+
+// View reinterprets the tensor with a new shape of the same size.
+func (t Tensor) View(shape ...int) Tensor {
+	v := Tensor{Ptr: t.Ptr, DType: t.DType, Shape: shape}
+	if v.Numel() != t.Numel() {
+		panic(fmt.Sprintf("View(%v) of shape %v", shape, t.Shape))
+	}
+	return v
+}
+
+func (t Tensor) String() string { return fmt.Sprintf("%s%v@%#x", t.DType, t.Shape, t.Ptr) }
+
+// AttnMeta describes a ragged batch for attention over the paged KV cache.
+// Sequence s owns query rows [QIndptr[s], QIndptr[s+1]) and attends to the KV
+// slots KVIndices[KVIndptr[s]:KVIndptr[s+1]], in position order; its queries
+// are the last tokens of that range (causal).
+type AttnMeta struct {
+	NumSeqs   int
+	MaxQLen   int // upper bounds, for launch shapes
+	MaxKVLen  int
+	QIndptr   Tensor // [NumSeqs+1] int32
+	KVIndptr  Tensor // [NumSeqs+1] int32
+	KVIndices Tensor // [>= total KV] int32
+}
+
+// SampleArgs holds per-row sampling parameters on the device, one entry per
+// logits row. A temperature of 0 means greedy.
+type SampleArgs struct {
+	Temperature Tensor // [B] float32
+	TopP        Tensor // [B] float32, 1 disables
+	TopK        Tensor // [B] int32, <= 0 disables
+	MinP        Tensor // [B] float32, 0 disables
+	Uniform     Tensor // [B] float32 in [0,1): the draw for this step
+	// Outputs.
+	IDs      Tensor // [B] int32: sampled token
+	Logprobs Tensor // [B] float32: its log-probability
+	// Optional top-k alternatives: [B, K] each; K = TopIDs.Shape[1].
+	TopIDs      Tensor
+	TopLogprobs Tensor
+}
+
+// PenaltyArgs applies repetition, frequency and presence penalties (as
+// SGLang and vLLM define them) and additive biases to logits in place, from a
+// sparse list of tokens per row.
+type PenaltyArgs struct {
+	RowPtr     Tensor // [B+1] int32 into Tokens, Counts and Bias
+	Tokens     Tensor // [nnz] int32
+	Counts     Tensor // [nnz] int32: times generated (0: seen in the prompt only)
+	Bias       Tensor // [nnz] float32: added last (-inf bans a token)
+	Repetition Tensor // [B] float32, 1 disables
+	Frequency  Tensor // [B] float32, 0 disables
+	Presence   Tensor // [B] float32, 0 disables
+}
+
+// Device is the compute backend.
+type Device interface {
+	Name() string
+	// DType is the dtype of weights and activations.
+	DType() DType
+	Memory() *memory.Manager
+
+	// Alloc and Free manage tensors in a tagged region.
+	Alloc(tag memory.Tag, dtype DType, shape ...int) (Tensor, error)
+	Free(tag memory.Tag, t Tensor)
+
+	// Upload converts src (raw little-endian elements of srcType) into dst.
+	Upload(dst Tensor, src []byte, srcType DType) error
+	// Download copies a tensor to the host, converting floats to float32.
+	DownloadF32(src Tensor, dst []float32) error
+	DownloadI32(src Tensor, dst []int32) error
+	// Copy copies between tensors of the same dtype and size.
+	Copy(dst, src Tensor)
+	// Fill sets every element of a float tensor.
+	Fill(dst Tensor, v float32)
+
+	Embedding(out, table, ids Tensor)
+	RMSNorm(out, x, w Tensor, eps float32)
+	// AddRMSNorm: residual += x (rounded to the activation dtype), then
+	// out = rmsnorm(residual) * w.
+	AddRMSNorm(residual, x, out, w Tensor, eps float32)
+	// MatMul: out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] when valid).
+	MatMul(out, x, w, bias Tensor)
+	// PrepareQKV works in place on the fused projection qkv [T, Hq+2Hk, D]
+	// (q heads, then k heads, then v heads): per-head RMSNorm of q and k when
+	// qNorm/kNorm are valid (Qwen3), rotary embedding of q and k
+	// (rotate-half layout, cos/sin tables [maxPos, D/2] float32, indexed by
+	// positions [T]), and the store of k and v into the caches [slots,Hk,D]
+	// at slots [T].
+	PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, eps float32)
+	// Attention: out [T,Hq,D]; queries are the q heads of qkv [T,Hq+2Hk,D];
+	// caches [slots,Hk,D].
+	Attention(out, qkv, kCache, vCache Tensor, meta AttnMeta, scale float32)
+	// SiLUMul: out[T,I] = silu(gateUp[:, :I]) * gateUp[:, I:].
+	SiLUMul(out, gateUp Tensor)
+	// GatherRows: out[i] = x[rows[i]].
+	GatherRows(out, x, rows Tensor)
+	// ApplyPenalties modifies logits [B,V] in place.
+	ApplyPenalties(logits Tensor, p PenaltyArgs)
+	// Sample draws one token per row of logits [B,V] (float32).
+	Sample(logits Tensor, args SampleArgs)
+	// TokenLogprobs: out[i] = log_softmax(logits[i])[targets[i]].
+	TokenLogprobs(out, logits, targets Tensor)
+
+	// Sync waits for queued work and returns the first error since the last Sync.
+	Sync() error
+	Close() error
+}
+
+// MemoryInfo is implemented by devices with their own memory (GPUs).
+type MemoryInfo interface {
+	// DeviceMemory reports free and total bytes as the driver sees them.
+	DeviceMemory() (free, total int64, err error)
+}

@@ -1,0 +1,198 @@
+// Package engine assembles a servable model from a Hugging Face directory:
+// device, weights, KV cache, runner, tokenizer and sampling defaults. The
+// scheduler process and `ebb generate` both start here.
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"ebb/device"
+	"ebb/ioschema"
+	"ebb/memory"
+	"ebb/model"
+	"ebb/runner"
+	"ebb/safetensors"
+	"ebb/scheduler"
+	"ebb/tokenizer"
+)
+
+// Config are the engine's start-up settings (SGLang's server args).
+type Config struct {
+	ModelDir           string
+	Device             string // cpu, cuda, auto
+	GPU                int
+	ContextLength      int
+	MaxRunningRequests int
+	ChunkedPrefillSize int
+	MaxTotalTokens     int     // KV cache slots; 0: derived from MemFractionStatic
+	MemFractionStatic  float64 // share of GPU memory for weights and KV cache
+	CPUBackup          bool    // --enable-weights-cpu-backup
+	MaxTopLogprobs     int
+}
+
+// Defaults fills unset fields.
+func (c *Config) Defaults() {
+	if c.Device == "" {
+		c.Device = "auto"
+	}
+	if c.MaxRunningRequests <= 0 {
+		c.MaxRunningRequests = 256
+	}
+	if c.ChunkedPrefillSize <= 0 {
+		c.ChunkedPrefillSize = 8192
+	}
+	if c.MemFractionStatic <= 0 {
+		c.MemFractionStatic = 0.85
+	}
+	if c.MaxTopLogprobs <= 0 {
+		c.MaxTopLogprobs = 20
+	}
+}
+
+// Engine is a loaded model ready to schedule.
+type Engine struct {
+	Config    Config
+	Dev       device.Device
+	Model     *model.Model
+	Runner    *runner.Runner
+	Tokenizer *tokenizer.Tokenizer // nil when the directory has none
+	TokConfig *tokenizer.Config
+	GenConfig *model.GenerationConfig
+	EOS       []int32
+}
+
+// Open loads the model and sizes the KV cache.
+func Open(cfg Config) (*Engine, error) {
+	cfg.Defaults()
+	if st, err := os.Stat(cfg.ModelDir); err != nil || !st.IsDir() {
+		return nil, fmt.Errorf("model directory %q: not found", cfg.ModelDir)
+	}
+	mcfg, err := model.LoadConfig(cfg.ModelDir)
+	if err != nil {
+		return nil, err
+	}
+	e := &Engine{Config: cfg}
+	if e.GenConfig, err = model.LoadGenerationConfig(cfg.ModelDir); err != nil {
+		return nil, err
+	}
+	if e.TokConfig, err = tokenizer.LoadConfig(cfg.ModelDir); err != nil {
+		return nil, err
+	}
+	if _, err := os.Stat(filepath.Join(cfg.ModelDir, "tokenizer.json")); err == nil {
+		if e.Tokenizer, err = tokenizer.Load(cfg.ModelDir); err != nil {
+			return nil, err
+		}
+	}
+	e.EOS = eosIDs(mcfg, e.GenConfig, e.TokConfig, e.Tokenizer)
+	dev, err := device.Open(cfg.Device, device.OpenOptions{Ordinal: cfg.GPU})
+	if err != nil {
+		return nil, err
+	}
+	e.Dev = dev
+	if err := e.load(mcfg); err != nil {
+		dev.Close()
+		return nil, err
+	}
+	return e, nil
+}
+
+func (e *Engine) load(mcfg *model.Config) error {
+	cfg := e.Config
+	m, err := model.New(e.Dev, mcfg, model.Options{ContextLen: cfg.ContextLength, CPUBackup: cfg.CPUBackup})
+	if err != nil {
+		return err
+	}
+	if err := loadCheckpoint(m, cfg.ModelDir); err != nil {
+		return err
+	}
+	e.Model = m
+	limits := runner.Limits{
+		MaxTokens: cfg.ChunkedPrefillSize + cfg.MaxRunningRequests, MaxSeqs: cfg.MaxRunningRequests,
+		MaxLogitRows: max(cfg.MaxRunningRequests, 256), MaxTopK: cfg.MaxTopLogprobs,
+	}
+	slots, err := e.kvSlots(mcfg, limits)
+	if err != nil {
+		return err
+	}
+	if err := m.AllocKV(slots); err != nil {
+		return err
+	}
+	if e.Runner, err = runner.New(m, limits); err != nil {
+		return err
+	}
+	return nil
+}
+
+// kvSlots sizes the KV cache: --max-total-tokens, else the GPU memory left
+// under mem_fraction_static after the weights, else (CPU) a fixed budget.
+func (e *Engine) kvSlots(mcfg *model.Config, limits runner.Limits) (int, error) {
+	if e.Config.MaxTotalTokens > 0 {
+		return e.Config.MaxTotalTokens, nil
+	}
+	perSlot := mcfg.KVBytesPerSlot(e.Dev.DType())
+	if mi, ok := e.Dev.(device.MemoryInfo); ok {
+		free, total, err := mi.DeviceMemory()
+		if err != nil {
+			return 0, err
+		}
+		weights := e.Dev.Memory().Region(memory.Weights).Stats().Reserved
+		budget := int64(float64(total)*e.Config.MemFractionStatic) - weights
+		// Leave the workspace and the CUDA graphs room outside the fraction.
+		budget = min(budget, free-runner.WorkspaceBytes(e.Model, limits)-(1<<30))
+		if budget < perSlot*int64(mcfg.MaxPositions/8+1) && budget < perSlot*4096 {
+			return 0, fmt.Errorf("too little GPU memory for the KV cache (%d MiB); lower the context or raise --mem-fraction-static", budget>>20)
+		}
+		return int(budget / perSlot), nil
+	}
+	const cpuBudget = 1 << 30
+	return int(min(cpuBudget/perSlot, int64(max(4*e.Model.ContextLen(), 65536)))), nil
+}
+
+func loadCheckpoint(m *model.Model, dir string) error {
+	set, err := safetensors.OpenDir(dir)
+	if err != nil {
+		return err
+	}
+	defer set.Close()
+	if err := m.LoadCheckpoint(set); err != nil {
+		return fmt.Errorf("%s: %w", dir, err)
+	}
+	return nil
+}
+
+// eosIDs merges the end-of-sequence ids every config file names.
+func eosIDs(m *model.Config, g *model.GenerationConfig, tc *tokenizer.Config, tok *tokenizer.Tokenizer) []int32 {
+	ids := append(append([]int32(nil), m.EOSTokenIDs...), g.EOS...)
+	if tok != nil && tc.EOSToken != "" {
+		if id, ok := tok.TokenID(tc.EOSToken); ok {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids)
+}
+
+// NewCore starts a scheduler core over the engine.
+func (e *Engine) NewCore() (*scheduler.Core, error) {
+	return scheduler.NewCore(e.Runner, scheduler.Options{
+		MaxRunningRequests: e.Config.MaxRunningRequests,
+		ChunkedPrefillSize: e.Config.ChunkedPrefillSize,
+		EOS:                e.EOS,
+		Tokenizer:          e.Tokenizer,
+	})
+}
+
+// Defaults are the model's sampling defaults.
+func (e *Engine) Defaults() *ioschema.GenerationDefaults { return &e.GenConfig.Defaults }
+
+// Close frees the device.
+func (e *Engine) Close() error {
+	if e.Dev == nil {
+		return errors.New("engine is not open")
+	}
+	return e.Dev.Close()
+}

@@ -1,0 +1,65 @@
+package engine
+
+import (
+	"fmt"
+
+	"ebb/ioschema"
+	"ebb/scheduler"
+)
+
+// Output is one request's complete result.
+type Output struct {
+	Rid               string
+	OutputIDs         []int32
+	OutputLogprobs    []float32
+	OutputTopIDs      [][]int32
+	OutputTopLogprobs [][]float32
+	InputLogprobs     []float32
+	InputTokenIDs     []int32
+	FinishReason      *ioschema.FinishReason
+	PromptTokens      int
+	CompletionTokens  int
+	CachedTokens      int
+}
+
+// Generate runs requests to completion in this process (continuous batching
+// as the server does it, with no I/O) and returns them in order.
+func (e *Engine) Generate(reqs []scheduler.Request) ([]Output, error) {
+	core, err := e.NewCore()
+	if err != nil {
+		return nil, err
+	}
+	outs := make([]Output, len(reqs))
+	index := map[string]int{}
+	for i, r := range reqs {
+		if _, dup := index[r.Rid]; dup {
+			return nil, fmt.Errorf("duplicate rid %q", r.Rid)
+		}
+		index[r.Rid] = i
+		outs[i].Rid = r.Rid
+		if err := core.Add(r); err != nil {
+			return nil, fmt.Errorf("request %q: %w", r.Rid, err)
+		}
+	}
+	for !core.Idle() {
+		events, err := core.Step()
+		if err != nil {
+			return nil, err
+		}
+		for _, ev := range events {
+			o := &outs[index[ev.Rid]]
+			o.OutputIDs = append(o.OutputIDs, ev.NewTokens...)
+			o.OutputLogprobs = append(o.OutputLogprobs, ev.OutputLogprobs...)
+			o.OutputTopIDs = append(o.OutputTopIDs, ev.OutputTopIDs...)
+			o.OutputTopLogprobs = append(o.OutputTopLogprobs, ev.OutputTopLogprobs...)
+			if ev.InputLogprobs != nil {
+				o.InputLogprobs, o.InputTokenIDs = ev.InputLogprobs, ev.InputTokenIDs
+			}
+			if ev.Finished {
+				o.FinishReason = ev.FinishReason
+				o.PromptTokens, o.CompletionTokens, o.CachedTokens = ev.PromptTokens, ev.CompletionTokens, ev.CachedTokens
+			}
+		}
+	}
+	return outs, core.CheckInvariants()
+}

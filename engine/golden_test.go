@@ -1,0 +1,179 @@
+package engine
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"ebb/ioschema"
+	"ebb/scheduler"
+	"ebb/tinymodel"
+
+	_ "ebb/device/cpu"
+)
+
+// golden is one file written by tools/golden_tiny.py from transformers.
+type golden struct {
+	Name          string          `json:"name"`
+	Spec          json.RawMessage `json:"spec"`
+	WeightsSHA256 string          `json:"weights_sha256"`
+	NewTokens     int             `json:"new_tokens"`
+	Cases         []struct {
+		InputIDs       []int32   `json:"input_ids"`
+		OutputIDs      []int32   `json:"output_ids"`
+		OutputLogprobs []float64 `json:"output_logprobs"`
+		Top2Gap        []float64 `json:"top2_gap"`
+		PromptLogprobs []float64 `json:"prompt_logprobs"`
+	} `json:"cases"`
+}
+
+const (
+	logprobTol = 1e-3
+	nearTie    = 1e-4 // a top-2 gap this small may go either way in float32
+)
+
+func loadGoldens(t *testing.T) []golden {
+	t.Helper()
+	var cases []struct{ Name string }
+	data, err := os.ReadFile("../testdata/goldens/cases.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(data, &cases); err != nil {
+		t.Fatal(err)
+	}
+	var out []golden
+	for _, c := range cases {
+		data, err := os.ReadFile(filepath.Join("../testdata/goldens", c.Name+".json"))
+		if err != nil {
+			t.Fatalf("golden for %s: %v (run tools/golden_tiny.py on the GPU machine)", c.Name, err)
+		}
+		var g golden
+		if err := json.Unmarshal(data, &g); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, g)
+	}
+	return out
+}
+
+func fileSHA256(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
+
+// writeGoldenModel regenerates a golden's model and checks that the weights
+// are the bytes transformers saw.
+func writeGoldenModel(t *testing.T, g golden) string {
+	t.Helper()
+	spec, err := tinymodel.FromJSON(g.Spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := tinymodel.Write(dir, spec); err != nil {
+		t.Fatal(err)
+	}
+	sum, err := fileSHA256(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum != g.WeightsSHA256 {
+		t.Fatalf("%s: tiny-model weights changed (sha256 %s, golden %s): regenerate the goldens", g.Name, sum, g.WeightsSHA256)
+	}
+	return dir
+}
+
+func openCPU(t *testing.T, dir string) *Engine {
+	t.Helper()
+	e, err := Open(Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64, MaxTotalTokens: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// TestGoldensCPU: greedy output is token-exact with transformers (float32)
+// and every logprob is within 1e-3, for every architecture and config in
+// testdata/goldens, with prompts from 1 to 130 tokens. The prompt is
+// prefilled in chunks of 64, so chunked prefill is covered too.
+func TestGoldensCPU(t *testing.T) {
+	for _, g := range loadGoldens(t) {
+		t.Run(g.Name, func(t *testing.T) {
+			dir := writeGoldenModel(t, g)
+			e := openCPU(t, dir)
+			zero := float32(0)
+			maxNew := g.NewTokens
+			params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
+			if err != nil {
+				t.Fatal(err)
+			}
+			var reqs []scheduler.Request
+			for i, c := range g.Cases {
+				reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
+					ReturnLogprob: true, LogprobStartLen: 0})
+			}
+			outs, err := e.Generate(reqs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i, c := range g.Cases {
+				compareGolden(t, fmt.Sprintf("prompt of %d", len(c.InputIDs)), c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
+					outs[i].OutputIDs, outs[i].OutputLogprobs, logprobTol)
+				// Teacher-forced prompt logprobs (input_token_logprobs).
+				got := outs[i].InputLogprobs
+				if len(got) != len(c.InputIDs) || (len(got) > 0 && !math.IsNaN(float64(got[0]))) {
+					t.Fatalf("input logprobs: %d values for %d tokens (first must be NaN)", len(got), len(c.InputIDs))
+				}
+				for j, want := range c.PromptLogprobs {
+					if d := math.Abs(float64(got[j+1]) - want); d > logprobTol {
+						t.Fatalf("prompt token %d: logprob %v, transformers %v", j+1, got[j+1], want)
+					}
+				}
+			}
+		})
+	}
+}
+
+// compareGolden checks tokens up to the first near-tie and logprobs there.
+func compareGolden(t *testing.T, what string, wantIDs []int32, wantLP, gaps []float64, gotIDs []int32, gotLP []float32, tol float64) {
+	t.Helper()
+	n := len(wantIDs)
+	for j, gap := range gaps {
+		if gap < nearTie {
+			n = j + 1 // this step may differ; nothing after it is comparable
+			break
+		}
+	}
+	if len(gotIDs) != len(wantIDs) {
+		t.Fatalf("%s: %d tokens, want %d", what, len(gotIDs), len(wantIDs))
+	}
+	for j := 0; j < n; j++ {
+		if gotIDs[j] != wantIDs[j] && gaps[j] >= nearTie {
+			t.Fatalf("%s: token %d is %d, transformers %d (gap %.2g)\n got %v\nwant %v", what, j, gotIDs[j], wantIDs[j], gaps[j], gotIDs, wantIDs)
+		}
+		if d := math.Abs(float64(gotLP[j]) - wantLP[j]); d > tol && gotIDs[j] == wantIDs[j] {
+			t.Fatalf("%s: step %d logprob %v, transformers %v (|d| %.2g)", what, j, gotLP[j], wantLP[j], d)
+		}
+	}
+	if n < len(wantIDs) {
+		t.Logf("%s: near-tie at step %d; compared %d tokens", what, n-1, n)
+	}
+	_ = slices.Equal[[]int32]
+}

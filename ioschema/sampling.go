@@ -1,0 +1,145 @@
+package ioschema
+
+import (
+	"errors"
+	"fmt"
+)
+
+// SamplingParams mirrors SGLang's SamplingParams. Pointer fields are unset
+// when nil and then take the model's generation_config.json defaults, then
+// SGLang's.
+type SamplingParams struct {
+	MaxNewTokens               *int       `msgpack:"max_new_tokens" json:"max_new_tokens,omitempty"`
+	MinNewTokens               int        `msgpack:"min_new_tokens" json:"min_new_tokens,omitempty"`
+	Stop                       StringList `msgpack:"stop" json:"stop,omitempty"`
+	StopTokenIDs               []int32    `msgpack:"stop_token_ids" json:"stop_token_ids,omitempty"`
+	Temperature                *float32   `msgpack:"temperature" json:"temperature,omitempty"`
+	TopP                       *float32   `msgpack:"top_p" json:"top_p,omitempty"`
+	TopK                       *int       `msgpack:"top_k" json:"top_k,omitempty"`
+	MinP                       *float32   `msgpack:"min_p" json:"min_p,omitempty"`
+	FrequencyPenalty           float32    `msgpack:"frequency_penalty" json:"frequency_penalty,omitempty"`
+	PresencePenalty            float32    `msgpack:"presence_penalty" json:"presence_penalty,omitempty"`
+	RepetitionPenalty          *float32   `msgpack:"repetition_penalty" json:"repetition_penalty,omitempty"`
+	IgnoreEOS                  bool       `msgpack:"ignore_eos" json:"ignore_eos,omitempty"`
+	SkipSpecialTokens          *bool      `msgpack:"skip_special_tokens" json:"skip_special_tokens,omitempty"`
+	SpacesBetweenSpecialTokens *bool      `msgpack:"spaces_between_special_tokens" json:"spaces_between_special_tokens,omitempty"`
+	NoStopTrim                 bool       `msgpack:"no_stop_trim" json:"no_stop_trim,omitempty"`
+	N                          int        `msgpack:"n" json:"n,omitempty"`
+	SamplingSeed               *uint64    `msgpack:"sampling_seed" json:"sampling_seed,omitempty"`
+	JSONSchema                 *string    `msgpack:"json_schema" json:"json_schema,omitempty"`
+	Regex                      *string    `msgpack:"regex" json:"regex,omitempty"`
+	EBNF                       *string    `msgpack:"ebnf" json:"ebnf,omitempty"`
+}
+
+// GenerationDefaults are a model's sampling defaults (generation_config.json).
+type GenerationDefaults struct {
+	Temperature       *float32 `json:"temperature"`
+	TopP              *float32 `json:"top_p"`
+	TopK              *int     `json:"top_k"`
+	MinP              *float32 `json:"min_p"`
+	RepetitionPenalty *float32 `json:"repetition_penalty"`
+	MaxNewTokens      *int     `json:"max_new_tokens"`
+}
+
+// Resolved is SamplingParams with every default applied.
+type Resolved struct {
+	MaxNewTokens      int
+	MinNewTokens      int
+	Stop              []string
+	StopTokenIDs      []int32
+	Temperature       float32
+	TopP              float32
+	TopK              int
+	MinP              float32
+	FrequencyPenalty  float32
+	PresencePenalty   float32
+	RepetitionPenalty float32
+	IgnoreEOS         bool
+	SkipSpecialTokens bool
+	SpacesBetween     bool
+	NoStopTrim        bool
+	Seed              *uint64
+}
+
+// DefaultMaxNewTokens is SGLang's default.
+const DefaultMaxNewTokens = 128
+
+// Resolve applies model defaults d (may be nil), then SGLang's, and
+// validates the values.
+func (p *SamplingParams) Resolve(d *GenerationDefaults) (Resolved, error) {
+	if d == nil {
+		d = &GenerationDefaults{}
+	}
+	r := Resolved{
+		MaxNewTokens: pick(p.MaxNewTokens, d.MaxNewTokens, DefaultMaxNewTokens),
+		MinNewTokens: p.MinNewTokens, Stop: p.Stop, StopTokenIDs: p.StopTokenIDs,
+		Temperature:       pick(p.Temperature, d.Temperature, 1),
+		TopP:              pick(p.TopP, d.TopP, 1),
+		TopK:              pick(p.TopK, d.TopK, -1),
+		MinP:              pick(p.MinP, d.MinP, 0),
+		FrequencyPenalty:  p.FrequencyPenalty,
+		PresencePenalty:   p.PresencePenalty,
+		RepetitionPenalty: pick(p.RepetitionPenalty, d.RepetitionPenalty, 1),
+		IgnoreEOS:         p.IgnoreEOS,
+		SkipSpecialTokens: pick(p.SkipSpecialTokens, nil, true),
+		SpacesBetween:     pick(p.SpacesBetweenSpecialTokens, nil, true),
+		NoStopTrim:        p.NoStopTrim,
+		Seed:              p.SamplingSeed,
+	}
+	var errs []error
+	if r.MaxNewTokens < 0 {
+		errs = append(errs, fmt.Errorf("max_new_tokens must be at least 0, got %d", r.MaxNewTokens))
+	}
+	if r.MinNewTokens < 0 || r.MinNewTokens > r.MaxNewTokens {
+		errs = append(errs, fmt.Errorf("min_new_tokens must be in [0, max_new_tokens], got %d", r.MinNewTokens))
+	}
+	if r.Temperature < 0 {
+		errs = append(errs, fmt.Errorf("temperature must be non-negative, got %v", r.Temperature))
+	}
+	if r.TopP <= 0 || r.TopP > 1 {
+		errs = append(errs, fmt.Errorf("top_p must be in (0, 1], got %v", r.TopP))
+	}
+	if r.TopK == 0 || r.TopK < -1 {
+		errs = append(errs, fmt.Errorf("top_k must be -1 (disable) or at least 1, got %d", r.TopK))
+	}
+	if r.MinP < 0 || r.MinP > 1 {
+		errs = append(errs, fmt.Errorf("min_p must be in [0, 1], got %v", r.MinP))
+	}
+	if r.FrequencyPenalty < -2 || r.FrequencyPenalty > 2 {
+		errs = append(errs, fmt.Errorf("frequency_penalty must be in [-2, 2], got %v", r.FrequencyPenalty))
+	}
+	if r.PresencePenalty < -2 || r.PresencePenalty > 2 {
+		errs = append(errs, fmt.Errorf("presence_penalty must be in [-2, 2], got %v", r.PresencePenalty))
+	}
+	if r.RepetitionPenalty <= 0 || r.RepetitionPenalty > 2 {
+		errs = append(errs, fmt.Errorf("repetition_penalty must be in (0, 2], got %v", r.RepetitionPenalty))
+	}
+	if p.N < 0 {
+		errs = append(errs, fmt.Errorf("n must be at least 1, got %d", p.N))
+	}
+	for _, c := range []struct {
+		name string
+		v    *string
+	}{{"json_schema", p.JSONSchema}, {"regex", p.Regex}, {"ebnf", p.EBNF}} {
+		if c.v != nil {
+			errs = append(errs, fmt.Errorf("%s: constrained decoding is not supported", c.name))
+		}
+	}
+	if len(errs) > 0 {
+		return Resolved{}, errors.Join(errs...)
+	}
+	if r.Temperature < 1e-6 { // SGLang: near-zero temperature is greedy
+		r.Temperature, r.TopK = 0, 1
+	}
+	return r, nil
+}
+
+func pick[T any](v, model *T, def T) T {
+	if v != nil {
+		return *v
+	}
+	if model != nil {
+		return *model
+	}
+	return def
+}

@@ -1,0 +1,202 @@
+package model
+
+import (
+	"fmt"
+	"math"
+	"unsafe"
+
+	"ebb/device"
+	"ebb/memory"
+	"ebb/safetensors"
+)
+
+// Model is a loaded transformer on a device.
+type Model struct {
+	Config *Config
+	dev    device.Device
+	W      Weights
+	// KV cache: K and V of layer l are KV[2l] and KV[2l+1], each [slots, Hk, D].
+	KV    []device.Tensor
+	kvBuf device.Tensor
+}
+
+// Options size the model's device state.
+type Options struct {
+	// ContextLen bounds positions (the rotary tables); 0 means the config's
+	// max_position_embeddings.
+	ContextLen int
+	// CPUBackup keeps a host copy of the weights across memory releases.
+	CPUBackup bool
+}
+
+// New allocates the model's weights (uninitialised) in the weights region,
+// creating the region.
+func New(dev device.Device, cfg *Config, opts Options) (*Model, error) {
+	ctx := opts.ContextLen
+	if ctx <= 0 || ctx > cfg.MaxPositions {
+		ctx = cfg.MaxPositions
+	}
+	m := &Model{Config: cfg, dev: dev}
+	size := WeightBytes(cfg, dev.DType(), ctx)
+	_, err := dev.Memory().Create(memory.Weights, memory.RegionOptions{
+		Capacity: size, GrowStep: size, PreserveContents: true, CPUBackup: opts.CPUBackup,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("weights region: %w", err)
+	}
+	if err := m.allocWeights(ctx); err != nil {
+		return nil, fmt.Errorf("allocate weights: %w", err)
+	}
+	return m, nil
+}
+
+// Load reads config.json and the safetensors of dir onto dev.
+func Load(dev device.Device, dir string, opts Options) (*Model, error) {
+	cfg, err := LoadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	m, err := New(dev, cfg, opts)
+	if err != nil {
+		return nil, err
+	}
+	set, err := safetensors.OpenDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer set.Close()
+	if err := m.LoadCheckpoint(set); err != nil {
+		return nil, fmt.Errorf("%s: %w", dir, err)
+	}
+	return m, nil
+}
+
+// Device returns the device the model runs on.
+func (m *Model) Device() device.Device { return m.dev }
+
+// ContextLen is the number of positions the rotary tables cover.
+func (m *Model) ContextLen() int { return m.W.RopeCos.Dim(0) }
+
+// KVBytesPerSlot is the KV cache size of one token over all layers.
+func (c *Config) KVBytesPerSlot(dt device.DType) int64 {
+	return int64(2*c.Layers*c.KVHeads*c.HeadDim) * int64(dt.Size())
+}
+
+// AllocKV creates the kv_cache region and a cache of slots tokens.
+func (m *Model) AllocKV(slots int) error {
+	c := m.Config
+	dt := m.dev.DType()
+	size := int64(slots) * c.KVBytesPerSlot(dt)
+	if _, err := m.dev.Memory().Create(memory.KVCache, memory.RegionOptions{Capacity: size, GrowStep: size}); err != nil {
+		return fmt.Errorf("kv_cache region: %w", err)
+	}
+	buf, err := m.dev.Alloc(memory.KVCache, dt, 2*c.Layers, slots, c.KVHeads, c.HeadDim)
+	if err != nil {
+		return fmt.Errorf("allocate KV cache of %d slots: %w", slots, err)
+	}
+	m.kvBuf = buf
+	m.KV = make([]device.Tensor, 2*c.Layers)
+	for i := range m.KV {
+		m.KV[i] = buf.Rows(i, i+1).View(slots, c.KVHeads, c.HeadDim)
+	}
+	return nil
+}
+
+// KVSlots is the number of token slots in the cache.
+func (m *Model) KVSlots() int {
+	if len(m.KV) == 0 {
+		return 0
+	}
+	return m.KV[0].Dim(0)
+}
+
+// Inputs are one forward step's device-side inputs.
+type Inputs struct {
+	Tokens    device.Tensor // [T] int32
+	Positions device.Tensor // [T] int32
+	OutSlots  device.Tensor // [T] int32: KV slot of each new token
+	Attn      device.AttnMeta
+	LogitRows device.Tensor // [R] int32: rows that need next-token logits
+}
+
+// ScratchBytes is the activation memory of a step with t tokens and r logit rows.
+func (m *Model) ScratchBytes(t, r int) int64 {
+	var p device.ScratchPlan
+	m.scratchLayout(t, r, func(dt device.DType, shape ...int) device.Tensor {
+		p.Add(dt, shape...)
+		return device.Tensor{}
+	})
+	return int64(p)
+}
+
+type activations struct {
+	h, x, qkv, attn, gateUp, act, tmp, sel, logits device.Tensor
+}
+
+func (m *Model) scratchLayout(t, r int, take func(device.DType, ...int) device.Tensor) activations {
+	c := m.Config
+	dt := m.dev.DType()
+	return activations{
+		h:      take(dt, t, c.Hidden),
+		x:      take(dt, t, c.Hidden),
+		qkv:    take(dt, t, c.Heads+2*c.KVHeads, c.HeadDim),
+		attn:   take(dt, t, c.Heads, c.HeadDim),
+		gateUp: take(dt, t, 2*c.Intermediate),
+		act:    take(dt, t, c.Intermediate),
+		tmp:    take(dt, t, c.Hidden),
+		sel:    take(dt, r, c.Hidden),
+		logits: take(device.F32, r, c.Vocab),
+	}
+}
+
+// Forward runs the decoder over the step's tokens, writing their K and V
+// into the cache, and returns float32 logits [R, vocab] in scratch memory.
+// Errors surface at the device's next Sync.
+func (m *Model) Forward(in Inputs, s *device.Scratch) device.Tensor {
+	c, dev, w := m.Config, m.dev, &m.W
+	t, r := in.Tokens.Numel(), in.LogitRows.Numel()
+	a := m.scratchLayout(t, r, s.Take)
+	eps := float32(c.RMSNormEps)
+	scale := float32(1 / math.Sqrt(float64(c.HeadDim)))
+	flat := func(x device.Tensor) device.Tensor { return x.View(t, x.Numel()/t) }
+
+	dev.Embedding(a.h, w.Embed, in.Tokens)
+	for i, l := range w.Layers {
+		if i == 0 {
+			dev.RMSNorm(a.x, a.h, l.InputNorm, eps)
+		} else {
+			dev.AddRMSNorm(a.h, a.tmp, a.x, l.InputNorm, eps)
+		}
+		dev.MatMul(flat(a.qkv), a.x, l.QKV, l.QKVBias)
+		k, v := m.KV[2*i], m.KV[2*i+1]
+		dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+		dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
+		dev.MatMul(a.tmp, flat(a.attn), l.O, l.OBias)
+		dev.AddRMSNorm(a.h, a.tmp, a.x, l.PostNorm, eps)
+		dev.MatMul(a.gateUp, a.x, l.GateUp, device.Tensor{})
+		dev.SiLUMul(a.act, a.gateUp)
+		dev.MatMul(a.tmp, a.act, l.Down, device.Tensor{})
+	}
+	dev.AddRMSNorm(a.h, a.tmp, a.x, w.Norm, eps)
+	dev.GatherRows(a.sel, a.x, in.LogitRows)
+	dev.MatMul(a.logits, a.sel, w.LMHead, device.Tensor{})
+	return a.logits
+}
+
+func f32Bytes(v []float32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+// I32Bytes views int32s as little-endian bytes for Upload.
+func I32Bytes(v []int32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+// F32Bytes views float32s as little-endian bytes for Upload.
+func F32Bytes(v []float32) []byte { return f32Bytes(v) }

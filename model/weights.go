@@ -1,0 +1,220 @@
+package model
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+
+	"ebb/device"
+	"ebb/safetensors"
+)
+
+// Layer holds one decoder layer's weights on the device. q/k/v and
+// gate/up are stored fused, so one GEMM computes each.
+type Layer struct {
+	InputNorm, PostNorm device.Tensor
+	QKV, QKVBias, O     device.Tensor
+	OBias               device.Tensor
+	QNorm, KNorm        device.Tensor
+	GateUp, Down        device.Tensor
+}
+
+// Weights are the model's parameters on the device.
+type Weights struct {
+	Embed, Norm, LMHead device.Tensor
+	Layers              []Layer
+	RopeCos, RopeSin    device.Tensor // derived from the config, not from a checkpoint
+}
+
+// Target is where one checkpoint tensor lives on the device: a tensor, or a
+// block of rows of a fused one.
+type Target struct {
+	Name  string
+	Shape []int
+	Dst   device.Tensor
+}
+
+// Targets maps every checkpoint tensor name to its place on the device.
+// Tied embeddings have no lm_head entry.
+func (m *Model) Targets() []Target {
+	c := m.Config
+	w := &m.W
+	d := c.HeadDim
+	targets := []Target{
+		{"model.embed_tokens.weight", []int{c.Vocab, c.Hidden}, w.Embed},
+		{"model.norm.weight", []int{c.Hidden}, w.Norm},
+	}
+	if !c.TieEmbeddings {
+		targets = append(targets, Target{"lm_head.weight", []int{c.Vocab, c.Hidden}, w.LMHead})
+	}
+	qRows, kvRows := c.Heads*d, c.KVHeads*d
+	for i, l := range w.Layers {
+		p := fmt.Sprintf("model.layers.%d.", i)
+		add := func(name string, shape []int, dst device.Tensor) {
+			targets = append(targets, Target{p + name, shape, dst})
+		}
+		add("input_layernorm.weight", []int{c.Hidden}, l.InputNorm)
+		add("post_attention_layernorm.weight", []int{c.Hidden}, l.PostNorm)
+		add("self_attn.q_proj.weight", []int{qRows, c.Hidden}, l.QKV.Rows(0, qRows))
+		add("self_attn.k_proj.weight", []int{kvRows, c.Hidden}, l.QKV.Rows(qRows, qRows+kvRows))
+		add("self_attn.v_proj.weight", []int{kvRows, c.Hidden}, l.QKV.Rows(qRows+kvRows, qRows+2*kvRows))
+		add("self_attn.o_proj.weight", []int{c.Hidden, qRows}, l.O)
+		if c.AttentionBias {
+			add("self_attn.q_proj.bias", []int{qRows}, l.QKVBias.Rows(0, qRows))
+			add("self_attn.k_proj.bias", []int{kvRows}, l.QKVBias.Rows(qRows, qRows+kvRows))
+			add("self_attn.v_proj.bias", []int{kvRows}, l.QKVBias.Rows(qRows+kvRows, qRows+2*kvRows))
+		}
+		if c.OutputBias {
+			add("self_attn.o_proj.bias", []int{c.Hidden}, l.OBias)
+		}
+		if c.QKNorm {
+			add("self_attn.q_norm.weight", []int{d}, l.QNorm)
+			add("self_attn.k_norm.weight", []int{d}, l.KNorm)
+		}
+		add("mlp.gate_proj.weight", []int{c.Intermediate, c.Hidden}, l.GateUp.Rows(0, c.Intermediate))
+		add("mlp.up_proj.weight", []int{c.Intermediate, c.Hidden}, l.GateUp.Rows(c.Intermediate, 2*c.Intermediate))
+		add("mlp.down_proj.weight", []int{c.Hidden, c.Intermediate}, l.Down)
+	}
+	return targets
+}
+
+// TargetByName finds a checkpoint tensor's place; tied lm_head resolves to
+// the embedding.
+func (m *Model) TargetByName(name string) (Target, bool) {
+	if m.Config.TieEmbeddings && name == "lm_head.weight" {
+		name = "model.embed_tokens.weight"
+	}
+	for _, t := range m.Targets() {
+		if t.Name == name {
+			return t, true
+		}
+	}
+	return Target{}, false
+}
+
+// allocWeights creates every weight tensor in the weights region.
+func (m *Model) allocWeights(ropePositions int) error {
+	c, dev := m.Config, m.dev
+	dt := dev.DType()
+	var firstErr error
+	alloc := func(dtype device.DType, shape ...int) device.Tensor {
+		if firstErr != nil {
+			return device.Tensor{}
+		}
+		t, err := dev.Alloc("weights", dtype, shape...)
+		if err != nil {
+			firstErr = err
+		}
+		return t
+	}
+	w := &m.W
+	w.Embed = alloc(dt, c.Vocab, c.Hidden)
+	w.Norm = alloc(dt, c.Hidden)
+	w.LMHead = w.Embed
+	if !c.TieEmbeddings {
+		w.LMHead = alloc(dt, c.Vocab, c.Hidden)
+	}
+	w.Layers = make([]Layer, c.Layers)
+	for i := range w.Layers {
+		l := &w.Layers[i]
+		l.InputNorm = alloc(dt, c.Hidden)
+		l.PostNorm = alloc(dt, c.Hidden)
+		l.QKV = alloc(dt, c.QKVRows(), c.Hidden)
+		if c.AttentionBias {
+			l.QKVBias = alloc(dt, c.QKVRows())
+		}
+		l.O = alloc(dt, c.Hidden, c.Heads*c.HeadDim)
+		if c.OutputBias {
+			l.OBias = alloc(dt, c.Hidden)
+		}
+		if c.QKNorm {
+			l.QNorm = alloc(dt, c.HeadDim)
+			l.KNorm = alloc(dt, c.HeadDim)
+		}
+		l.GateUp = alloc(dt, 2*c.Intermediate, c.Hidden)
+		l.Down = alloc(dt, c.Hidden, c.Intermediate)
+	}
+	w.RopeCos = alloc(device.F32, ropePositions, c.HeadDim/2)
+	w.RopeSin = alloc(device.F32, ropePositions, c.HeadDim/2)
+	return firstErr
+}
+
+// WeightBytes is the size of the weights region the model needs on dev.
+func WeightBytes(c *Config, dt device.DType, ropePositions int) int64 {
+	perLayer := int64(2*c.Hidden + c.QKVRows()*c.Hidden + c.Hidden*c.Heads*c.HeadDim + 3*c.Intermediate*c.Hidden)
+	if c.AttentionBias {
+		perLayer += int64(c.QKVRows())
+	}
+	if c.OutputBias {
+		perLayer += int64(c.Hidden)
+	}
+	if c.QKNorm {
+		perLayer += int64(2 * c.HeadDim)
+	}
+	n := int64(c.Vocab*c.Hidden+c.Hidden) + int64(c.Layers)*perLayer
+	if !c.TieEmbeddings {
+		n += int64(c.Vocab * c.Hidden)
+	}
+	tensors := int64(c.Layers*13 + 6)
+	return n*int64(dt.Size()) + int64(ropePositions*c.HeadDim)*4 + tensors*512
+}
+
+// uploadRope writes the rotary tables (they live with the weights).
+func (m *Model) uploadRope() error {
+	cos, sin := m.Config.RopeTables(m.W.RopeCos.Dim(0))
+	if err := m.dev.Upload(m.W.RopeCos, f32Bytes(cos), device.F32); err != nil {
+		return err
+	}
+	return m.dev.Upload(m.W.RopeSin, f32Bytes(sin), device.F32)
+}
+
+// CheckCheckpoint verifies that a checkpoint has every tensor the model
+// needs with the right shape and a float dtype, before anything is written.
+func (m *Model) CheckCheckpoint(set *safetensors.Set) error {
+	var errs []error
+	for _, t := range m.Targets() {
+		src, ok := set.Get(t.Name)
+		if !ok {
+			errs = append(errs, fmt.Errorf("missing tensor %s", t.Name))
+			continue
+		}
+		if !slices.Equal(src.Shape, t.Shape) {
+			errs = append(errs, fmt.Errorf("tensor %s has shape %v, want %v", t.Name, src.Shape, t.Shape))
+		}
+		if _, err := sourceDType(src.DType); err != nil {
+			errs = append(errs, fmt.Errorf("tensor %s: %w", t.Name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func sourceDType(d safetensors.DType) (device.DType, error) {
+	switch d {
+	case safetensors.F32:
+		return device.F32, nil
+	case safetensors.BF16:
+		return device.BF16, nil
+	case safetensors.F16:
+		return device.F16, nil
+	}
+	return 0, fmt.Errorf("unsupported dtype %s (need F32, BF16 or F16)", d)
+}
+
+// LoadCheckpoint checks and then uploads every tensor of a checkpoint in
+// place. A mismatch leaves the device weights untouched.
+func (m *Model) LoadCheckpoint(set *safetensors.Set) error {
+	if err := m.CheckCheckpoint(set); err != nil {
+		return err
+	}
+	for _, t := range m.Targets() {
+		src, _ := set.Get(t.Name)
+		dt, _ := sourceDType(src.DType)
+		if err := m.dev.Upload(t.Dst, src.Data, dt); err != nil {
+			return fmt.Errorf("upload %s: %w", t.Name, err)
+		}
+	}
+	if err := m.uploadRope(); err != nil {
+		return fmt.Errorf("upload rotary tables: %w", err)
+	}
+	return m.dev.Sync()
+}

@@ -1,0 +1,274 @@
+package runner
+
+import (
+	"math"
+
+	"ebb/device"
+	"ebb/model"
+)
+
+// hostStep packs a step's inputs into one int32 and one float32 buffer, so a
+// step costs two host-to-device copies.
+type hostStep struct {
+	ints   []int32
+	floats []float32
+
+	numSeqs, numTokens, numKV int
+	numSample, numRows, topK  int
+	nnz                       int
+	penalties                 bool
+
+	sampleSeq []int // seq index of each sample row
+	targetSeq []int // seq index of each prompt-logprob row
+	targetRow []int // row within that seq's tokens
+
+	targetsTensor device.Tensor
+}
+
+// layout gives the offsets of each field in the packed buffers.
+type layout struct {
+	tokens, positions, slots, qptr, kvptr, kvidx, rows, topK, targets, penPtr, penTok, penCnt int
+	penBias                                                                                   int
+	outIDs, outTop, intsLen                                                                   int
+	temp, topP, minP, uni, rep, freq, pres, outLp, outTopLp, outTL, floatsLen                 int
+}
+
+func makeLayout(t, s, kv, r, samples, k, nnz int) layout {
+	var l layout
+	n := 0
+	next := func(size int) int { off := n; n += size; return off }
+	l.tokens, l.positions, l.slots = next(t), next(t), next(t)
+	l.qptr, l.kvptr, l.kvidx = next(s+1), next(s+1), next(kv)
+	l.rows, l.topK, l.targets = next(r), next(samples), next(r-samples)
+	l.penPtr, l.penTok, l.penCnt = next(samples+1), next(nnz), next(nnz)
+	l.outIDs, l.outTop = next(samples), next(samples*k)
+	l.intsLen = n
+	n = 0
+	l.temp, l.topP, l.minP, l.uni = next(samples), next(samples), next(samples), next(samples)
+	l.rep, l.freq, l.pres = next(samples), next(samples), next(samples)
+	l.outLp, l.outTopLp, l.outTL = next(samples), next(samples*k), next(r-samples)
+	l.penBias = next(nnz)
+	l.floatsLen = n
+	return l
+}
+
+func inputBytes(t, s, kv, r, k, nnz int) int64 {
+	l := makeLayout(t, s, kv, r, s, k, nnz)
+	return int64(4*(l.intsLen+l.floatsLen)) + 1024
+}
+
+func (h *hostStep) bytes() int64 {
+	return inputBytes(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.topK, h.nnz)
+}
+
+func (h *hostStep) pack(seqs []SeqStep, maxTopK int) {
+	*h = hostStep{ints: h.ints[:0], floats: h.floats[:0], sampleSeq: h.sampleSeq[:0],
+		targetSeq: h.targetSeq[:0], targetRow: h.targetRow[:0]}
+	h.numSeqs = len(seqs)
+	for i, s := range seqs {
+		h.numTokens += len(s.Tokens)
+		h.numKV += len(s.Slots)
+		if s.Sample {
+			h.sampleSeq = append(h.sampleSeq, i)
+			h.topK = max(h.topK, s.Params.TopLogprobs)
+			if len(s.Adjust) > 0 {
+				h.penalties = true
+				h.nnz += len(s.Adjust)
+			}
+		}
+		for j, t := range s.NextTokens {
+			if t >= 0 {
+				h.targetSeq = append(h.targetSeq, i)
+				h.targetRow = append(h.targetRow, j)
+			}
+		}
+	}
+	h.topK = min(h.topK, maxTopK)
+	h.numSample = len(h.sampleSeq)
+	h.numRows = h.numSample + len(h.targetSeq)
+	l := makeLayout(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.numSample, h.topK, h.nnz)
+	h.ints = grow(h.ints, l.intsLen)
+	h.floats = growF(h.floats, l.floatsLen)
+	ints, fl := h.ints, h.floats
+
+	row, kv := 0, 0
+	rowStart := make([]int, len(seqs))
+	ints[l.qptr], ints[l.kvptr] = 0, 0
+	for i, s := range seqs {
+		rowStart[i] = row
+		for j, t := range s.Tokens {
+			ints[l.tokens+row+j] = t
+			ints[l.positions+row+j] = int32(s.Start + j)
+			ints[l.slots+row+j] = s.Slots[s.Start+j]
+		}
+		copy(ints[l.kvidx+kv:], s.Slots)
+		row += len(s.Tokens)
+		kv += len(s.Slots)
+		ints[l.qptr+i+1], ints[l.kvptr+i+1] = int32(row), int32(kv)
+	}
+	nnz := 0
+	ints[l.penPtr] = 0
+	for r, i := range h.sampleSeq {
+		s := &seqs[i]
+		ints[l.rows+r] = int32(rowStart[i] + len(s.Tokens) - 1)
+		p := s.Params
+		ints[l.topK+r] = int32(p.TopK)
+		fl[l.temp+r], fl[l.topP+r], fl[l.minP+r] = p.Temperature, p.TopP, p.MinP
+		fl[l.uni+r] = Uniform(p.Seed, s.Draw)
+		fl[l.rep+r], fl[l.freq+r], fl[l.pres+r] = p.RepetitionPenalty, p.FrequencyPenalty, p.PresencePenalty
+		if fl[l.rep+r] == 0 {
+			fl[l.rep+r] = 1
+		}
+		for _, a := range s.Adjust {
+			ints[l.penTok+nnz], ints[l.penCnt+nnz], fl[l.penBias+nnz] = a.Token, a.Count, a.Bias
+			nnz++
+		}
+		ints[l.penPtr+r+1] = int32(nnz)
+	}
+	for k := range h.targetSeq {
+		i, j := h.targetSeq[k], h.targetRow[k]
+		ints[l.rows+h.numSample+k] = int32(rowStart[i] + j)
+		ints[l.targets+k] = seqs[i].NextTokens[j]
+	}
+}
+
+func grow(b []int32, n int) []int32 {
+	if cap(b) < n {
+		return make([]int32, n)
+	}
+	return b[:n]
+}
+
+func growF(b []float32, n int) []float32 {
+	if cap(b) < n {
+		return make([]float32, n)
+	}
+	return b[:n]
+}
+
+// upload copies the packed buffers into scratch tensors and returns views.
+func (h *hostStep) upload(dev device.Device, s *device.Scratch) (model.Inputs, device.SampleArgs, device.PenaltyArgs, device.Tensor, error) {
+	l := makeLayout(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.numSample, h.topK, h.nnz)
+	ints := s.Take(device.I32, l.intsLen)
+	floats := s.Take(device.F32, max(l.floatsLen, 1))
+	if err := dev.Upload(ints, model.I32Bytes(h.ints), device.I32); err != nil {
+		return model.Inputs{}, device.SampleArgs{}, device.PenaltyArgs{}, device.Tensor{}, err
+	}
+	if l.floatsLen > 0 {
+		if err := dev.Upload(floats.Rows(0, l.floatsLen), model.F32Bytes(h.floats), device.F32); err != nil {
+			return model.Inputs{}, device.SampleArgs{}, device.PenaltyArgs{}, device.Tensor{}, err
+		}
+	}
+	iv := func(off, n int) device.Tensor { return ints.Rows(off, off+n) }
+	fv := func(off, n int) device.Tensor { return floats.Rows(off, off+n) }
+	in := model.Inputs{
+		Tokens: iv(l.tokens, h.numTokens), Positions: iv(l.positions, h.numTokens), OutSlots: iv(l.slots, h.numTokens),
+		Attn: device.AttnMeta{
+			NumSeqs: h.numSeqs, QIndptr: iv(l.qptr, h.numSeqs+1), KVIndptr: iv(l.kvptr, h.numSeqs+1),
+			KVIndices: iv(l.kvidx, h.numKV),
+		},
+		LogitRows: iv(l.rows, h.numRows),
+	}
+	for i := 0; i < h.numSeqs; i++ {
+		in.Attn.MaxQLen = max(in.Attn.MaxQLen, int(h.ints[l.qptr+i+1]-h.ints[l.qptr+i]))
+		in.Attn.MaxKVLen = max(in.Attn.MaxKVLen, int(h.ints[l.kvptr+i+1]-h.ints[l.kvptr+i]))
+	}
+	ns := h.numSample
+	samp := device.SampleArgs{
+		Temperature: fv(l.temp, ns), TopP: fv(l.topP, ns), TopK: iv(l.topK, ns), MinP: fv(l.minP, ns),
+		Uniform: fv(l.uni, ns), IDs: iv(l.outIDs, ns), Logprobs: fv(l.outLp, ns),
+	}
+	if h.topK > 0 {
+		samp.TopIDs = iv(l.outTop, ns*h.topK).View(ns, h.topK)
+		samp.TopLogprobs = fv(l.outTopLp, ns*h.topK).View(ns, h.topK)
+	}
+	var pen device.PenaltyArgs
+	if h.penalties {
+		pen = device.PenaltyArgs{
+			RowPtr: iv(l.penPtr, ns+1), Tokens: iv(l.penTok, h.nnz), Counts: iv(l.penCnt, h.nnz),
+			Bias:       fv(l.penBias, h.nnz),
+			Repetition: fv(l.rep, ns), Frequency: fv(l.freq, ns), Presence: fv(l.pres, ns),
+		}
+	}
+	var tl device.Tensor
+	if nt := h.numRows - ns; nt > 0 {
+		tl = fv(l.outTL, nt)
+		h.targetsTensor = iv(l.targets, nt)
+	}
+	return in, samp, pen, tl, nil
+}
+
+// results downloads the sampled ids and logprobs.
+func (h *hostStep) results(dev device.Device, samp device.SampleArgs, tl device.Tensor) ([]SeqResult, error) {
+	out := make([]SeqResult, h.numSeqs)
+	ns := h.numSample
+	if ns > 0 {
+		ids := make([]int32, ns)
+		lps := make([]float32, ns)
+		if err := dev.DownloadI32(samp.IDs, ids); err != nil {
+			return nil, err
+		}
+		if err := dev.DownloadF32(samp.Logprobs, lps); err != nil {
+			return nil, err
+		}
+		var topIDs []int32
+		var topLps []float32
+		if h.topK > 0 {
+			topIDs, topLps = make([]int32, ns*h.topK), make([]float32, ns*h.topK)
+			if err := dev.DownloadI32(samp.TopIDs, topIDs); err != nil {
+				return nil, err
+			}
+			if err := dev.DownloadF32(samp.TopLogprobs, topLps); err != nil {
+				return nil, err
+			}
+		}
+		for r, i := range h.sampleSeq {
+			out[i].Token, out[i].Logprob = ids[r], lps[r]
+			if h.topK > 0 {
+				out[i].TopIDs = topIDs[r*h.topK : (r+1)*h.topK]
+				out[i].TopLogprobs = topLps[r*h.topK : (r+1)*h.topK]
+			}
+		}
+	}
+	if tl.Valid() {
+		vals := make([]float32, tl.Numel())
+		if err := dev.DownloadF32(tl, vals); err != nil {
+			return nil, err
+		}
+		for k, v := range vals {
+			i, j := h.targetSeq[k], h.targetRow[k]
+			if out[i].InputLogprobs == nil {
+				out[i].InputLogprobs = nanSlice(h.tokensOf(i))
+			}
+			out[i].InputLogprobs[j] = v
+		}
+	}
+	return out, dev.Sync()
+}
+
+func (h *hostStep) tokensOf(seq int) int {
+	l := makeLayout(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.numSample, h.topK, h.nnz)
+	return int(h.ints[l.qptr+seq+1] - h.ints[l.qptr+seq])
+}
+
+func nanSlice(n int) []float32 {
+	s := make([]float32, n)
+	for i := range s {
+		s[i] = float32(math.NaN())
+	}
+	return s
+}
+
+// Uniform is the seeded draw for token index n of a sequence: the same seed
+// gives the same draws whatever else is in the batch.
+func Uniform(seed uint64, n int) float32 {
+	x := splitmix(seed ^ splitmix(uint64(n)+0x632be59bd9b4e019))
+	return float32(x>>40) / (1 << 24)
+}
+
+func splitmix(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
+	return x ^ (x >> 31)
+}

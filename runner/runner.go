@@ -1,0 +1,206 @@
+// Package runner executes forward steps of a model over a ragged batch of
+// sequences: it packs the step into device inputs, runs the model, applies
+// penalties, samples on the device and brings back only ids and logprobs.
+package runner
+
+import (
+	"errors"
+	"fmt"
+
+	"ebb/device"
+	"ebb/memory"
+	"ebb/model"
+)
+
+// SampleParams are one sequence's sampling settings.
+type SampleParams struct {
+	Temperature       float32
+	TopP              float32
+	TopK              int
+	MinP              float32
+	RepetitionPenalty float32
+	FrequencyPenalty  float32
+	PresencePenalty   float32
+	Seed              uint64
+	TopLogprobs       int // number of alternatives to return (0: none)
+}
+
+// Greedy is deterministic argmax sampling.
+var Greedy = SampleParams{Temperature: 0, TopP: 1, RepetitionPenalty: 1}
+
+// SeqStep is one sequence's share of a step.
+type SeqStep struct {
+	// Tokens are processed this step; Start is the position of Tokens[0].
+	Tokens []int32
+	Start  int
+	// Slots are the KV slots of positions [0, Start+len(Tokens)).
+	Slots []int32
+	// Sample asks for the next token after Tokens (false for a prefill
+	// chunk that is not the last one).
+	Sample bool
+	Params SampleParams
+	// Draw is the index of the token being sampled (for seeded draws).
+	Draw int
+	// Adjust lists per-token logit adjustments (penalty counts and biases);
+	// empty when no penalty or bias applies.
+	Adjust []LogitAdjust
+	// NextTokens, when set, asks for the logprob of NextTokens[i] at row i
+	// of this step (teacher forcing / prompt logprobs); -1 skips a row.
+	NextTokens []int32
+}
+
+// LogitAdjust is one token's entry for penalties and biases.
+type LogitAdjust struct {
+	Token int32
+	Count int32   // times generated; 0 for a token seen only in the prompt
+	Bias  float32 // added to the logit (-Inf bans the token)
+}
+
+// SeqResult is one sequence's outcome of a step.
+type SeqResult struct {
+	Token       int32
+	Logprob     float32
+	TopIDs      []int32
+	TopLogprobs []float32
+	// InputLogprobs holds the logprobs of NextTokens (NaN where skipped).
+	InputLogprobs []float32
+}
+
+// Limits bound a step.
+type Limits struct {
+	MaxTokens    int // tokens per step
+	MaxSeqs      int // sequences per step
+	MaxLogitRows int // rows of logits per step (samples plus prompt logprobs)
+	MaxTopK      int // top logprobs per row
+}
+
+// Runner runs steps for one model. It is owned by the device goroutine.
+type Runner struct {
+	Model  *model.Model
+	dev    device.Device
+	limits Limits
+	vocab  int
+
+	host hostStep // reused packing buffers
+}
+
+// New creates a runner and plans its workspace: the region is sized for the
+// largest step so that serving never grows it.
+func New(m *model.Model, limits Limits) (*Runner, error) {
+	if limits.MaxTokens <= 0 || limits.MaxSeqs <= 0 {
+		return nil, errors.New("runner: MaxTokens and MaxSeqs must be positive")
+	}
+	limits.MaxLogitRows = max(limits.MaxLogitRows, limits.MaxSeqs)
+	limits.MaxTopK = max(limits.MaxTopK, 1)
+	r := &Runner{Model: m, dev: m.Device(), limits: limits, vocab: m.Config.Vocab}
+	plan := WorkspaceBytes(m, limits)
+	if r.dev.Memory().Region(memory.Workspace) == nil {
+		if _, err := r.dev.Memory().Create(memory.Workspace, memory.RegionOptions{
+			Capacity: 2 * plan, GrowStep: plan,
+		}); err != nil {
+			return nil, fmt.Errorf("workspace region: %w", err)
+		}
+	}
+	// Touch the planned size once so the arena holds it from the start.
+	t, err := r.dev.Alloc(memory.Workspace, device.F32, int(plan/4))
+	if err != nil {
+		return nil, fmt.Errorf("plan workspace of %s: %w", memory.MiB(plan), err)
+	}
+	r.dev.Free(memory.Workspace, t)
+	return r, r.dev.Sync()
+}
+
+// Limits returns the step bounds.
+func (r *Runner) Limits() Limits { return r.limits }
+
+// WorkspaceBytes is the largest step's scratch plus its packed inputs
+// (limits as New normalises them).
+func WorkspaceBytes(m *model.Model, l Limits) int64 {
+	l.MaxLogitRows = max(l.MaxLogitRows, l.MaxSeqs)
+	l.MaxTopK = max(l.MaxTopK, 1)
+	scratch := m.ScratchBytes(l.MaxTokens, l.MaxLogitRows)
+	return scratch + inputBytes(l.MaxTokens, l.MaxSeqs, l.MaxTokens+l.MaxSeqs*m.ContextLen(), l.MaxLogitRows, l.MaxTopK, 0) + 4<<20
+}
+
+// Step runs one forward over seqs and samples where asked.
+func (r *Runner) Step(seqs []SeqStep) ([]SeqResult, error) {
+	if err := r.check(seqs); err != nil {
+		return nil, err
+	}
+	h := &r.host
+	h.pack(seqs, r.limits.MaxTopK)
+	wsBytes := r.Model.ScratchBytes(h.numTokens, h.numRows) + h.bytes()
+	ws, err := r.dev.Alloc(memory.Workspace, device.F32, int((wsBytes+3)/4))
+	if err != nil {
+		return nil, fmt.Errorf("step workspace: %w", err)
+	}
+	defer r.dev.Free(memory.Workspace, ws)
+	s := device.NewScratch(ws)
+	in, samp, pen, tl, err := h.upload(r.dev, s)
+	if err != nil {
+		return nil, err
+	}
+	logits := r.Model.Forward(in, s)
+	if pen.RowPtr.Valid() {
+		r.dev.ApplyPenalties(logits.Rows(0, h.numSample), pen)
+	}
+	if h.numSample > 0 {
+		r.dev.Sample(logits.Rows(0, h.numSample), samp)
+	}
+	if tl.Valid() {
+		r.dev.TokenLogprobs(tl, logits.Rows(h.numSample, h.numRows), h.targetsTensor)
+	}
+	return h.results(r.dev, samp, tl)
+}
+
+func (r *Runner) check(seqs []SeqStep) error {
+	if len(seqs) == 0 || len(seqs) > r.limits.MaxSeqs {
+		return fmt.Errorf("step of %d sequences (limit %d)", len(seqs), r.limits.MaxSeqs)
+	}
+	tokens, rows := 0, 0
+	ctx, slots := r.Model.ContextLen(), r.Model.KVSlots()
+	for i, s := range seqs {
+		n := len(s.Tokens)
+		if n == 0 {
+			return fmt.Errorf("sequence %d has no tokens", i)
+		}
+		if len(s.Slots) != s.Start+n {
+			return fmt.Errorf("sequence %d: %d slots for %d positions", i, len(s.Slots), s.Start+n)
+		}
+		if s.Start+n > ctx {
+			return fmt.Errorf("sequence %d: %d positions exceed the context length %d", i, s.Start+n, ctx)
+		}
+		for _, t := range s.Tokens {
+			if t < 0 || int(t) >= r.vocab {
+				return fmt.Errorf("sequence %d: token id %d outside the vocabulary of %d", i, t, r.vocab)
+			}
+		}
+		for _, sl := range s.Slots[s.Start:] {
+			if sl < 0 || int(sl) >= slots {
+				return fmt.Errorf("sequence %d: KV slot %d outside the cache of %d", i, sl, slots)
+			}
+		}
+		if s.NextTokens != nil && len(s.NextTokens) != n {
+			return fmt.Errorf("sequence %d: %d next tokens for %d tokens", i, len(s.NextTokens), n)
+		}
+		if s.Params.TopLogprobs > r.limits.MaxTopK {
+			return fmt.Errorf("sequence %d: %d top logprobs (limit %d)", i, s.Params.TopLogprobs, r.limits.MaxTopK)
+		}
+		tokens += n
+		if s.Sample {
+			rows++
+		}
+		for _, t := range s.NextTokens {
+			if t >= 0 {
+				rows++
+			}
+		}
+	}
+	if tokens > r.limits.MaxTokens {
+		return fmt.Errorf("step of %d tokens (limit %d)", tokens, r.limits.MaxTokens)
+	}
+	if rows > r.limits.MaxLogitRows {
+		return fmt.Errorf("step needs %d logit rows (limit %d)", rows, r.limits.MaxLogitRows)
+	}
+	return nil
+}

@@ -1,0 +1,556 @@
+// Package scheduler owns the GPU side of serving: the request queue,
+// continuous batching with chunked prefill, the KV pool and radix prefix
+// cache, sampling through the runner, and (in the scheduler process) the
+// control messages of the RL lifecycle.
+package scheduler
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strings"
+
+	"ebb/ioschema"
+	"ebb/runner"
+	"ebb/tokenizer"
+)
+
+// Options configure a Core.
+type Options struct {
+	MaxRunningRequests int
+	ChunkedPrefillSize int
+	// EOS are the model's end-of-sequence ids (config, generation config and
+	// tokenizer together).
+	EOS []int32
+	// Tokenizer is optional; it is needed for stop strings.
+	Tokenizer *tokenizer.Tokenizer
+}
+
+// Core is the scheduling state machine, free of I/O: Add requests, call Step
+// until Idle. Not safe for concurrent use.
+type Core struct {
+	opts    Options
+	run     *runner.Runner
+	ctxLen  int
+	vocab   int
+	pool    *kvPool
+	cache   *RadixCache
+	waiting []*request
+	running []*request
+	byRid   map[string]*request
+	rng     *rand.Rand
+	events  []Event // produced while scheduling, returned by the next Step
+	Stats   Stats
+}
+
+// Stats are cumulative counters for metrics and logs.
+type Stats struct {
+	PromptTokens    int64
+	CachedTokens    int64
+	GeneratedTokens int64
+	Steps           int64
+	Retractions     int64
+	Finished        int64
+}
+
+// NewCore starts a scheduler over a runner whose model has a KV cache.
+func NewCore(run *runner.Runner, opts Options) (*Core, error) {
+	slots := run.Model.KVSlots()
+	if slots == 0 {
+		return nil, errors.New("scheduler: the model has no KV cache")
+	}
+	lim := run.Limits()
+	if opts.MaxRunningRequests <= 0 || opts.MaxRunningRequests > lim.MaxSeqs {
+		opts.MaxRunningRequests = lim.MaxSeqs
+	}
+	if opts.ChunkedPrefillSize <= 0 || opts.ChunkedPrefillSize+opts.MaxRunningRequests > lim.MaxTokens {
+		opts.ChunkedPrefillSize = max(1, lim.MaxTokens-opts.MaxRunningRequests)
+	}
+	return &Core{
+		opts: opts, run: run, ctxLen: run.Model.ContextLen(), vocab: run.Model.Config.Vocab,
+		pool: newKVPool(slots), cache: NewRadixCache(), byRid: map[string]*request{},
+		rng: rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64())),
+	}, nil
+}
+
+// Options returns the effective options.
+func (c *Core) Options() Options { return c.opts }
+
+// Idle reports whether no request is queued or running.
+func (c *Core) Idle() bool { return len(c.waiting) == 0 && len(c.running) == 0 }
+
+// Counts reports queued and running requests.
+func (c *Core) Counts() (waiting, running int) { return len(c.waiting), len(c.running) }
+
+// Add queues a request after validating it against the model.
+func (c *Core) Add(req Request) error {
+	if req.Rid == "" {
+		return errors.New("request has no rid")
+	}
+	if _, dup := c.byRid[req.Rid]; dup {
+		return fmt.Errorf("request %q is already running", req.Rid)
+	}
+	n := len(req.InputIDs)
+	if n == 0 {
+		return errors.New("the input is empty")
+	}
+	if n >= c.ctxLen {
+		return fmt.Errorf("the input (%d tokens) is longer than the model's context length (%d tokens)", n, c.ctxLen)
+	}
+	if n+1 > c.pool.total {
+		return fmt.Errorf("the input (%d tokens) does not fit in the KV cache (%d tokens)", n, c.pool.total)
+	}
+	for _, t := range req.InputIDs {
+		if t < 0 || int(t) >= c.vocab {
+			return fmt.Errorf("token id %d is outside the vocabulary (size %d)", t, c.vocab)
+		}
+	}
+	for _, t := range req.Params.StopTokenIDs {
+		if t < 0 || int(t) >= c.vocab {
+			return fmt.Errorf("stop_token_ids: %d is outside the vocabulary (size %d)", t, c.vocab)
+		}
+	}
+	if req.TopLogprobsNum < 0 || req.TopLogprobsNum > c.run.Limits().MaxTopK {
+		return fmt.Errorf("top_logprobs_num must be in [0, %d], got %d", c.run.Limits().MaxTopK, req.TopLogprobsNum)
+	}
+	// As SGLang: the output may not run past the context.
+	req.Params.MaxNewTokens = min(req.Params.MaxNewTokens, c.ctxLen-n)
+	r := &request{Request: req, counts: map[int32]int32{}}
+	if req.Params.Seed != nil {
+		r.seed = *req.Params.Seed
+	} else {
+		r.seed = c.rng.Uint64()
+	}
+	c.byRid[req.Rid] = r
+	c.waiting = append(c.waiting, r)
+	return nil
+}
+
+// Step runs one forward pass over a batch chosen from the running and
+// waiting requests and returns what each request produced. With nothing to
+// do it returns nil.
+func (c *Core) Step() ([]Event, error) {
+	batch, chunks := c.schedule()
+	early := c.events
+	c.events = nil
+	if len(batch) == 0 {
+		if len(early) > 0 {
+			return early, nil
+		}
+		if len(c.waiting) > 0 && len(c.running) == 0 {
+			// Nothing runs and the head of the queue cannot be admitted: it
+			// can never fit, so fail it rather than wait forever.
+			r := c.waiting[0]
+			c.waiting = c.waiting[1:]
+			delete(c.byRid, r.Rid)
+			return []Event{c.finishEvent(r, ioschema.FinishAbort("the request does not fit in the KV cache"))}, nil
+		}
+		return nil, nil
+	}
+	steps := make([]runner.SeqStep, len(batch))
+	for i, r := range batch {
+		steps[i] = c.seqStep(r, chunks[i])
+	}
+	results, err := c.run.Step(steps)
+	if err != nil {
+		// The step did not run; give the new slots back and fail the batch
+		// so nothing is left half-done.
+		var events []Event
+		for i, r := range batch {
+			c.pool.release(r.slots[len(r.slots)-chunks[i]:])
+			r.slots = r.slots[:len(r.slots)-chunks[i]]
+			events = append(events, c.finish(r, ioschema.FinishAbort("internal error: "+err.Error())))
+		}
+		return events, fmt.Errorf("forward step: %w", err)
+	}
+	c.Stats.Steps++
+	events := early
+	for i, r := range batch {
+		if ev, ok := c.absorb(r, steps[i], results[i]); ok {
+			events = append(events, ev)
+		}
+	}
+	return events, nil
+}
+
+// schedule picks this step's requests and how many tokens each processes,
+// allocating their KV slots.
+func (c *Core) schedule() ([]*request, []int) {
+	var batch []*request
+	var chunks []int
+	// Decodes first: every running request that has finished its prompt.
+	decodes := 0
+	for _, r := range c.running {
+		if !r.inPrefill() {
+			decodes++
+		}
+	}
+	for decodes > 0 && !c.ensureFree(decodes) {
+		if !c.retractOne() {
+			break
+		}
+		decodes--
+	}
+	for _, r := range append([]*request(nil), c.running...) {
+		if r.inPrefill() {
+			continue
+		}
+		slots, ok := c.pool.alloc(1)
+		if !ok {
+			// Only when one request alone fills the cache: it cannot grow.
+			c.events = append(c.events, c.finish(r, ioschema.FinishAbort("the KV cache is full")))
+			continue
+		}
+		r.slots = append(r.slots, slots...)
+		batch, chunks = append(batch, r), append(chunks, 1)
+	}
+	// Then prefill: unfinished prompts, then new requests, within the budget.
+	budget := c.opts.ChunkedPrefillSize
+	rows := len(batch)
+	lim := c.run.Limits()
+	for _, r := range c.running {
+		if budget <= 0 || !r.inPrefill() {
+			continue
+		}
+		n := c.chunkSize(r, budget, lim.MaxLogitRows-rows)
+		if n == 0 || !c.ensureFree(n) {
+			break
+		}
+		c.grow(r, n)
+		batch, chunks = append(batch, r), append(chunks, n)
+		budget -= n
+		rows += c.rowsFor(r, n)
+	}
+	for budget > 0 && len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
+		r := c.waiting[0]
+		c.admit(r)
+		n := c.chunkSize(r, budget, lim.MaxLogitRows-rows)
+		// Admit only with room for this chunk and a step of every decode.
+		if n == 0 || !c.ensureFree(n+decodes) {
+			c.unadmit(r)
+			break
+		}
+		c.waiting = c.waiting[1:]
+		c.running = append(c.running, r)
+		c.grow(r, n)
+		batch, chunks = append(batch, r), append(chunks, n)
+		budget -= n
+		rows += c.rowsFor(r, n)
+	}
+	return batch, chunks
+}
+
+// chunkSize is how many of r's pending tokens fit the budget and logit rows.
+func (c *Core) chunkSize(r *request, budget, rowsLeft int) int {
+	n := min(r.pending(), budget)
+	if r.wantsInputLogprobs() {
+		n = min(n, rowsLeft-1) // one row per token plus the sample row
+	}
+	return max(n, 0)
+}
+
+func (c *Core) rowsFor(r *request, n int) int {
+	if r.wantsInputLogprobs() {
+		return n
+	}
+	if n == r.pending() {
+		return 1
+	}
+	return 0
+}
+
+func (c *Core) grow(r *request, n int) {
+	slots, _ := c.pool.alloc(n)
+	r.slots = append(r.slots, slots...)
+}
+
+// ensureFree makes n slots free, evicting cached prefixes if needed.
+func (c *Core) ensureFree(n int) bool {
+	if short := n - c.pool.available(); short > 0 {
+		c.cache.Evict(short, c.pool.release)
+	}
+	return c.pool.available() >= n
+}
+
+// admit reuses the longest cached prefix of r's tokens.
+func (c *Core) admit(r *request) {
+	toks := r.tokens()
+	limit := len(toks) - 1 // at least one token must run to produce logits
+	if r.wantsInputLogprobs() {
+		limit = min(limit, max(r.LogprobStartLen-1, 0))
+	}
+	slots, node := c.cache.Match(toks[:limit])
+	c.cache.Lock(node)
+	r.node, r.nodeTokens = node, len(slots)
+	r.slots = append([]int32(nil), slots...)
+	if !r.admitted {
+		r.admitted = true
+		r.cached = len(slots)
+		c.Stats.CachedTokens += int64(len(slots))
+		c.Stats.PromptTokens += int64(len(r.InputIDs))
+	}
+}
+
+func (c *Core) unadmit(r *request) {
+	c.cache.Unlock(r.node)
+	r.node, r.nodeTokens, r.slots = nil, 0, nil
+}
+
+// retractOne moves the newest decoding request back to the queue, keeping
+// its KV in the cache (evictable) so it may re-prefill cheaply.
+func (c *Core) retractOne() bool {
+	for i := len(c.running) - 1; i >= 0; i-- {
+		r := c.running[i]
+		if r.inPrefill() || len(c.running) == 1 {
+			continue
+		}
+		c.release(r)
+		c.running = append(c.running[:i], c.running[i+1:]...)
+		c.waiting = append([]*request{r}, c.waiting...)
+		r.retracted++
+		c.Stats.Retractions++
+		return true
+	}
+	return false
+}
+
+// Retract moves every running request back to the queue (pause with mode
+// retract); their KV stays in the cache until it is flushed or evicted.
+func (c *Core) Retract() int {
+	n := len(c.running)
+	for i := n - 1; i >= 0; i-- {
+		r := c.running[i]
+		c.release(r)
+		r.retracted++
+		c.waiting = append([]*request{r}, c.waiting...)
+	}
+	c.running = nil
+	c.Stats.Retractions += int64(n)
+	return n
+}
+
+// release hands r's KV to the radix cache and unlocks its prefix.
+func (c *Core) release(r *request) {
+	fill := len(r.slots)
+	if fill > 0 {
+		matched := c.cache.Insert(r.tokens()[:fill], r.slots)
+		if matched > r.nodeTokens {
+			c.pool.release(r.slots[r.nodeTokens:matched])
+		}
+	}
+	if r.node != nil {
+		c.cache.Unlock(r.node)
+	}
+	r.node, r.nodeTokens, r.slots = nil, 0, nil
+}
+
+// cacheUnfinished shares r's computed prompt KV with later requests while r
+// keeps running: its slots become the cache's, locked by r.
+func (c *Core) cacheUnfinished(r *request) {
+	fill := len(r.slots)
+	toks := r.tokens()[:fill]
+	matched := c.cache.Insert(toks, r.slots)
+	if matched > r.nodeTokens {
+		c.pool.release(r.slots[r.nodeTokens:matched])
+	}
+	slots, node := c.cache.Match(toks)
+	c.cache.Lock(node)
+	if r.node != nil {
+		c.cache.Unlock(r.node)
+	}
+	r.slots = append(r.slots[:0], slots...)
+	r.node, r.nodeTokens = node, fill
+}
+
+func (c *Core) seqStep(r *request, n int) runner.SeqStep {
+	toks := r.tokens()
+	start := len(r.slots) - n
+	s := runner.SeqStep{
+		Tokens: toks[start : start+n], Start: start, Slots: r.slots,
+		Sample: start+n == len(toks), Params: r.sampleParams(), Draw: len(r.output),
+	}
+	if s.Sample {
+		s.Adjust = r.adjust(c.opts.EOS)
+	}
+	if r.wantsInputLogprobs() {
+		s.NextTokens = make([]int32, n)
+		first := max(r.LogprobStartLen, 1)
+		for j := range s.NextTokens {
+			s.NextTokens[j] = -1
+			if next := start + j + 1; next >= first && next < len(r.InputIDs) {
+				s.NextTokens[j] = r.InputIDs[next]
+			}
+		}
+	}
+	return s
+}
+
+// absorb records a step's result for r and reports an event when there is
+// something to tell.
+func (c *Core) absorb(r *request, s runner.SeqStep, res runner.SeqResult) (Event, bool) {
+	if s.NextTokens != nil {
+		if r.inputLP == nil {
+			r.inputLP = make([]float32, len(r.InputIDs))
+			for i := range r.inputLP {
+				r.inputLP[i] = float32(math.NaN())
+			}
+		}
+		for j, v := range res.InputLogprobs {
+			if s.NextTokens[j] >= 0 {
+				r.inputLP[s.Start+j+1] = v
+			}
+		}
+	}
+	promptDone := len(r.output) == 0 && s.Sample
+	if len(r.output) == 0 {
+		c.cacheUnfinished(r)
+	}
+	if !s.Sample {
+		return Event{}, false
+	}
+	ev := Event{Rid: r.Rid}
+	if promptDone && r.ReturnLogprob && r.LogprobStartLen >= 0 && r.LogprobStartLen < len(r.InputIDs) && !r.inputDone {
+		r.inputDone = true
+		ev.InputLogprobs = r.inputLP[r.LogprobStartLen:]
+		ev.InputTokenIDs = r.InputIDs[r.LogprobStartLen:]
+	}
+	if promptDone && r.Params.MaxNewTokens == 0 {
+		return c.finishWith(r, ev, ioschema.FinishLength(0)), true
+	}
+	r.output = append(r.output, res.Token)
+	r.counts[res.Token]++
+	c.Stats.GeneratedTokens++
+	ev.NewTokens = []int32{res.Token}
+	if r.ReturnLogprob {
+		ev.OutputLogprobs = []float32{res.Logprob}
+		if r.TopLogprobsNum > 0 {
+			ev.OutputTopIDs = [][]int32{res.TopIDs}
+			ev.OutputTopLogprobs = [][]float32{res.TopLogprobs}
+		}
+	}
+	if fr := r.checkFinish(c.opts.EOS, c.opts.Tokenizer); fr != nil {
+		return c.finishWith(r, ev, fr), true
+	}
+	c.fillCounts(r, &ev)
+	return ev, true
+}
+
+func (c *Core) fillCounts(r *request, ev *Event) {
+	ev.PromptTokens, ev.CompletionTokens, ev.CachedTokens = len(r.InputIDs), len(r.output), r.cached
+}
+
+func (c *Core) finishWith(r *request, ev Event, fr *ioschema.FinishReason) Event {
+	fin := c.finish(r, fr)
+	fin.NewTokens, fin.OutputLogprobs = ev.NewTokens, ev.OutputLogprobs
+	fin.OutputTopIDs, fin.OutputTopLogprobs = ev.OutputTopIDs, ev.OutputTopLogprobs
+	fin.InputLogprobs, fin.InputTokenIDs = ev.InputLogprobs, ev.InputTokenIDs
+	return fin
+}
+
+// finish ends a running request and frees what it holds.
+func (c *Core) finish(r *request, fr *ioschema.FinishReason) Event {
+	c.release(r)
+	for i, x := range c.running {
+		if x == r {
+			c.running = append(c.running[:i], c.running[i+1:]...)
+			break
+		}
+	}
+	delete(c.byRid, r.Rid)
+	c.Stats.Finished++
+	return c.finishEvent(r, fr)
+}
+
+func (c *Core) finishEvent(r *request, fr *ioschema.FinishReason) Event {
+	r.finish = fr
+	ev := Event{Rid: r.Rid, Finished: true, FinishReason: fr}
+	c.fillCounts(r, &ev)
+	return ev
+}
+
+// Abort finishes every request whose rid starts with prefix (all when
+// all is set) with finish_reason abort, returning their final events.
+func (c *Core) Abort(prefix string, all bool, message string) []Event {
+	var events []Event
+	match := func(r *request) bool { return all || (prefix != "" && strings.HasPrefix(r.Rid, prefix)) }
+	kept := c.waiting[:0]
+	for _, r := range c.waiting {
+		if match(r) {
+			if r.node != nil {
+				c.unadmit(r)
+			}
+			delete(c.byRid, r.Rid)
+			events = append(events, c.finishEvent(r, ioschema.FinishAbort(message)))
+		} else {
+			kept = append(kept, r)
+		}
+	}
+	c.waiting = kept
+	for _, r := range append([]*request(nil), c.running...) {
+		if match(r) {
+			events = append(events, c.finish(r, ioschema.FinishAbort(message)))
+		}
+	}
+	return events
+}
+
+// FlushCache drops the radix cache; it refuses while requests hold cached KV.
+func (c *Core) FlushCache() error {
+	if len(c.running) > 0 {
+		return fmt.Errorf("%d requests are running", len(c.running))
+	}
+	return c.cache.Reset(c.pool.release)
+}
+
+// KVUsage reports slots: total, free, cached in the radix tree, held privately by requests.
+func (c *Core) KVUsage() (total, free, cached, private int) {
+	for _, r := range c.running {
+		private += len(r.slots) - r.nodeTokens
+	}
+	return c.pool.total, c.pool.available(), c.cache.Size(), private
+}
+
+// CheckInvariants verifies that every KV slot is accounted for exactly once:
+// free + cached + held by requests = total.
+func (c *Core) CheckInvariants() error {
+	if err := c.pool.checkFree(); err != nil {
+		return err
+	}
+	if err := c.cache.check(); err != nil {
+		return err
+	}
+	total, free, cached, private := c.KVUsage()
+	if free+cached+private != total {
+		return fmt.Errorf("KV slots: free %d + cached %d + in use %d != total %d", free, cached, private, total)
+	}
+	owner := make(map[int32]string, total)
+	claim := func(s int32, who string) error {
+		if prev, ok := owner[s]; ok {
+			return fmt.Errorf("KV slot %d is both %s and %s", s, prev, who)
+		}
+		owner[s] = who
+		return nil
+	}
+	for _, s := range c.pool.free {
+		if err := claim(s, "free"); err != nil {
+			return err
+		}
+	}
+	for _, s := range c.cache.slotsInTree() {
+		if err := claim(s, "cached"); err != nil {
+			return err
+		}
+	}
+	for _, r := range c.running {
+		for _, s := range r.slots[r.nodeTokens:] {
+			if err := claim(s, "held by "+r.Rid); err != nil {
+				return err
+			}
+		}
+	}
+	if c.cache.protected > 0 && len(c.running) == 0 {
+		return fmt.Errorf("%d cached slots are locked with no request running", c.cache.protected)
+	}
+	return nil
+}

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Reference outputs from transformers for ebb tiny models.
+
+Run on the GPU machine (it has transformers and torch), with an ebb binary:
+
+    python3 tools/golden_tiny.py --ebb ebb --cases testdata/goldens/cases.json --out OUTDIR
+
+For each case it writes the model with `ebb tiny-model --spec`, runs
+transformers in float32 on the CPU with eager attention (no TF32, no fused
+kernels) and records, per prompt: 32 greedy tokens, their logprobs, the
+top-1/top-2 logprob gap of each step (to recognise near-ties) and the
+teacher-forced logprob of every prompt token. tests read OUTDIR/<name>.json.
+
+With --random N it also draws N fresh random configurations, runs
+`ebb generate --device cpu` on them and compares against transformers
+directly, printing one line per configuration: the goldens are not the only
+configurations that match.
+"""
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = [1, 7, 33, 130]
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_model(ebb, spec, path):
+    subprocess.run([ebb, "tiny-model", path, "--spec", json.dumps(spec)], check=True, stdout=subprocess.DEVNULL)
+
+
+def prompts_for(seed, vocab_limit):
+    rng = random.Random(seed)
+    return [[rng.randrange(0, vocab_limit) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@torch.no_grad()
+def reference(model_dir, prompts):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    cases = []
+    for p in prompts:
+        logits = model(torch.tensor([p])).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        prompt_lp = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
+        cur, toks, lps, gaps = list(p), [], [], []
+        past = None
+        ids = torch.tensor([cur])
+        for _ in range(NEW_TOKENS):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            step_lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            top = torch.topk(step_lp, 2)
+            t = int(top.indices[0])
+            toks.append(t)
+            lps.append(float(top.values[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            ids = torch.tensor([[t]])
+        cases.append({"input_ids": p, "output_ids": toks, "output_logprobs": lps,
+                      "top2_gap": gaps, "prompt_logprobs": prompt_lp})
+    return cases
+
+
+def vocab_limit(spec):
+    return 150000 if spec["arch"] in ("qwen3", "qwen2") else 128000
+
+
+def goldens(args):
+    cases = json.load(open(args.cases))
+    os.makedirs(args.out, exist_ok=True)
+    for i, case in enumerate(cases):
+        with tempfile.TemporaryDirectory() as d:
+            write_model(args.ebb, case["spec"], d)
+            prompts = prompts_for(1000 + i, vocab_limit(case["spec"]))
+            result = {"name": case["name"], "spec": case["spec"],
+                      "weights_sha256": sha256(os.path.join(d, "model.safetensors")),
+                      "new_tokens": NEW_TOKENS, "cases": reference(d, prompts)}
+        with open(os.path.join(args.out, case["name"] + ".json"), "w") as f:
+            json.dump(result, f)
+        print(f"{case['name']}: {len(result['cases'])} prompts", flush=True)
+
+
+def random_spec(rng, i):
+    arch = rng.choice(["qwen3", "qwen2", "llama"])
+    kv = rng.choice([1, 2, 4])
+    heads = kv * rng.choice([1, 2, 3])
+    spec = {"arch": arch, "heads": heads, "kv_heads": kv, "head_dim": rng.choice([8, 16, 24, 48]),
+            "hidden": rng.choice([32, 64, 80]), "intermediate": rng.choice([64, 160]),
+            "layers": rng.choice([1, 2, 3]), "tie": rng.random() < 0.5, "seed": 100 + i,
+            "dtype": rng.choice(["BF16", "F32"])}
+    if arch != "qwen2":
+        spec["attention_bias"] = rng.random() < 0.3
+    if arch == "llama":
+        spec["rope"] = rng.choice(["", "linear", "llama3"])
+    return spec
+
+
+def random_check(args):
+    rng = random.Random(args.random_seed)
+    worst_all, failures = 0.0, 0
+    for i in range(args.random):
+        spec = random_spec(rng, i)
+        with tempfile.TemporaryDirectory() as d:
+            write_model(args.ebb, spec, d)
+            prompts = prompts_for(5000 + i, vocab_limit(spec))[1:3]
+            ref = reference(d, prompts)
+            cmd = [args.ebb, "generate", "--model", d, "--device", "cpu", "--temperature", "0", "--ignore-eos",
+                   "--max-new-tokens", str(NEW_TOKENS), "--return-logprob", "--json"]
+            for p in prompts:
+                cmd += ["--input-ids", ",".join(map(str, p))]
+            got = [json.loads(l) for l in subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()]
+        worst, exact = 0.0, True
+        for r, g in zip(ref, got):
+            n = NEW_TOKENS
+            for j, gap in enumerate(r["top2_gap"]):
+                if gap < 1e-4:  # a near-tie: float noise may pick either token
+                    n = j
+                    break
+            exact &= g["output_ids"][:n] == r["output_ids"][:n]
+            for j in range(n):
+                worst = max(worst, abs(g["meta_info"]["output_token_logprobs"][j][0] - r["output_logprobs"][j]))
+        ok = exact and worst < 1e-3
+        failures += not ok
+        worst_all = max(worst_all, worst)
+        print(f"random {i}: {json.dumps(spec)} tokens {'exact' if exact else 'DIFFER'} max|dlogprob| {worst:.2e}", flush=True)
+    print(f"random configurations: {args.random - failures}/{args.random} match, worst |dlogprob| {worst_all:.2e}")
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ebb", default="ebb")
+    ap.add_argument("--cases", default="testdata/goldens/cases.json")
+    ap.add_argument("--out", default="testdata/goldens")
+    ap.add_argument("--random", type=int, default=0)
+    ap.add_argument("--random-seed", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(min(8, os.cpu_count() or 1))
+    goldens(args)
+    if args.random and random_check(args):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
