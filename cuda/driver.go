@@ -192,16 +192,16 @@ func DriverVersion() int {
 	return int(v)
 }
 
-// CopyHtoD copies host bytes to device memory on the stream and waits: src
-// may be Go memory, which must not be in use by an asynchronous copy.
+// CopyHtoD queues a copy of host bytes to device memory. From pageable
+// memory (Go slices) the call returns once src has been staged, so src may
+// be reused at once; from page-locked memory (AllocPinned) the copy is
+// truly asynchronous and src must stay untouched until the stream has
+// passed it (ebb's next download synchronizes).
 func (c *Context) CopyHtoD(dst uintptr, src []byte) error {
 	if len(src) == 0 {
 		return nil
 	}
-	if err := check("cuMemcpyHtoDAsync", C.ebb_cuMemcpyHtoDAsync(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src)), c.stream)); err != nil {
-		return err
-	}
-	return c.SyncStream()
+	return check("cuMemcpyHtoDAsync", C.ebb_cuMemcpyHtoDAsync(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src)), c.stream))
 }
 
 // CopyDtoH copies device memory into dst after the stream's work and waits.
@@ -223,6 +223,18 @@ func (c *Context) CopyDtoD(dst, src uintptr, n int64) error {
 // MemsetD32 queues a fill of n 32-bit words.
 func (c *Context) MemsetD32(dst uintptr, v uint32, n int64) error {
 	return check("cuMemsetD32Async", C.ebb_cuMemsetD32Async(C.CUdeviceptr(dst), C.uint(v), C.size_t(n), c.stream))
+}
+
+// ProfilerStart opens the region that a profiler started with
+// --profile-from-start off records.
+func (c *Context) ProfilerStart() error { return check("cuProfilerStart", C.ebb_cuProfilerStart()) }
+
+// ProfilerStop closes it.
+func (c *Context) ProfilerStop() error {
+	if err := c.SyncStream(); err != nil {
+		return err
+	}
+	return check("cuProfilerStop", C.ebb_cuProfilerStop())
 }
 
 // Event is a CUDA event for timing.

@@ -109,3 +109,16 @@ int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, 
 	for (int i = 0; i < nargs; i++) params[i] = &args[i];
 	return ebb_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL);
 }
+
+int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n) {
+	return ebb_cublasSetWorkspace(h, (void *)w, n);
+}
+
+// Row-major out = x w^T is column-major out^T = w^T' x^T': cuBLAS computes
+// C(n x m) = op(A) op(B) with A = w (k x n column-major, transposed) and
+// B = x (k x m column-major).
+int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type) {
+	const float alpha = 1.f, beta = 0.f;
+	return ebb_cublasGemmEx(h, 1 /* T */, 0 /* N */, n, m, k, &alpha, (const void *)w, 14 /* bf16 */, k,
+		(const void *)x, 14, k, &beta, (void *)out, out_type, n, 68 /* CUBLAS_COMPUTE_32F */, -1 /* default */);
+}

@@ -92,7 +92,9 @@ typedef struct { char internal[128]; } ncclUniqueId;
 	X(cuGraphExecDestroy, "cuGraphExecDestroy", (CUgraphExec e), (e)) \
 	X(cuGraphDestroy, "cuGraphDestroy", (CUgraph g), (g)) \
 	X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *p, CUipcMemHandle h, unsigned int f), (p, h, f)) \
-	X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr p), (p))
+	X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr p), (p)) \
+	X(cuProfilerStart, "cuProfilerStart", (void), ()) \
+	X(cuProfilerStop, "cuProfilerStop", (void), ())
 
 #define EBB_NVRTC_FUNCS(X) \
 	X(nvrtcVersion, "nvrtcVersion", (int *a, int *b), (a, b)) \
@@ -140,5 +142,10 @@ const char *ebb_nccl_error_string(int code);
 // ebb_launch passes nargs 8-byte kernel arguments packed in args.
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
 	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs);
+
+// Device pointers stay integers on the Go side; these cast them for cuBLAS.
+int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n);
+// out[m,n] (row-major) = x[m,k] @ w[n,k]^T; bf16 inputs, fp32 accumulate.
+int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type);
 
 #endif

@@ -12,9 +12,11 @@ import (
 
 // MemoryTestOptions size `ebb selftest memory`.
 type MemoryTestOptions struct {
-	KVGiB      int // kv_cache region, released without backup
-	WeightsGiB int // weights region, with CPU backup
-	Cycles     int // release/resume cycles for the drift check
+	KVGiB      int           // kv_cache region, released without backup
+	WeightsGiB int           // weights region, with CPU backup
+	Cycles     int           // release/resume cycles for the drift check
+	IdleCycles int           // release, wait Idle, resume: latency with the GPU idle in between
+	Idle       time.Duration // the wait
 	Log        func(string)
 }
 
@@ -29,33 +31,36 @@ type Reading struct {
 
 // MemoryReport is the selftest's result.
 type MemoryReport struct {
-	Device             string    `json:"device"`
-	Driver             int       `json:"driver_version"`
-	GranularityMiB     float64   `json:"granularity_mib"`
-	ProcessFigure      bool      `json:"nvml_per_process_figure"` // false: device-wide used memory
-	BaselineProcessMiB float64   `json:"bare_context_process_mib"`
-	Readings           []Reading `json:"readings"`
-	ResidualMiB        float64   `json:"residual_after_release_all_mib"`
-	KVGiB              int       `json:"kv_gib"`
-	ReleaseMs          []float64 `json:"kv_release_ms"`
-	ResumeMs           []float64 `json:"kv_resume_ms"`
-	ReleaseMedianMs    float64   `json:"kv_release_median_ms"`
-	ResumeMedianMs     float64   `json:"kv_resume_median_ms"`
-	GraphReplayOK      bool      `json:"graph_replay_after_resume_ok"`
-	KVWritableAfter    bool      `json:"kv_writable_after_resume"`
-	WeightsGiB         int       `json:"weights_gib"`
-	BackupD2HGBps      float64   `json:"backup_release_gbps"`
-	BackupH2DGBps      float64   `json:"backup_resume_gbps"`
-	BackupBitExact     bool      `json:"backup_bit_exact"`
-	EmptyCacheFreedMiB float64   `json:"workspace_empty_cache_freed_mib"`
-	Cycles             int       `json:"cycles"`
-	CycleStartMiB      float64   `json:"cycles_process_start_mib"`
-	CycleEndMiB        float64   `json:"cycles_process_end_mib"`
-	CycleMaxMiB        float64   `json:"cycles_process_max_mib"`
-	ReservedStartBytes int64     `json:"cycles_reserved_start_bytes"`
-	ReservedEndBytes   int64     `json:"cycles_reserved_end_bytes"`
-	CycleAllOK         bool      `json:"cycles_all_bit_exact"`
-	Errors             []string  `json:"errors,omitempty"`
+	Device                  string             `json:"device"`
+	Driver                  int                `json:"driver_version"`
+	GranularityMiB          float64            `json:"granularity_mib"`
+	ProcessFigure           bool               `json:"nvml_per_process_figure"` // false: device-wide used memory
+	BaselineProcessMiB      float64            `json:"bare_context_process_mib"`
+	Readings                []Reading          `json:"readings"`
+	ResidualMiB             float64            `json:"residual_after_release_all_mib"`
+	KVGiB                   int                `json:"kv_gib"`
+	ReleaseMs               []float64          `json:"kv_release_ms"`
+	ResumeMs                []float64          `json:"kv_resume_ms"`
+	ReleaseMedianMs         float64            `json:"kv_release_median_ms"`
+	ResumeMedianMs          float64            `json:"kv_resume_median_ms"`
+	ResumeAfterIdleMs       []float64          `json:"kv_resume_after_idle_ms"`
+	ResumeAfterIdleMedianMs float64            `json:"kv_resume_after_idle_median_ms"`
+	ResumeSplitMs           map[string]float64 `json:"kv_idle_cycle_call_ms"`
+	GraphReplayOK           bool               `json:"graph_replay_after_resume_ok"`
+	KVWritableAfter         bool               `json:"kv_writable_after_resume"`
+	WeightsGiB              int                `json:"weights_gib"`
+	BackupD2HGBps           float64            `json:"backup_release_gbps"`
+	BackupH2DGBps           float64            `json:"backup_resume_gbps"`
+	BackupBitExact          bool               `json:"backup_bit_exact"`
+	EmptyCacheFreedMiB      float64            `json:"workspace_empty_cache_freed_mib"`
+	Cycles                  int                `json:"cycles"`
+	CycleStartMiB           float64            `json:"cycles_process_start_mib"`
+	CycleEndMiB             float64            `json:"cycles_process_end_mib"`
+	CycleMaxMiB             float64            `json:"cycles_process_max_mib"`
+	ReservedStartBytes      int64              `json:"cycles_reserved_start_bytes"`
+	ReservedEndBytes        int64              `json:"cycles_reserved_end_bytes"`
+	CycleAllOK              bool               `json:"cycles_all_bit_exact"`
+	Errors                  []string           `json:"errors,omitempty"`
 }
 
 func mib(b int64) float64 { return float64(b) / (1 << 20) }
@@ -274,6 +279,29 @@ func SelfTestMemory(opts MemoryTestOptions) (*MemoryReport, error) {
 	}
 	rep.ReleaseMedianMs, rep.ResumeMedianMs = median(rep.ReleaseMs), median(rep.ResumeMs)
 	logf("kv_cache %d GiB: release median %.2f ms, resume median %.2f ms", opts.KVGiB, rep.ReleaseMedianMs, rep.ResumeMedianMs)
+	// The same with the GPU idle between release and resume, as when a
+	// trainer runs in between: the driver has time to recycle the memory.
+	before := vmm.Timings
+	for i := 0; i < opts.IdleCycles; i++ {
+		fail("kv release", mgr.Release([]memory.Tag{memory.KVCache}).Err())
+		time.Sleep(opts.Idle)
+		t0 := time.Now()
+		fail("kv resume", mgr.Resume([]memory.Tag{memory.KVCache}).Err())
+		rep.ResumeAfterIdleMs = append(rep.ResumeAfterIdleMs, float64(time.Since(t0).Microseconds())/1000)
+	}
+	if opts.IdleCycles > 0 {
+		rep.ResumeAfterIdleMedianMs = median(rep.ResumeAfterIdleMs)
+		n := float64(opts.IdleCycles)
+		tm := vmm.Timings
+		rep.ResumeSplitMs = map[string]float64{
+			"cuMemCreate":    float64((tm.Create - before.Create).Microseconds()) / 1000 / n,
+			"cuMemMap":       float64((tm.Map - before.Map).Microseconds()) / 1000 / n,
+			"cuMemSetAccess": float64((tm.SetAccess - before.SetAccess).Microseconds()) / 1000 / n,
+			"cuMemUnmap":     float64((tm.Unmap - before.Unmap).Microseconds()) / 1000 / n,
+			"cuMemRelease":   float64((tm.Release - before.Release).Microseconds()) / 1000 / n,
+		}
+		logf("kv_cache resume after %v idle: median %.2f ms; per cycle %v", opts.Idle, rep.ResumeAfterIdleMedianMs, rep.ResumeSplitMs)
+	}
 
 	// CPU backup bandwidth: the weights region's release copies to pinned
 	// host memory, its resume copies back.

@@ -8,6 +8,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"time"
 	"unsafe"
 
 	"ebb/memory"
@@ -20,6 +21,13 @@ type VMM struct {
 	ctx  *Context
 	prop C.CUmemAllocationProp
 	gran int64
+	// Timings accumulates time spent in each driver call, for diagnosis.
+	Timings VMMTimings
+}
+
+// VMMTimings are cumulative durations of the mapping calls.
+type VMMTimings struct {
+	Create, Map, SetAccess, Unmap, Release time.Duration
 }
 
 var _ memory.Physical = (*VMM)(nil)
@@ -58,15 +66,24 @@ func (v *VMM) Unreserve(va uintptr, size int64) error {
 // Map implements memory.Physical.
 func (v *VMM) Map(va uintptr, size int64) (memory.Mapping, error) {
 	var h C.CUmemGenericAllocationHandle
+	t0 := time.Now()
 	if err := check("cuMemCreate", C.ebb_cuMemCreate(&h, C.size_t(size), &v.prop, 0)); err != nil {
 		return nil, err
 	}
+	t1 := time.Now()
 	if err := check("cuMemMap", C.ebb_cuMemMap(C.CUdeviceptr(va), C.size_t(size), 0, h, 0)); err != nil {
 		C.ebb_cuMemRelease(h)
 		return nil, err
 	}
+	t2 := time.Now()
 	access := C.CUmemAccessDesc{flags: 3} // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 	access.location = v.prop.location
+	defer func() {
+		t3 := time.Now()
+		v.Timings.Create += t1.Sub(t0)
+		v.Timings.Map += t2.Sub(t1)
+		v.Timings.SetAccess += t3.Sub(t2)
+	}()
 	if err := check("cuMemSetAccess", C.ebb_cuMemSetAccess(C.CUdeviceptr(va), C.size_t(size), &access, 1)); err != nil {
 		C.ebb_cuMemUnmap(C.CUdeviceptr(va), C.size_t(size))
 		C.ebb_cuMemRelease(h)
@@ -81,10 +98,13 @@ func (v *VMM) Unmap(va uintptr, size int64, m memory.Mapping) error {
 	if !ok {
 		return fmt.Errorf("unmap %#x: not a CUDA mapping", va)
 	}
-	return errors.Join(
-		check("cuMemUnmap", C.ebb_cuMemUnmap(C.CUdeviceptr(va), C.size_t(size))),
-		check("cuMemRelease", C.ebb_cuMemRelease(h)),
-	)
+	t0 := time.Now()
+	errU := check("cuMemUnmap", C.ebb_cuMemUnmap(C.CUdeviceptr(va), C.size_t(size)))
+	t1 := time.Now()
+	errR := check("cuMemRelease", C.ebb_cuMemRelease(h))
+	v.Timings.Unmap += t1.Sub(t0)
+	v.Timings.Release += time.Since(t1)
+	return errors.Join(errU, errR)
 }
 
 // Synchronize implements memory.Physical.

@@ -187,6 +187,9 @@ type Device interface {
 	Copy(dst, src Tensor)
 	// Fill sets every element of a float tensor.
 	Fill(dst Tensor, v float32)
+	// Convert copies src into dst of the same shape, converting between
+	// float dtypes (bf16 to float32 is exact).
+	Convert(dst, src Tensor)
 
 	Embedding(out, table, ids Tensor)
 	RMSNorm(out, x, w Tensor, eps float32)
@@ -225,4 +228,37 @@ type Device interface {
 type MemoryInfo interface {
 	// DeviceMemory reports free and total bytes as the driver sees them.
 	DeviceMemory() (free, total int64, err error)
+}
+
+// Graph is recorded device work that replays with the same buffers.
+type Graph interface {
+	Replay() error
+	Destroy() error
+}
+
+// GraphCapturer is implemented by devices that can record a sequence of
+// operations once and replay it cheaply (CUDA graphs). Inputs are read from,
+// and outputs written to, the same tensors at every replay.
+type GraphCapturer interface {
+	CaptureGraph(record func()) (Graph, error)
+}
+
+// Profiler is implemented by devices whose profiler can be limited to a
+// region of the run (cuProfilerStart/Stop for Nsight Compute).
+type Profiler interface {
+	ProfilerStart() error
+	ProfilerStop() error
+}
+
+// PinnedAllocator is implemented by devices whose host-to-device copies are
+// faster from page-locked memory. The memory lives as long as the device.
+type PinnedAllocator interface {
+	AllocPinned(n int) ([]byte, error)
+}
+
+// ResumeHook is implemented by devices that keep state of their own in
+// tagged regions (kernel scratch that must start zeroed): the engine calls
+// it after those tags are mapped again.
+type ResumeHook interface {
+	AfterResume(tags []memory.Tag) error
 }

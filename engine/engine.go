@@ -32,6 +32,11 @@ type Config struct {
 	MemFractionStatic  float64 // share of GPU memory for weights and KV cache
 	CPUBackup          bool    // --enable-weights-cpu-backup
 	MaxTopLogprobs     int
+	DisableCUDAGraph   bool
+	// CUDAGraphMaxBS is the largest decode batch captured as a graph; 0
+	// means 256 on a GPU and none on the CPU (where graphs are emulated,
+	// which tests use).
+	CUDAGraphMaxBS int
 }
 
 // Defaults fills unset fields.
@@ -124,7 +129,20 @@ func (e *Engine) load(mcfg *model.Config) error {
 	if e.Runner, err = runner.New(m, limits); err != nil {
 		return err
 	}
-	return nil
+	if cfg.DisableCUDAGraph {
+		return nil
+	}
+	maxBS := cfg.CUDAGraphMaxBS
+	if maxBS == 0 && e.Dev.DType() == device.BF16 {
+		maxBS = 256
+	}
+	var sizes []int
+	for _, b := range runner.DefaultGraphBatchSizes {
+		if b <= maxBS {
+			sizes = append(sizes, b)
+		}
+	}
+	return e.Runner.CaptureGraphs(sizes)
 }
 
 // kvSlots sizes the KV cache: --max-total-tokens, else the GPU memory left

@@ -25,13 +25,19 @@ type golden struct {
 	Spec          json.RawMessage `json:"spec"`
 	WeightsSHA256 string          `json:"weights_sha256"`
 	NewTokens     int             `json:"new_tokens"`
-	Cases         []struct {
-		InputIDs       []int32   `json:"input_ids"`
-		OutputIDs      []int32   `json:"output_ids"`
-		OutputLogprobs []float64 `json:"output_logprobs"`
-		Top2Gap        []float64 `json:"top2_gap"`
-		PromptLogprobs []float64 `json:"prompt_logprobs"`
-	} `json:"cases"`
+	Cases         []goldenCase    `json:"cases"`      // transformers, float32, CPU
+	BF16Cases     []goldenCase    `json:"bf16_cases"` // transformers, bf16, CUDA (sdpa)
+	// BF16Floor is how far transformers' eager attention is from its sdpa
+	// attention in bf16: the spread of two faithful bf16 implementations.
+	BF16Floor struct{ Mean, Max float64 } `json:"bf16_floor"`
+}
+
+type goldenCase struct {
+	InputIDs       []int32   `json:"input_ids"`
+	OutputIDs      []int32   `json:"output_ids"`
+	OutputLogprobs []float64 `json:"output_logprobs"`
+	Top2Gap        []float64 `json:"top2_gap"`
+	PromptLogprobs []float64 `json:"prompt_logprobs"`
 }
 
 const (
@@ -99,9 +105,12 @@ func writeGoldenModel(t *testing.T, g golden) string {
 	return dir
 }
 
+// openCPU opens a model on the CPU with decode graphs emulated, so the
+// graph path (static buffers, padding to a captured size) is what runs.
 func openCPU(t *testing.T, dir string) *Engine {
 	t.Helper()
-	e, err := Open(Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64, MaxTotalTokens: 4096})
+	e, err := Open(Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
+		MaxTotalTokens: 4096, CUDAGraphMaxBS: 8})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,6 +141,9 @@ func TestGoldensCPU(t *testing.T) {
 			outs, err := e.Generate(reqs)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if e.Runner.Stats.GraphSteps == 0 {
+				t.Fatalf("no decode step went through a graph (%+v)", e.Runner.Stats)
 			}
 			for i, c := range g.Cases {
 				compareGolden(t, fmt.Sprintf("prompt of %d", len(c.InputIDs)), c.OutputIDs, c.OutputLogprobs, c.Top2Gap,

@@ -82,10 +82,12 @@ func (c *Config) KVBytesPerSlot(dt device.DType) int64 {
 	return int64(2*c.Layers*c.KVHeads*c.HeadDim) * int64(dt.Size())
 }
 
-// AllocKV creates the kv_cache region and a cache of slots tokens.
+// AllocKV creates the kv_cache region and a cache of slots tokens, plus one
+// padding slot that padded rows of a captured batch write into.
 func (m *Model) AllocKV(slots int) error {
 	c := m.Config
 	dt := m.dev.DType()
+	slots++
 	size := int64(slots) * c.KVBytesPerSlot(dt)
 	if _, err := m.dev.Memory().Create(memory.KVCache, memory.RegionOptions{Capacity: size, GrowStep: size}); err != nil {
 		return fmt.Errorf("kv_cache region: %w", err)
@@ -102,13 +104,16 @@ func (m *Model) AllocKV(slots int) error {
 	return nil
 }
 
-// KVSlots is the number of token slots in the cache.
+// KVSlots is the number of token slots in the cache that requests can use.
 func (m *Model) KVSlots() int {
 	if len(m.KV) == 0 {
 		return 0
 	}
-	return m.KV[0].Dim(0)
+	return m.KV[0].Dim(0) - 1
 }
+
+// PadSlot is the slot that padding rows write their K and V into.
+func (m *Model) PadSlot() int32 { return int32(m.KVSlots()) }
 
 // Inputs are one forward step's device-side inputs.
 type Inputs struct {
@@ -130,22 +135,23 @@ func (m *Model) ScratchBytes(t, r int) int64 {
 }
 
 type activations struct {
-	h, x, qkv, attn, gateUp, act, tmp, sel, logits device.Tensor
+	h, x, qkv, attn, gateUp, act, tmp, sel, rawLogits, logits device.Tensor
 }
 
 func (m *Model) scratchLayout(t, r int, take func(device.DType, ...int) device.Tensor) activations {
 	c := m.Config
 	dt := m.dev.DType()
 	return activations{
-		h:      take(dt, t, c.Hidden),
-		x:      take(dt, t, c.Hidden),
-		qkv:    take(dt, t, c.Heads+2*c.KVHeads, c.HeadDim),
-		attn:   take(dt, t, c.Heads, c.HeadDim),
-		gateUp: take(dt, t, 2*c.Intermediate),
-		act:    take(dt, t, c.Intermediate),
-		tmp:    take(dt, t, c.Hidden),
-		sel:    take(dt, r, c.Hidden),
-		logits: take(device.F32, r, c.Vocab),
+		h:         take(dt, t, c.Hidden),
+		x:         take(dt, t, c.Hidden),
+		qkv:       take(dt, t, c.Heads+2*c.KVHeads, c.HeadDim),
+		attn:      take(dt, t, c.Heads, c.HeadDim),
+		gateUp:    take(dt, t, 2*c.Intermediate),
+		act:       take(dt, t, c.Intermediate),
+		tmp:       take(dt, t, c.Hidden),
+		sel:       take(dt, r, c.Hidden),
+		rawLogits: take(dt, r, c.Vocab),
+		logits:    take(device.F32, r, c.Vocab),
 	}
 }
 
@@ -179,7 +185,10 @@ func (m *Model) Forward(in Inputs, s *device.Scratch) device.Tensor {
 	}
 	dev.AddRMSNorm(a.h, a.tmp, a.x, w.Norm, eps)
 	dev.GatherRows(a.sel, a.x, in.LogitRows)
-	dev.MatMul(a.logits, a.sel, w.LMHead, device.Tensor{})
+	// Logits are computed in the activation dtype, as transformers does (a
+	// bf16 lm_head gives bf16 logits), so logprobs match the trainer's.
+	dev.MatMul(a.rawLogits, a.sel, w.LMHead, device.Tensor{})
+	dev.Convert(a.logits, a.rawLogits)
 	return a.logits
 }
 

@@ -81,7 +81,15 @@ type Runner struct {
 	limits Limits
 	vocab  int
 
-	host hostStep // reused packing buffers
+	host   hostStep  // reused packing buffers
+	graphs *graphSet // captured decode steps, nil when eager only
+	Stats  Stats
+}
+
+// Stats count steps by path.
+type Stats struct {
+	GraphSteps int64
+	EagerSteps int64
 }
 
 // New creates a runner and plans its workspace: the region is sized for the
@@ -127,6 +135,11 @@ func (r *Runner) Step(seqs []SeqStep) ([]SeqResult, error) {
 	if err := r.check(seqs); err != nil {
 		return nil, err
 	}
+	if b := r.graphs.fits(seqs); b > 0 {
+		r.Stats.GraphSteps++
+		return r.replay(seqs, b)
+	}
+	r.Stats.EagerSteps++
 	h := &r.host
 	h.pack(seqs, r.limits.MaxTopK)
 	wsBytes := r.Model.ScratchBytes(h.numTokens, h.numRows) + h.bytes()

@@ -50,17 +50,17 @@ def prompts_for(seed, vocab_limit):
 
 
 @torch.no_grad()
-def reference(model_dir, prompts):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+def reference(model_dir, prompts, dtype=torch.float32, device="cpu", attn="eager"):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn).to(device)
     model.eval()
     cases = []
     for p in prompts:
-        logits = model(torch.tensor([p])).logits[0].float()
+        logits = model(torch.tensor([p], device=device)).logits[0].float()
         lp = torch.log_softmax(logits, dim=-1)
         prompt_lp = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
         cur, toks, lps, gaps = list(p), [], [], []
         past = None
-        ids = torch.tensor([cur])
+        ids = torch.tensor([cur], device=device)
         for _ in range(NEW_TOKENS):
             out = model(ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
@@ -70,10 +70,23 @@ def reference(model_dir, prompts):
             toks.append(t)
             lps.append(float(top.values[0]))
             gaps.append(float(top.values[0] - top.values[1]))
-            ids = torch.tensor([[t]])
+            ids = torch.tensor([[t]], device=device)
         cases.append({"input_ids": p, "output_ids": toks, "output_logprobs": lps,
                       "top2_gap": gaps, "prompt_logprobs": prompt_lp})
     return cases
+
+
+def spread(a, b):
+    """Mean and max |logprob difference| between two runs over the prompt
+    tokens and the output steps before their tokens first differ."""
+    diffs = []
+    for x, y in zip(a, b):
+        diffs += [abs(p - q) for p, q in zip(x["prompt_logprobs"], y["prompt_logprobs"])]
+        for i, (s, t) in enumerate(zip(x["output_ids"], y["output_ids"])):
+            if s != t:
+                break
+            diffs.append(abs(x["output_logprobs"][i] - y["output_logprobs"][i]))
+    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "n": len(diffs)}
 
 
 def vocab_limit(spec):
@@ -90,6 +103,13 @@ def goldens(args):
             result = {"name": case["name"], "spec": case["spec"],
                       "weights_sha256": sha256(os.path.join(d, "model.safetensors")),
                       "new_tokens": NEW_TOKENS, "cases": reference(d, prompts)}
+            if torch.cuda.is_available():
+                # What a bf16 engine is compared with: transformers in bf16
+                # (its default sdpa attention), and how far transformers'
+                # own eager attention is from it: the noise floor of bf16.
+                result["bf16_cases"] = reference(d, prompts, torch.bfloat16, "cuda", "sdpa")
+                eager = reference(d, prompts, torch.bfloat16, "cuda", "eager")
+                result["bf16_floor"] = spread(result["bf16_cases"], eager)
         with open(os.path.join(args.out, case["name"] + ".json"), "w") as f:
             json.dump(result, f)
         print(f"{case['name']}: {len(result['cases'])} prompts", flush=True)

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"strconv"
 	"strings"
@@ -27,6 +28,7 @@ func generateCmd() *cobra.Command {
 		seed          uint64
 		ignoreEOS     bool
 		returnLogprob bool
+		logprobStart  int
 		asJSON        bool
 	)
 	cmd := &cobra.Command{
@@ -82,7 +84,7 @@ func generateCmd() *cobra.Command {
 				}
 				inputs = append(inputs, ids)
 			}
-			outs, err := runOffline(e, inputs, params, returnLogprob)
+			outs, err := runOffline(e, inputs, params, returnLogprob, logprobStart)
 			if err != nil {
 				return err
 			}
@@ -113,6 +115,7 @@ func generateCmd() *cobra.Command {
 	f.Uint64Var(&seed, "seed", 0, "sampling seed (reproducible draws)")
 	f.BoolVar(&ignoreEOS, "ignore-eos", false, "keep generating past end-of-sequence tokens")
 	f.BoolVar(&returnLogprob, "return-logprob", false, "report the logprob of each generated token")
+	f.IntVar(&logprobStart, "logprob-start-len", -1, "with --return-logprob, also report prompt token logprobs from this position")
 	f.BoolVar(&asJSON, "json", false, "print one SGLang /generate-shaped JSON object per prompt")
 	return cmd
 }
@@ -144,11 +147,11 @@ type GenerateOutput struct {
 }
 
 // runOffline generates every input at once and shapes the results.
-func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, returnLogprob bool) ([]GenerateOutput, error) {
+func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, returnLogprob bool, logprobStart int) ([]GenerateOutput, error) {
 	reqs := make([]scheduler.Request, len(inputs))
 	for i, ids := range inputs {
 		reqs[i] = scheduler.Request{Rid: fmt.Sprintf("generate-%d", i), InputIDs: ids, Params: params,
-			ReturnLogprob: returnLogprob, LogprobStartLen: -1}
+			ReturnLogprob: returnLogprob, LogprobStartLen: logprobStart}
 	}
 	results, err := e.Generate(reqs)
 	if err != nil {
@@ -168,17 +171,29 @@ func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, re
 			o.Text = &text
 		}
 		if returnLogprob {
-			lps := make([][]any, len(r.OutputIDs))
-			for j, t := range r.OutputIDs {
-				var text any
-				if e.Tokenizer != nil {
-					text = e.Tokenizer.Decode([]int32{t}, false)
-				}
-				lps[j] = []any{float64(r.OutputLogprobs[j]), t, text}
+			o.MetaInfo["output_token_logprobs"] = logprobTriples(e, r.OutputLogprobs, r.OutputIDs)
+			if r.InputLogprobs != nil {
+				o.MetaInfo["input_token_logprobs"] = logprobTriples(e, r.InputLogprobs, r.InputTokenIDs)
 			}
-			o.MetaInfo["output_token_logprobs"] = lps
 		}
 		outs[i] = o
 	}
 	return outs, nil
+}
+
+// logprobTriples renders SGLang's [logprob, token_id, text] lists; the
+// first prompt token has no logprob (null).
+func logprobTriples(e *engine.Engine, lps []float32, ids []int32) [][]any {
+	out := make([][]any, len(ids))
+	for j, t := range ids {
+		var text, lp any
+		if e.Tokenizer != nil {
+			text = e.Tokenizer.Decode([]int32{t}, false)
+		}
+		if !math.IsNaN(float64(lps[j])) {
+			lp = float64(lps[j])
+		}
+		out[j] = []any{lp, t, text}
+	}
+	return out
 }

@@ -18,7 +18,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(generateCmd(), tokenizeCmd(), tinyModelCmd(), selftestCmd())
+	root.AddCommand(generateCmd(), tokenizeCmd(), tinyModelCmd(), selftestCmd(), benchCmd())
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "ebb:", err)
 		os.Exit(1)

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -36,6 +37,31 @@ func selftestCmd() *cobra.Command {
 	mem.Flags().IntVar(&opts.KVGiB, "gib", 32, "size of the kv_cache region (released without backup)")
 	mem.Flags().IntVar(&opts.WeightsGiB, "weights-gib", 1, "size of the weights region (released with CPU backup)")
 	mem.Flags().IntVar(&opts.Cycles, "cycles", 1000, "full release/resume cycles for the drift check")
-	cmd.AddCommand(mem)
+	mem.Flags().IntVar(&opts.IdleCycles, "idle-cycles", 10, "kv_cache cycles with the GPU idle between release and resume")
+	mem.Flags().DurationVar(&opts.Idle, "idle", 500*time.Millisecond, "idle time between release and resume in those cycles")
+	var probeGiB int
+	var probeIdle time.Duration
+	probe := &cobra.Command{
+		Use:   "vmm-probe",
+		Short: "Time mapping one range in chunks of several sizes, back to back and after idle (JSON)",
+		RunE: func(*cobra.Command, []string) error {
+			ctx, err := cuda.Open(0)
+			if err != nil {
+				return err
+			}
+			defer ctx.Close()
+			total := int64(probeGiB) << 30
+			res, err := cuda.ProbeChunks(ctx, total, []int64{total, 4 << 30, 1 << 30, 256 << 20}, 6, probeIdle)
+			if err != nil {
+				return err
+			}
+			enc := json.NewEncoder(os.Stdout)
+			enc.SetIndent("", " ")
+			return enc.Encode(res)
+		},
+	}
+	probe.Flags().IntVar(&probeGiB, "gib", 32, "range size")
+	probe.Flags().DurationVar(&probeIdle, "idle", 500*time.Millisecond, "idle wait")
+	cmd.AddCommand(mem, probe)
 	return cmd
 }

@@ -48,3 +48,10 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
 	v = lane < nwarps ? shared[lane] : -EBB_INF;
 	return warp_max(v);
 }
+
+// Round through bf16, as a bf16 tensor operation in PyTorch does.
+__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+
+// Grid-stride loop over [0, n).
+#define FOR_GRID(i, n) \
+	for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)

@@ -164,6 +164,15 @@ func (d *Device) Fill(dst device.Tensor, v float32) {
 	}
 }
 
+// Convert implements device.Device; the CPU holds only float32.
+func (d *Device) Convert(dst, src device.Tensor) {
+	if dst.DType != device.F32 || src.DType != device.F32 || dst.Numel() != src.Numel() {
+		d.fail(fmt.Errorf("convert %v to %v", src, dst))
+		return
+	}
+	copy(F32(dst), F32(src))
+}
+
 // Embedding implements device.Device.
 func (d *Device) Embedding(out, table, ids device.Tensor) {
 	h := table.Dim(-1)

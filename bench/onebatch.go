@@ -1,0 +1,159 @@
+// Package bench measures ebb: one-batch latency, offline throughput,
+// serving against any SGLang/OpenAI-compatible server, and the RL memory
+// cycle. Results are JSON; figures are medians unless named otherwise.
+package bench
+
+import (
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"sort"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+
+	"ebb/device"
+	"ebb/engine"
+	"ebb/ioschema"
+	"ebb/scheduler"
+)
+
+// OneBatchConfig is `ebb bench one-batch`.
+type OneBatchConfig struct {
+	Engine     engine.Config
+	BatchSizes []int
+	InputLen   int
+	OutputLen  int
+	Progress   io.Writer // progress bars; nil for none
+	// ProfileStep, when >= 0, opens the device profiler (cuProfilerStart)
+	// around one step of the first batch size: 0 is the prefill, k the
+	// k-th decode step. For `ncu --profile-from-start off`.
+	ProfileStep int
+}
+
+// OneBatchResult is one batch size's figures.
+type OneBatchResult struct {
+	BatchSize        int     `json:"batch_size"`
+	InputLen         int     `json:"input_len"`
+	OutputLen        int     `json:"output_len"`
+	PrefillMs        float64 `json:"prefill_ms"`
+	PrefillTokPerS   float64 `json:"prefill_tokens_per_s"`
+	DecodeMedianMs   float64 `json:"decode_step_median_ms"`
+	DecodeP90Ms      float64 `json:"decode_step_p90_ms"`
+	DecodeTokPerS    float64 `json:"decode_tokens_per_s"` // batch / median step
+	TotalMs          float64 `json:"total_ms"`
+	OutputTokPerS    float64 `json:"output_tokens_per_s"` // batch*output_len / total
+	GraphDecodeSteps int64   `json:"graph_decode_steps"`
+}
+
+// OneBatch prefills each batch in one step and decodes it to the end, timing
+// every step of the scheduler core (pack, upload, forward, sample, download).
+func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
+	maxB := 0
+	for _, b := range cfg.BatchSizes {
+		maxB = max(maxB, b)
+	}
+	ec := cfg.Engine
+	ec.MaxRunningRequests = maxB
+	ec.ChunkedPrefillSize = max(maxB*cfg.InputLen, 512)
+	if ec.MaxTotalTokens == 0 {
+		ec.MaxTotalTokens = maxB*(cfg.InputLen+cfg.OutputLen) + 1024
+	}
+	if ec.ContextLength == 0 {
+		ec.ContextLength = cfg.InputLen + cfg.OutputLen + 64
+	}
+	e, err := engine.Open(ec)
+	if err != nil {
+		return nil, err
+	}
+	defer e.Close()
+	core, err := e.NewCore()
+	if err != nil {
+		return nil, err
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	vocab := e.Model.Config.Vocab
+	if e.Tokenizer != nil {
+		vocab = min(vocab, e.Tokenizer.VocabSize()-300) // stay clear of special tokens
+	}
+	zero := float32(0)
+	maxNew := cfg.OutputLen
+	params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(nil)
+	if err != nil {
+		return nil, err
+	}
+	run := func(b int, label string) (OneBatchResult, error) {
+		res := OneBatchResult{BatchSize: b, InputLen: cfg.InputLen, OutputLen: cfg.OutputLen}
+		for i := 0; i < b; i++ {
+			ids := make([]int32, cfg.InputLen)
+			for j := range ids {
+				ids[j] = int32(rng.IntN(vocab))
+			}
+			if err := core.Add(scheduler.Request{Rid: fmt.Sprintf("%s-%d", label, i), InputIDs: ids, Params: params, LogprobStartLen: -1}); err != nil {
+				return res, err
+			}
+		}
+		var bar *progressbar.ProgressBar
+		if cfg.Progress != nil {
+			bar = progressbar.NewOptions(cfg.OutputLen, progressbar.OptionSetWriter(cfg.Progress),
+				progressbar.OptionSetDescription(fmt.Sprintf("batch %d", b)), progressbar.OptionClearOnFinish())
+		}
+		graphBefore := e.Runner.Stats.GraphSteps
+		prof, _ := e.Dev.(device.Profiler)
+		profile := prof != nil && cfg.ProfileStep >= 0 && label == fmt.Sprintf("b%d", cfg.BatchSizes[0])
+		var steps []float64
+		start := time.Now()
+		for !core.Idle() {
+			if profile && len(steps) == cfg.ProfileStep {
+				if err := prof.ProfilerStart(); err != nil {
+					return res, err
+				}
+			}
+			t0 := time.Now()
+			if _, err := core.Step(); err != nil {
+				return res, err
+			}
+			if profile && len(steps) == cfg.ProfileStep {
+				if err := prof.ProfilerStop(); err != nil {
+					return res, err
+				}
+			}
+			steps = append(steps, float64(time.Since(t0).Microseconds())/1000)
+			if bar != nil {
+				bar.Add(1)
+			}
+		}
+		res.TotalMs = float64(time.Since(start).Microseconds()) / 1000
+		res.GraphDecodeSteps = e.Runner.Stats.GraphSteps - graphBefore
+		if len(steps) == 0 {
+			return res, fmt.Errorf("batch %d: no steps ran", b)
+		}
+		res.PrefillMs = steps[0]
+		res.PrefillTokPerS = float64(b*cfg.InputLen) / (res.PrefillMs / 1000)
+		decode := append([]float64(nil), steps[1:]...)
+		sort.Float64s(decode)
+		if len(decode) > 0 {
+			res.DecodeMedianMs = decode[len(decode)/2]
+			res.DecodeP90Ms = decode[len(decode)*9/10]
+			res.DecodeTokPerS = float64(b) / (res.DecodeMedianMs / 1000)
+		}
+		res.OutputTokPerS = float64(b*cfg.OutputLen) / (res.TotalMs / 1000)
+		if err := core.FlushCache(); err != nil {
+			return res, err
+		}
+		return res, core.CheckInvariants()
+	}
+	// Warm up kernels, cuBLAS heuristics and the allocator once.
+	if _, err := run(min(maxB, 8), "warmup"); err != nil {
+		return nil, err
+	}
+	var out []OneBatchResult
+	for _, b := range cfg.BatchSizes {
+		r, err := run(b, fmt.Sprintf("b%d", b))
+		if err != nil {
+			return out, err
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}

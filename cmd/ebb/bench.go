@@ -1,0 +1,73 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"ebb/bench"
+)
+
+func benchCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "bench", Short: "Benchmarks: one-batch latency, offline throughput, serving, RL memory cycle"}
+	cmd.AddCommand(oneBatchCmd())
+	return cmd
+}
+
+func parseInts(s string) ([]int, error) {
+	var out []int
+	for _, p := range strings.Split(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(p))
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("%q is not a positive integer", p)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+func oneBatchCmd() *cobra.Command {
+	var cfg bench.OneBatchConfig
+	var sizes string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "one-batch --model DIR --batch-size 1,8,64,256 --input-len 128 --output-len 128",
+		Short: "Prefill latency, decode step latency and output tokens/s per batch size",
+		RunE: func(*cobra.Command, []string) error {
+			var err error
+			if cfg.BatchSizes, err = parseInts(sizes); err != nil {
+				return fmt.Errorf("--batch-size: %w", err)
+			}
+			if !asJSON {
+				cfg.Progress = os.Stderr
+			}
+			res, err := bench.OneBatch(cfg)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				enc := json.NewEncoder(os.Stdout)
+				enc.SetIndent("", "  ")
+				return enc.Encode(res)
+			}
+			fmt.Printf("%6s %8s %12s %14s %14s %16s %14s\n", "batch", "in/out", "prefill ms", "decode ms/step", "decode p90 ms", "decode tok/s", "output tok/s")
+			for _, r := range res {
+				fmt.Printf("%6d %4d/%-4d %12.2f %14.3f %14.3f %16.0f %14.0f\n", r.BatchSize, r.InputLen, r.OutputLen,
+					r.PrefillMs, r.DecodeMedianMs, r.DecodeP90Ms, r.DecodeTokPerS, r.OutputTokPerS)
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	addEngineFlags(f, &cfg.Engine)
+	f.StringVar(&sizes, "batch-size", "1,8,64,256", "comma-separated batch sizes")
+	f.IntVar(&cfg.InputLen, "input-len", 128, "prompt tokens per request")
+	f.IntVar(&cfg.OutputLen, "output-len", 128, "generated tokens per request")
+	f.BoolVar(&asJSON, "json", false, "print JSON")
+	f.IntVar(&cfg.ProfileStep, "profile-step", -1, "profile one step of the first batch size (0 prefill, k the k-th decode) for ncu --profile-from-start off")
+	return cmd
+}

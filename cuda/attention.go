@@ -1,0 +1,100 @@
+package cuda
+
+import (
+	"fmt"
+
+	"ebb/device"
+)
+
+// Attention implements device.Device: a decode kernel when every sequence
+// has one query (split along the KV for parallelism when the batch is small),
+// the tiled prefill kernel otherwise.
+func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.AttnMeta, scale float32) {
+	if d.err != nil || meta.NumSeqs == 0 {
+		return
+	}
+	hk, dim := kCache.Dim(1), kCache.Dim(2)
+	hq := qkv.Dim(1) - 2*hk
+	g := hq / hk
+	if meta.MaxQLen == 1 {
+		if name, ok := decodeKernel(g, dim); ok {
+			d.attnDecode(name, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			return
+		}
+	}
+	d.attnPrefill(out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+}
+
+// decodeKernel picks the instantiation whose register tiles fit g query
+// heads per kv head and dim.
+func decodeKernel(g, dim int) (string, bool) {
+	mg := 1
+	for mg < g {
+		mg *= 2
+	}
+	dl := 1
+	for dl*32 < dim {
+		dl *= 2
+	}
+	if mg > 16 || dl > 8 || (mg == 16 && dl == 8) {
+		return "", false
+	}
+	return fmt.Sprintf("attn_decode_g%d_d%d", mg, dl), true
+}
+
+func (d *Device) attnDecode(name string, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+	k, err := d.mod.Func(name)
+	if err != nil {
+		d.fail(err)
+		return
+	}
+	b := meta.NumSeqs
+	// Enough blocks to fill the GPU twice over; the kernel uses fewer for a
+	// short sequence (at least 64 positions a split), and the partials and
+	// merge counters must fit their fixed buffers.
+	splits := 1
+	if blocks := b * hk; blocks < 2*d.ctx.SMs {
+		splits = min((2*d.ctx.SMs+blocks-1)/blocks, 32)
+		for splits > 1 && (int64(b*hq*splits)*int64(dim)*4 > d.partO.Bytes() || int64(b*hq*splits)*8 > d.partML.Bytes()) {
+			splits--
+		}
+	}
+	if int64(b*hk)*4 > d.counters.Bytes() {
+		d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
+		return
+	}
+	d.fail(d.ctx.LaunchKernel(k, Dim3{uint32(b), uint32(hk), uint32(splits)}, D1(128), 0,
+		P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr), P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr),
+		P(meta.KVIndices.Ptr), P(d.partO.Ptr), P(d.partML.Ptr), P(d.counters.Ptr), I(hq), I(hk), I(dim), I(splits), F(scale)))
+}
+
+const (
+	prefillRows = 32 // PF_ROWS in attention.cu
+	prefillKC   = 32 // PF_KC
+)
+
+// prefillShared matches the padded layout of attn_prefill.
+func prefillShared(dim int) int {
+	return (2*prefillRows*(dim+4)+prefillRows*(prefillKC+1))*4 + 2*prefillKC*(dim+2)*2
+}
+
+func (d *Device) attnPrefill(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+	g := hq / hk
+	if g > prefillRows {
+		d.fail(fmt.Errorf("attention: %d query heads per kv head (limit %d)", g, prefillRows))
+		return
+	}
+	qt := prefillRows / g
+	shared := prefillShared(dim)
+	if shared > 48<<10 && shared > d.prefillShared {
+		if err := d.k["attn_prefill"].SetMaxDynamicShared(shared); err != nil {
+			d.fail(err)
+			return
+		}
+		d.prefillShared = shared
+	}
+	tiles := (meta.MaxQLen + qt - 1) / qt
+	d.launch("attn_prefill", Dim3{uint32(meta.NumSeqs), uint32(tiles), uint32(hk)}, D1(128), shared,
+		P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr), P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr),
+		P(meta.KVIndices.Ptr), I(hq), I(hk), I(dim), I(qt), F(scale))
+}

@@ -1,0 +1,513 @@
+package cuda
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"unsafe"
+
+	"github.com/x448/float16"
+
+	"ebb/device"
+	"ebb/memory"
+)
+
+// Device implements device.Device on one GPU in bf16. It must be used from
+// the goroutine that opened it (which Open locks to its OS thread).
+type Device struct {
+	ctx  *Context
+	vmm  *VMM
+	mem  *memory.Manager
+	mod  *Module
+	k    map[string]*Kernel
+	blas *blas
+	nvml *NVML
+	err  error
+
+	partO, partML device.Tensor // split-KV attention partials (fixed addresses, for graphs)
+	counters      device.Tensor // split-KV merge counters, zero between launches
+	samplePart    device.Tensor // per-slice row reductions for sampling
+	pinned        []*pinned     // host staging buffers handed out by AllocPinned
+	prefillShared int           // dynamic shared memory the prefill kernel is allowed
+}
+
+var (
+	_ device.Device          = (*Device)(nil)
+	_ device.GraphCapturer   = (*Device)(nil)
+	_ device.MemoryInfo      = (*Device)(nil)
+	_ device.Profiler        = (*Device)(nil)
+	_ device.PinnedAllocator = (*Device)(nil)
+	_ device.ResumeHook      = (*Device)(nil)
+)
+
+const (
+	gemvMaxRows     = 8 // MatMul with at most this many rows uses the gemv kernel
+	cublasWorkspace = 32 << 20
+	partialBytes    = 16 << 20
+	graphRegionVA   = 64 << 30 // address space only; memory is mapped as used
+)
+
+func init() {
+	device.Register("cuda", func(o device.OpenOptions) (device.Device, error) { return OpenDevice(o.Ordinal) },
+		Available)
+}
+
+var kernelNames = []string{
+	"embedding", "rmsnorm", "add_rmsnorm", "add_bias", "add_bias_f32", "prepare_qkv", "silu_mul",
+	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "sample", "apply_penalties",
+	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "sample_part",
+	"gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
+}
+
+// OpenDevice opens GPU ordinal: context, kernels, cuBLAS, and the cuda_graph
+// region holding the fixed buffers (cuBLAS workspace, attention partials)
+// that captured graphs point at.
+func OpenDevice(ordinal int) (*Device, error) {
+	ctx, err := Open(ordinal)
+	if err != nil {
+		return nil, err
+	}
+	d := &Device{ctx: ctx}
+	if err := d.init(); err != nil {
+		d.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+func (d *Device) init() error {
+	var err error
+	if d.vmm, err = NewVMM(d.ctx); err != nil {
+		return err
+	}
+	d.mem = memory.NewManager(d.vmm)
+	if d.mod, err = d.ctx.LoadKernels(); err != nil {
+		return err
+	}
+	if d.k, err = d.mod.Funcs(kernelNames...); err != nil {
+		return err
+	}
+	if _, err := d.mem.Create(memory.CUDAGraph, memory.RegionOptions{Capacity: graphRegionVA, GrowStep: 64 << 20}); err != nil {
+		return err
+	}
+	ws, err := d.mem.Alloc(memory.CUDAGraph, cublasWorkspace)
+	if err != nil {
+		return err
+	}
+	if d.blas, err = newBLAS(d.ctx, ws, cublasWorkspace); err != nil {
+		return err
+	}
+	if d.partO, err = d.Alloc(memory.CUDAGraph, device.F32, partialBytes/4); err != nil {
+		return err
+	}
+	if d.partML, err = d.Alloc(memory.CUDAGraph, device.F32, partialBytes/4/64); err != nil {
+		return err
+	}
+	if d.counters, err = d.Alloc(memory.CUDAGraph, device.I32, 1<<16); err != nil {
+		return err
+	}
+	d.fail(d.ctx.MemsetD32(d.counters.Ptr, 0, 1<<16))
+	if d.samplePart, err = d.Alloc(memory.CUDAGraph, device.F32, 1<<18); err != nil {
+		return err
+	}
+	if d.nvml, err = OpenNVML(d.ctx); err != nil {
+		d.nvml = nil // reports only; the engine runs without it
+	}
+	return nil
+}
+
+// Context exposes the CUDA context (for benchmarks and self-tests).
+func (d *Device) Context() *Context { return d.ctx }
+
+// NVML returns the NVML reader, or nil when NVML is unavailable.
+func (d *Device) NVML() *NVML { return d.nvml }
+
+// Name implements device.Device.
+func (d *Device) Name() string { return fmt.Sprintf("cuda:%d (%s)", d.ctx.Ordinal, d.ctx.Name) }
+
+// DType implements device.Device.
+func (d *Device) DType() device.DType { return device.BF16 }
+
+// Memory implements device.Device.
+func (d *Device) Memory() *memory.Manager { return d.mem }
+
+// DeviceMemory implements device.MemoryInfo.
+func (d *Device) DeviceMemory() (free, total int64, err error) { return d.ctx.MemInfo() }
+
+func (d *Device) fail(err error) {
+	if err != nil && d.err == nil {
+		d.err = err
+	}
+}
+
+// Sync implements device.Device.
+func (d *Device) Sync() error {
+	d.fail(d.ctx.SyncStream())
+	err := d.err
+	d.err = nil
+	return err
+}
+
+// Close implements device.Device.
+func (d *Device) Close() error {
+	var errs []error
+	if d.ctx != nil {
+		errs = append(errs, d.ctx.Synchronize())
+	}
+	if d.blas != nil {
+		errs = append(errs, d.blas.destroy())
+	}
+	if d.mem != nil {
+		errs = append(errs, d.mem.Close())
+	}
+	for _, p := range d.pinned {
+		errs = append(errs, p.Free())
+	}
+	if d.mod != nil {
+		errs = append(errs, d.mod.Unload())
+	}
+	if d.ctx != nil {
+		errs = append(errs, d.ctx.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// Alloc implements device.Device.
+func (d *Device) Alloc(tag memory.Tag, dtype device.DType, shape ...int) (device.Tensor, error) {
+	t := device.Tensor{DType: dtype, Shape: append([]int(nil), shape...)}
+	ptr, err := d.mem.Alloc(tag, max(t.Bytes(), 1))
+	if err != nil {
+		return device.Tensor{}, err
+	}
+	t.Ptr = ptr
+	return t, nil
+}
+
+// Free implements device.Device.
+func (d *Device) Free(tag memory.Tag, t device.Tensor) {
+	if t.Ptr != 0 {
+		d.fail(d.mem.Free(tag, t.Ptr))
+	}
+}
+
+// Upload implements device.Device; conversions happen on the host.
+func (d *Device) Upload(dst device.Tensor, src []byte, srcType device.DType) error {
+	n := dst.Numel()
+	if len(src) != n*srcType.Size() {
+		return fmt.Errorf("upload to %v: %d bytes of %s", dst, len(src), srcType)
+	}
+	if dst.DType == srcType {
+		return d.ctx.CopyHtoD(dst.Ptr, src)
+	}
+	f := decodeFloats(src, srcType)
+	if f == nil {
+		return fmt.Errorf("upload to %v from %s", dst, srcType)
+	}
+	var out []byte
+	switch dst.DType {
+	case device.BF16:
+		out = make([]byte, 2*n)
+		for i, v := range f {
+			binary.LittleEndian.PutUint16(out[2*i:], bf16Bits(v))
+		}
+	case device.F32:
+		out = make([]byte, 4*n)
+		for i, v := range f {
+			binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(v))
+		}
+	default:
+		return fmt.Errorf("upload to %v from %s", dst, srcType)
+	}
+	return d.ctx.CopyHtoD(dst.Ptr, out)
+}
+
+func decodeFloats(src []byte, t device.DType) []float32 {
+	switch t {
+	case device.F32:
+		f := make([]float32, len(src)/4)
+		for i := range f {
+			f[i] = math.Float32frombits(binary.LittleEndian.Uint32(src[4*i:]))
+		}
+		return f
+	case device.BF16:
+		f := make([]float32, len(src)/2)
+		for i := range f {
+			f[i] = math.Float32frombits(uint32(binary.LittleEndian.Uint16(src[2*i:])) << 16)
+		}
+		return f
+	case device.F16:
+		f := make([]float32, len(src)/2)
+		for i := range f {
+			f[i] = float16.Frombits(binary.LittleEndian.Uint16(src[2*i:])).Float32()
+		}
+		return f
+	}
+	return nil
+}
+
+// bf16Bits rounds to nearest even, as the kernels' cvt.rn does.
+func bf16Bits(v float32) uint16 {
+	u := math.Float32bits(v)
+	if u&0x7fffffff > 0x7f800000 {
+		return uint16(u>>16) | 0x40
+	}
+	u += 0x7fff + (u>>16)&1
+	return uint16(u >> 16)
+}
+
+// DownloadF32 implements device.Device.
+func (d *Device) DownloadF32(src device.Tensor, dst []float32) error {
+	if len(dst) != src.Numel() {
+		return fmt.Errorf("download %v into %d floats", src, len(dst))
+	}
+	if len(dst) == 0 {
+		return nil
+	}
+	switch src.DType {
+	case device.F32:
+		return d.ctx.CopyDtoH(unsafe.Slice((*byte)(unsafe.Pointer(&dst[0])), 4*len(dst)), src.Ptr)
+	case device.BF16:
+		raw := make([]byte, 2*len(dst))
+		if err := d.ctx.CopyDtoH(raw, src.Ptr); err != nil {
+			return err
+		}
+		copy(dst, decodeFloats(raw, device.BF16))
+		return nil
+	}
+	return fmt.Errorf("download %v as float32", src)
+}
+
+// DownloadI32 implements device.Device.
+func (d *Device) DownloadI32(src device.Tensor, dst []int32) error {
+	if len(dst) != src.Numel() || src.DType != device.I32 {
+		return fmt.Errorf("download %v into %d ints", src, len(dst))
+	}
+	if len(dst) == 0 {
+		return nil
+	}
+	return d.ctx.CopyDtoH(unsafe.Slice((*byte)(unsafe.Pointer(&dst[0])), 4*len(dst)), src.Ptr)
+}
+
+// Copy implements device.Device.
+func (d *Device) Copy(dst, src device.Tensor) {
+	if dst.Bytes() != src.Bytes() || dst.DType != src.DType {
+		d.fail(fmt.Errorf("copy %v to %v", src, dst))
+		return
+	}
+	d.fail(d.ctx.CopyDtoD(dst.Ptr, src.Ptr, src.Bytes()))
+}
+
+func (d *Device) launch(name string, grid, block Dim3, shmem int, args ...uint64) {
+	if d.err != nil {
+		return
+	}
+	d.fail(d.ctx.LaunchKernel(d.k[name], grid, block, shmem, args...))
+}
+
+func gridFor(n int64) Dim3 { return D1(int(min((n+255)/256, 65535))) }
+
+// Fill implements device.Device.
+func (d *Device) Fill(dst device.Tensor, v float32) {
+	n := int64(dst.Numel())
+	switch dst.DType {
+	case device.BF16:
+		d.launch("fill_bf16", gridFor(n), D1(256), 0, P(dst.Ptr), uint64(n), F(v))
+	case device.F32:
+		d.launch("fill_f32", gridFor(n), D1(256), 0, P(dst.Ptr), uint64(n), F(v))
+	default:
+		d.fail(fmt.Errorf("fill %v", dst))
+	}
+}
+
+// Convert implements device.Device.
+func (d *Device) Convert(dst, src device.Tensor) {
+	n := int64(src.Numel())
+	switch {
+	case dst.Numel() != src.Numel():
+		d.fail(fmt.Errorf("convert %v to %v", src, dst))
+	case dst.DType == src.DType:
+		d.Copy(dst, src)
+	case dst.DType == device.F32 && src.DType == device.BF16:
+		d.launch("bf16_to_f32", gridFor(n), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n))
+	case dst.DType == device.BF16 && src.DType == device.F32:
+		d.launch("f32_to_bf16", gridFor(n), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n))
+	default:
+		d.fail(fmt.Errorf("convert %v to %v", src, dst))
+	}
+}
+
+// AfterResume implements device.ResumeHook: memory mapped again has
+// undefined contents, and the split-KV merge counters must start at zero.
+func (d *Device) AfterResume(tags []memory.Tag) error {
+	for _, t := range tags {
+		if t == memory.CUDAGraph {
+			return d.ctx.MemsetD32(d.counters.Ptr, 0, int64(d.counters.Numel()))
+		}
+	}
+	return nil
+}
+
+// AllocPinned implements device.PinnedAllocator; the memory is freed with
+// the device.
+func (d *Device) AllocPinned(n int) ([]byte, error) {
+	h, err := d.vmm.AllocHost(int64(n))
+	if err != nil {
+		return nil, err
+	}
+	p := h.(*pinned)
+	d.pinned = append(d.pinned, p)
+	return unsafe.Slice((*byte)(p.p), n), nil
+}
+
+// ProfilerStart implements device.Profiler.
+func (d *Device) ProfilerStart() error { return d.ctx.ProfilerStart() }
+
+// ProfilerStop implements device.Profiler.
+func (d *Device) ProfilerStop() error { return d.ctx.ProfilerStop() }
+
+// Embedding implements device.Device.
+func (d *Device) Embedding(out, table, ids device.Tensor) {
+	d.launch("embedding", D1(ids.Numel()), D1(128), 0, P(out.Ptr), P(table.Ptr), P(ids.Ptr), I(table.Dim(-1)))
+}
+
+// RMSNorm implements device.Device.
+func (d *Device) RMSNorm(out, x, w device.Tensor, eps float32) {
+	dim := w.Numel()
+	d.launch("rmsnorm", D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(out.Ptr), P(x.Ptr), P(w.Ptr), I(dim), F(eps))
+}
+
+// AddRMSNorm implements device.Device.
+func (d *Device) AddRMSNorm(residual, x, out, w device.Tensor, eps float32) {
+	dim := w.Numel()
+	d.launch("add_rmsnorm", D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(residual.Ptr), P(x.Ptr), P(out.Ptr), P(w.Ptr), I(dim), F(eps))
+}
+
+func normThreads(dim int) int { return min(1024, max(32, (dim/4+31)/32*32)) }
+
+// MatMul implements device.Device.
+func (d *Device) MatMul(out, x, w, bias device.Tensor) {
+	if d.err != nil {
+		return
+	}
+	m, k, n := x.Dim(0), x.Dim(-1), w.Dim(0)
+	if w.Dim(-1) != k || out.Numel() != m*n || x.DType != device.BF16 || w.DType != device.BF16 {
+		d.fail(fmt.Errorf("matmul: x %v, w %v, out %v", x, w, out))
+		return
+	}
+	if m <= gemvMaxRows && k%8 == 0 && x.Ptr%16 == 0 && w.Ptr%16 == 0 {
+		outF32 := 0
+		if out.DType == device.F32 {
+			outF32 = 1
+		}
+		d.launch(fmt.Sprintf("gemv_m%d", m), D1((n+7)/8), D1(256), 0, P(out.Ptr), I(outF32), P(x.Ptr), P(w.Ptr), I(n), I(k))
+	} else {
+		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k))
+	}
+	if bias.Valid() {
+		total := int64(m) * int64(n)
+		name := "add_bias"
+		if out.DType == device.F32 {
+			name = "add_bias_f32"
+		}
+		d.launch(name, gridFor(total), D1(256), 0, P(out.Ptr), P(bias.Ptr), uint64(total), I(n))
+	}
+}
+
+// PrepareQKV implements device.Device.
+func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) {
+	hk, dim := kCache.Dim(1), kCache.Dim(2)
+	hq := qkv.Dim(1) - 2*hk
+	t := positions.Numel()
+	hasNorm := 0
+	if qNorm.Valid() {
+		hasNorm = 1
+	}
+	if dim > 256 {
+		d.fail(fmt.Errorf("prepare_qkv: head_dim %d above 256", dim))
+		return
+	}
+	d.launch("prepare_qkv", D1(t), D1(128), 0,
+		P(qkv.Ptr), P(qNorm.Ptr), P(kNorm.Ptr), P(positions.Ptr), P(cos.Ptr), P(sin.Ptr),
+		P(kCache.Ptr), P(vCache.Ptr), P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm))
+}
+
+// SiLUMul implements device.Device.
+func (d *Device) SiLUMul(out, gateUp device.Tensor) {
+	rows, inter := out.Dim(0), out.Dim(-1)
+	if rows > 65535 {
+		d.fail(fmt.Errorf("silu_mul: %d rows", rows))
+		return
+	}
+	d.launch("silu_mul", Dim3{uint32((inter + 255) / 256), uint32(rows), 1}, D1(256), 0, P(out.Ptr), P(gateUp.Ptr), I(inter))
+}
+
+// GatherRows implements device.Device.
+func (d *Device) GatherRows(out, x, rows device.Tensor) {
+	if rows.Numel() == 0 {
+		return
+	}
+	d.launch("gather_rows", D1(rows.Numel()), D1(256), 0, P(out.Ptr), P(x.Ptr), P(rows.Ptr), I(x.RowSize()))
+}
+
+// ApplyPenalties implements device.Device.
+func (d *Device) ApplyPenalties(logits device.Tensor, a device.PenaltyArgs) {
+	d.launch("apply_penalties", D1(logits.Dim(0)), D1(256), 0, P(logits.Ptr), I(logits.Dim(-1)), P(a.RowPtr.Ptr),
+		P(a.Tokens.Ptr), P(a.Counts.Ptr), P(a.Bias.Ptr), P(a.Repetition.Ptr), P(a.Frequency.Ptr), P(a.Presence.Ptr))
+}
+
+// Sample implements device.Device.
+func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
+	ntop := 0
+	if a.TopIDs.Valid() {
+		ntop = a.TopIDs.Dim(-1)
+	}
+	if ntop > 64 {
+		d.fail(fmt.Errorf("sample: %d top logprobs (limit 64)", ntop))
+		return
+	}
+	// Split each row into slices reduced by a grid of blocks first, so a
+	// small batch still spreads the pass over the logits across the GPU.
+	rows, v := logits.Dim(0), logits.Dim(-1)
+	parts := min(32, max(1, 2*d.ctx.SMs/rows), (v+4095)/4096)
+	if int64(rows*parts*3*4) > d.samplePart.Bytes() {
+		parts = 0
+	}
+	if parts > 0 {
+		d.launch("sample_part", Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
+			P(a.Temperature.Ptr), P(d.samplePart.Ptr))
+	}
+	d.launch("sample", D1(rows), D1(1024), 0, P(logits.Ptr), I(v), P(a.Temperature.Ptr),
+		P(a.TopP.Ptr), P(a.TopK.Ptr), P(a.MinP.Ptr), P(a.Uniform.Ptr), P(a.IDs.Ptr), P(a.Logprobs.Ptr),
+		P(a.TopIDs.Ptr), P(a.TopLogprobs.Ptr), I(ntop), P(d.samplePart.Ptr), I(parts))
+}
+
+// TokenLogprobs implements device.Device.
+func (d *Device) TokenLogprobs(out, logits, targets device.Tensor) {
+	d.launch("token_logprobs", D1(logits.Dim(0)), D1(1024), 0, P(out.Ptr), P(logits.Ptr), P(targets.Ptr), I(logits.Dim(-1)))
+}
+
+// CaptureGraph implements device.GraphCapturer.
+func (d *Device) CaptureGraph(record func()) (device.Graph, error) {
+	if d.err != nil {
+		return nil, d.err
+	}
+	g, err := d.ctx.Capture(func() error {
+		record()
+		err := d.err
+		d.err = nil
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &cudaGraph{d: d, g: g}, nil
+}
+
+type cudaGraph struct {
+	d *Device
+	g *Graph
+}
+
+func (g *cudaGraph) Replay() error  { return g.d.ctx.Launch(g.g) }
+func (g *cudaGraph) Destroy() error { return g.g.Destroy() }

@@ -1,0 +1,450 @@
+package cuda
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"ebb/device"
+	"ebb/device/cpu"
+	"ebb/memory"
+	"ebb/model"
+)
+
+// pair runs the same operation on the GPU and on the CPU reference.
+type pair struct {
+	t   *testing.T
+	gpu *Device
+	cpu *cpu.Device
+	rng *rand.Rand
+}
+
+type both struct{ g, c device.Tensor }
+
+func newPair(t *testing.T) *pair {
+	t.Helper()
+	if err := Available(); err != nil {
+		t.Skip("no GPU:", err)
+	}
+	g, err := OpenDevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := cpu.New(0)
+	for _, m := range []*memory.Manager{g.Memory(), c.Memory()} {
+		if _, err := m.Create(memory.Workspace, memory.RegionOptions{Capacity: 4 << 30, GrowStep: 64 << 20}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		if err := g.Close(); err != nil {
+			t.Error(err)
+		}
+		c.Close()
+	})
+	return &pair{t: t, gpu: g, cpu: c, rng: rand.New(rand.NewPCG(uint64(len(t.Name())), 42))}
+}
+
+// floats allocates a tensor on both devices holding the same values (rounded
+// to bf16, so both start from identical inputs; dtype F32 keeps floats).
+func (p *pair) floats(dtype device.DType, vals []float32, shape ...int) both {
+	p.t.Helper()
+	g, err := p.gpu.Alloc(memory.Workspace, dtype, shape...)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	c, err := p.cpu.Alloc(memory.Workspace, device.F32, shape...)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	if dtype == device.BF16 {
+		for i, v := range vals {
+			vals[i] = math.Float32frombits(uint32(bf16Bits(v)) << 16)
+		}
+	}
+	if err := p.gpu.Upload(g, model.F32Bytes(vals), device.F32); err != nil {
+		p.t.Fatal(err)
+	}
+	if err := p.cpu.Upload(c, model.F32Bytes(vals), device.F32); err != nil {
+		p.t.Fatal(err)
+	}
+	return both{g, c}
+}
+
+func (p *pair) random(dtype device.DType, scale float32, shape ...int) both {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	vals := make([]float32, n)
+	for i := range vals {
+		vals[i] = float32(p.rng.NormFloat64()) * scale
+	}
+	return p.floats(dtype, vals, shape...)
+}
+
+func (p *pair) ints(vals []int32, shape ...int) both {
+	p.t.Helper()
+	if len(shape) == 0 {
+		shape = []int{len(vals)}
+	}
+	var out both
+	for i, d := range []device.Device{p.gpu, p.cpu} {
+		t, err := d.Alloc(memory.Workspace, device.I32, shape...)
+		if err != nil {
+			p.t.Fatal(err)
+		}
+		if err := d.Upload(t, model.I32Bytes(vals), device.I32); err != nil {
+			p.t.Fatal(err)
+		}
+		if i == 0 {
+			out.g = t
+		} else {
+			out.c = t
+		}
+	}
+	return out
+}
+
+func (p *pair) sync() {
+	p.t.Helper()
+	if err := p.gpu.Sync(); err != nil {
+		p.t.Fatal(err)
+	}
+	if err := p.cpu.Sync(); err != nil {
+		p.t.Fatal(err)
+	}
+}
+
+func (p *pair) download(b both) (g, c []float32) {
+	p.t.Helper()
+	p.sync()
+	g, c = make([]float32, b.g.Numel()), make([]float32, b.c.Numel())
+	if err := p.gpu.DownloadF32(b.g, g); err != nil {
+		p.t.Fatal(err)
+	}
+	if err := p.cpu.DownloadF32(b.c, c); err != nil {
+		p.t.Fatal(err)
+	}
+	return g, c
+}
+
+// close checks |g-c| <= atol + rtol*|c| everywhere and reports the worst.
+func (p *pair) close(name string, b both, atol, rtol float64) {
+	p.t.Helper()
+	g, c := p.download(b)
+	worst, at := 0.0, -1
+	for i := range g {
+		d := math.Abs(float64(g[i]) - float64(c[i]))
+		if math.IsNaN(float64(g[i])) || d > atol+rtol*math.Abs(float64(c[i])) {
+			p.t.Fatalf("%s: element %d: gpu %v, cpu %v", name, i, g[i], c[i])
+		}
+		if d > worst {
+			worst, at = d, i
+		}
+	}
+	p.t.Logf("%s: %d elements, max |gpu-cpu| %.3g (at %d)", name, len(g), worst, at)
+}
+
+func TestEmbeddingGatherCopyFill(t *testing.T) {
+	p := newPair(t)
+	table := p.random(device.BF16, 1, 100, 72)
+	ids := p.ints([]int32{5, 99, 0, 5, 42})
+	out := p.random(device.BF16, 1, 5, 72)
+	p.gpu.Embedding(out.g, table.g, ids.g)
+	p.cpu.Embedding(out.c, table.c, ids.c)
+	p.close("embedding", out, 0, 0)
+	rows := p.ints([]int32{4, 0, 2})
+	sel := p.random(device.BF16, 1, 3, 72)
+	p.gpu.GatherRows(sel.g, out.g, rows.g)
+	p.cpu.GatherRows(sel.c, out.c, rows.c)
+	p.close("gather_rows", sel, 0, 0)
+	cp := p.random(device.BF16, 1, 3, 72)
+	p.gpu.Copy(cp.g, sel.g)
+	p.cpu.Copy(cp.c, sel.c)
+	p.close("copy", cp, 0, 0)
+	for _, dt := range []device.DType{device.BF16, device.F32} {
+		f := p.random(dt, 1, 1000)
+		p.gpu.Fill(f.g, 0.75)
+		p.cpu.Fill(f.c, 0.75)
+		p.close("fill "+dt.String(), f, 0, 0)
+	}
+}
+
+func TestRMSNorms(t *testing.T) {
+	p := newPair(t)
+	for _, dim := range []int{64, 1024, 1000} {
+		x := p.random(device.BF16, 2, 7, dim)
+		w := p.random(device.BF16, 0.3, dim)
+		out := p.random(device.BF16, 1, 7, dim)
+		p.gpu.RMSNorm(out.g, x.g, w.g, 1e-6)
+		p.cpu.RMSNorm(out.c, x.c, w.c, 1e-6)
+		p.close("rmsnorm", out, 1e-2, 1.6e-2)
+		res := p.random(device.BF16, 3, 7, dim)
+		p.gpu.AddRMSNorm(res.g, x.g, out.g, w.g, 1e-6)
+		p.cpu.AddRMSNorm(res.c, x.c, out.c, w.c, 1e-6)
+		p.close("add_rmsnorm residual", res, 2e-2, 8e-3)
+		p.close("add_rmsnorm out", out, 2e-2, 2e-2)
+	}
+}
+
+func TestMatMul(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {3, 1024, 4096}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		bias := p.random(device.BF16, 0.5, s.n)
+		out := p.random(device.BF16, 1, s.m, s.n)
+		p.gpu.MatMul(out.g, x.g, w.g, bias.g)
+		p.cpu.MatMul(out.c, x.c, w.c, bias.c)
+		p.close("matmul bf16+bias", out, 2e-2, 2e-2)
+		logits := p.random(device.F32, 1, s.m, s.n)
+		p.gpu.MatMul(logits.g, x.g, w.g, device.Tensor{})
+		p.cpu.MatMul(logits.c, x.c, w.c, device.Tensor{})
+		p.close("matmul f32 out", logits, 1e-3, 1e-3)
+	}
+}
+
+func TestSiLUMul(t *testing.T) {
+	p := newPair(t)
+	gu := p.random(device.BF16, 2, 9, 2*200)
+	out := p.random(device.BF16, 1, 9, 200)
+	p.gpu.SiLUMul(out.g, gu.g)
+	p.cpu.SiLUMul(out.c, gu.c)
+	p.close("silu_mul", out, 1e-2, 2e-2)
+}
+
+func ropeTables(p *pair, positions, half int) (cos, sin both) {
+	cfg := &model.Config{HeadDim: 2 * half, RopeTheta: 10000, Rope: model.RopeScaling{Type: "default"}}
+	c, s := cfg.RopeTables(positions)
+	return p.floats(device.F32, c, positions, half), p.floats(device.F32, s, positions, half)
+}
+
+func TestPrepareQKV(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		hq, hk, d int
+		norm      bool
+	}{{"qwen3", 16, 8, 128, true}, {"qwen2", 4, 2, 64, false}, {"mqa-small-dim", 6, 1, 16, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			const tokens, slots = 6, 50
+			qkv := p.random(device.BF16, 1.5, tokens, tc.hq+2*tc.hk, tc.d)
+			var qn, kn both
+			if tc.norm { // weights near 1, as trained norms are
+				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
+			}
+			pos := p.ints([]int32{0, 1, 7, 300, 1023, 4})
+			sl := p.ints([]int32{3, 17, 0, 49, 22, 8})
+			cos, sin := ropeTables(p, 1024, tc.d/2)
+			kc := p.random(device.BF16, 1, slots, tc.hk, tc.d)
+			vc := p.random(device.BF16, 1, slots, tc.hk, tc.d)
+			p.gpu.PrepareQKV(qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, 1e-6)
+			p.cpu.PrepareQKV(qkv.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc.c, vc.c, sl.c, 1e-6)
+			p.close("qkv", qkv, 3e-2, 3e-2)
+			p.close("k cache", kc, 3e-2, 3e-2)
+			p.close("v cache", vc, 0, 0)
+		})
+	}
+}
+
+func onesPlus(p *pair, n int) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = 1 + 0.1*float32(p.rng.NormFloat64())
+	}
+	return v
+}
+
+// attnCase builds caches and metadata for sequences with the given query
+// and KV lengths (queries are the last positions).
+func attnCase(p *pair, hq, hk, d int, qlens, kvlens []int) (out, qkv, kc, vc both, meta [2]device.AttnMeta) {
+	tokens, total := 0, 0
+	for i := range qlens {
+		tokens += qlens[i]
+		total += kvlens[i]
+	}
+	slots := total + 10
+	perm := p.rng.Perm(slots)
+	qptr, kvptr, idx := []int32{0}, []int32{0}, []int32{}
+	maxQ, maxKV := 0, 0
+	for i := range qlens {
+		for j := 0; j < kvlens[i]; j++ {
+			idx = append(idx, int32(perm[len(idx)]))
+		}
+		qptr = append(qptr, qptr[i]+int32(qlens[i]))
+		kvptr = append(kvptr, kvptr[i]+int32(kvlens[i]))
+		maxQ, maxKV = max(maxQ, qlens[i]), max(maxKV, kvlens[i])
+	}
+	qkv = p.random(device.BF16, 1, tokens, hq+2*hk, d)
+	kc = p.random(device.BF16, 1, slots, hk, d)
+	vc = p.random(device.BF16, 1, slots, hk, d)
+	out = p.random(device.BF16, 1, tokens, hq, d)
+	q, kv, ix := p.ints(qptr), p.ints(kvptr), p.ints(idx)
+	for i, pick := range []func(both) device.Tensor{func(b both) device.Tensor { return b.g }, func(b both) device.Tensor { return b.c }} {
+		meta[i] = device.AttnMeta{NumSeqs: len(qlens), MaxQLen: maxQ, MaxKVLen: maxKV, QIndptr: pick(q), KVIndptr: pick(kv), KVIndices: pick(ix)}
+	}
+	return
+}
+
+func TestAttention(t *testing.T) {
+	cases := []struct {
+		name          string
+		hq, hk, d     int
+		qlens, kvlens []int
+	}{
+		{"decode-qwen3", 16, 8, 128, []int{1, 1, 1}, []int{1, 70, 1500}},
+		{"decode-mqa", 6, 1, 24, []int{1, 1}, []int{33, 200}},
+		{"decode-g4-d64", 16, 4, 64, []int{1, 1, 1, 1}, []int{5, 64, 65, 9}},
+		{"decode-g1-d256", 4, 4, 256, []int{1}, []int{300}},
+		{"decode-many", 16, 8, 128, repeat(1, 200), repeat(130, 200)},
+		{"prefill-qwen3", 16, 8, 128, []int{5, 40, 1, 100}, []int{5, 100, 33, 100}},
+		{"prefill-g3-d48", 6, 2, 48, []int{17, 2}, []int{20, 70}},
+		{"prefill-g8-d16", 8, 1, 16, []int{70}, []int{200}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
+			scale := float32(1 / math.Sqrt(float64(tc.d)))
+			p.gpu.Attention(out.g, qkv.g, kc.g, vc.g, meta[0], scale)
+			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
+			p.close("attention", out, 2e-2, 2e-2)
+		})
+	}
+}
+
+func repeat(v, n int) []int {
+	s := make([]int, n)
+	for i := range s {
+		s[i] = v
+	}
+	return s
+}
+
+// sampleArgs uploads per-row parameters to both devices.
+func sampleArgs(p *pair, temp, topP []float32, topK []int32, minP, uni []float32, ntop int) [2]device.SampleArgs {
+	b := len(temp)
+	t, tp, tk, mp, u := p.floats(device.F32, temp, b), p.floats(device.F32, topP, b), p.ints(topK), p.floats(device.F32, minP, b), p.floats(device.F32, uni, b)
+	ids, lps := p.ints(make([]int32, b)), p.floats(device.F32, make([]float32, b), b)
+	var out [2]device.SampleArgs
+	var tids, tlps both
+	if ntop > 0 {
+		tids, tlps = p.ints(make([]int32, b*ntop), b, ntop), p.floats(device.F32, make([]float32, b*ntop), b, ntop)
+	}
+	for i, pick := range []func(both) device.Tensor{func(x both) device.Tensor { return x.g }, func(x both) device.Tensor { return x.c }} {
+		out[i] = device.SampleArgs{Temperature: pick(t), TopP: pick(tp), TopK: pick(tk), MinP: pick(mp), Uniform: pick(u),
+			IDs: pick(ids), Logprobs: pick(lps), TopIDs: pick(tids), TopLogprobs: pick(tlps)}
+	}
+	return out
+}
+
+func TestSample(t *testing.T) {
+	p := newPair(t)
+	const v = 5003
+	temp := []float32{0, 0.7, 1, 1, 0.8, 1.2, 1, 0.5}
+	topP := []float32{1, 1, 1, 0.9, 1, 0.8, 0.3, 0.95}
+	topK := []int32{-1, -1, 20, -1, -1, 50, -1, 1}
+	minP := []float32{0, 0, 0, 0, 0.05, 0.01, 0, 0}
+	b := len(temp)
+	var mismatches int
+	for trial := 0; trial < 8; trial++ {
+		logits := p.random(device.F32, 3, b, v)
+		uni := make([]float32, b)
+		for i := range uni {
+			uni[i] = p.rng.Float32()
+		}
+		args := sampleArgs(p, temp, topP, topK, minP, uni, 5)
+		p.gpu.Sample(logits.g, args[0])
+		p.cpu.Sample(logits.c, args[1])
+		p.sync()
+		gi, ci := make([]int32, b), make([]int32, b)
+		p.gpu.DownloadI32(args[0].IDs, gi)
+		p.cpu.DownloadI32(args[1].IDs, ci)
+		for r := range gi {
+			if gi[r] != ci[r] {
+				mismatches++
+				t.Logf("trial %d row %d (T=%v top_p=%v top_k=%d min_p=%v u=%v): gpu %d, cpu %d", trial, r, temp[r], topP[r], topK[r], minP[r], uni[r], gi[r], ci[r])
+			}
+		}
+		p.close("sampled logprobs", both{args[0].Logprobs, args[1].Logprobs}, 1e-4, 1e-5)
+		p.close("top logprobs", both{args[0].TopLogprobs, args[1].TopLogprobs}, 1e-4, 1e-5)
+		gt, ct := make([]int32, b*5), make([]int32, b*5)
+		p.gpu.DownloadI32(args[0].TopIDs, gt)
+		p.cpu.DownloadI32(args[1].TopIDs, ct)
+		for i := range gt {
+			if gt[i] != ct[i] {
+				t.Fatalf("top ids differ at %d: gpu %v cpu %v", i, gt, ct)
+			}
+		}
+	}
+	// Float sums in a different order may move a draw that lands within
+	// rounding of a boundary; anything more is a bug.
+	if mismatches > 1 {
+		t.Fatalf("%d of %d draws differ", mismatches, 8*b)
+	}
+}
+
+func TestPenaltiesAndTokenLogprobs(t *testing.T) {
+	p := newPair(t)
+	const v = 777
+	logits := p.random(device.F32, 2, 3, v)
+	rowptr := p.ints([]int32{0, 3, 3, 5})
+	toks := p.ints([]int32{1, 500, 776, 0, 10})
+	counts := p.ints([]int32{0, 2, 1, 3, 0})
+	bias := p.floats(device.F32, []float32{0, 0, float32(math.Inf(-1)), 0.5, 0}, 5)
+	rep := p.floats(device.F32, []float32{1.3, 1, 0.8}, 3)
+	freq := p.floats(device.F32, []float32{0.5, 0, 0}, 3)
+	pres := p.floats(device.F32, []float32{0.2, 0, 1}, 3)
+	for i, pick := range []func(both) device.Tensor{func(x both) device.Tensor { return x.g }, func(x both) device.Tensor { return x.c }} {
+		a := device.PenaltyArgs{RowPtr: pick(rowptr), Tokens: pick(toks), Counts: pick(counts), Bias: pick(bias),
+			Repetition: pick(rep), Frequency: pick(freq), Presence: pick(pres)}
+		if i == 0 {
+			p.gpu.ApplyPenalties(logits.g, a)
+		} else {
+			p.cpu.ApplyPenalties(logits.c, a)
+		}
+	}
+	p.close("penalties", logits, 1e-6, 1e-6)
+	targets := p.ints([]int32{3, 0, 776})
+	out := p.floats(device.F32, make([]float32, 3), 3)
+	logits2 := p.random(device.F32, 2, 3, v)
+	p.gpu.TokenLogprobs(out.g, logits2.g, targets.g)
+	p.cpu.TokenLogprobs(out.c, logits2.c, targets.c)
+	p.close("token_logprobs", out, 1e-4, 1e-5)
+}
+
+func TestGraphReplayReadsCurrentInputs(t *testing.T) {
+	p := newPair(t)
+	x := p.random(device.BF16, 1, 4, 256)
+	w := p.floats(device.BF16, onesPlus(p, 256), 256)
+	out := p.random(device.BF16, 1, 4, 256)
+	g, err := p.gpu.CaptureGraph(func() { p.gpu.RMSNorm(out.g, x.g, w.g, 1e-6) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Destroy()
+	for i := 0; i < 3; i++ {
+		x = p.refill(x, 1+float32(i))
+		if err := g.Replay(); err != nil {
+			t.Fatal(err)
+		}
+		p.cpu.RMSNorm(out.c, x.c, w.c, 1e-6)
+		p.close("graph replay", out, 1e-2, 1.6e-2)
+	}
+}
+
+// refill writes new values into both copies of b, keeping its addresses.
+func (p *pair) refill(b both, scale float32) both {
+	vals := make([]float32, b.c.Numel())
+	for i := range vals {
+		vals[i] = math.Float32frombits(uint32(bf16Bits(float32(p.rng.NormFloat64())*scale)) << 16)
+	}
+	if err := p.gpu.Upload(b.g, model.F32Bytes(vals), device.F32); err != nil {
+		p.t.Fatal(err)
+	}
+	if err := p.cpu.Upload(b.c, model.F32Bytes(vals), device.F32); err != nil {
+		p.t.Fatal(err)
+	}
+	return b
+}

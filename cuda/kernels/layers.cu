@@ -1,0 +1,206 @@
+// Elementwise and per-row kernels of the transformer layers. Storage is
+// bf16, math is fp32, and results are rounded where transformers rounds (each
+// bf16 tensor op), so outputs track transformers' bf16 forward closely.
+
+extern "C" __global__ void embedding(bf16 *out, const bf16 *table, const int *ids, int hidden) {
+	const bf16 *row = table + (long long)ids[blockIdx.x] * hidden;
+	bf16 *o = out + (long long)blockIdx.x * hidden;
+	if ((hidden & 7) == 0) {
+		const uint4 *src = (const uint4 *)row;
+		uint4 *dst = (uint4 *)o;
+		for (int i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
+	} else {
+		for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
+	}
+}
+
+// rmsnorm: one block per row; out may alias x.
+extern "C" __global__ void rmsnorm(bf16 *out, const bf16 *x, const bf16 *w, int dim, float eps) {
+	__shared__ float red[32];
+	const bf16 *xr = x + (long long)blockIdx.x * dim;
+	bf16 *o = out + (long long)blockIdx.x * dim;
+	float ss = 0.f;
+	for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+		float v = bf2f(xr[i]);
+		ss += v * v;
+	}
+	float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+	for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = f2bf(bf2f(w[i]) * rbf(bf2f(xr[i]) * inv));
+}
+
+// add_rmsnorm: residual += x (rounded to bf16), out = rmsnorm(residual).
+extern "C" __global__ void add_rmsnorm(bf16 *residual, const bf16 *x, bf16 *out, const bf16 *w, int dim, float eps) {
+	__shared__ float red[32];
+	long long off = (long long)blockIdx.x * dim;
+	bf16 *r = residual + off;
+	const bf16 *xr = x + off;
+	bf16 *o = out + off;
+	float ss = 0.f;
+	for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+		bf16 s = f2bf(bf2f(r[i]) + bf2f(xr[i]));
+		r[i] = s;
+		float v = bf2f(s);
+		ss += v * v;
+	}
+	float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+	for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = f2bf(bf2f(w[i]) * rbf(bf2f(r[i]) * inv));
+}
+
+// add_bias: x[row, j] += b[j] over rows of n.
+extern "C" __global__ void add_bias(bf16 *x, const bf16 *b, long long total, int n) {
+	FOR_GRID(i, total) x[i] = f2bf(bf2f(x[i]) + bf2f(b[i % n]));
+}
+
+// add_bias_f32 is add_bias for float32 outputs (logits).
+extern "C" __global__ void add_bias_f32(float *x, const bf16 *b, long long total, int n) {
+	FOR_GRID(i, total) x[i] += bf2f(b[i % n]);
+}
+
+// prepare_qkv handles one token per block, each warp a head at a time
+// (the fused row holds hq q heads, then hk k heads, then hk v heads):
+// per-head RMSNorm of q and k when has_norm, rotary embedding of q and k
+// (rotate-half, as transformers with cos/sin cast to bf16), and the store of
+// k and v into the paged cache. Lanes hold the pairs (j, j + d/2).
+#define QKV_MAX_PAIRS 4 // d <= 256
+extern "C" __global__ void __launch_bounds__(128)
+    prepare_qkv(bf16 *qkv, const bf16 *qnorm, const bf16 *knorm, const int *pos, const float *cos_t,
+                const float *sin_t, bf16 *kc, bf16 *vc, const int *slots, int hq, int hk, int d, float eps,
+                int has_norm) {
+	const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = d / 2;
+	const long long p = pos[t], slot = slots[t];
+	for (int h = warp; h < hq + 2 * hk; h += blockDim.x >> 5) {
+		bf16 *v = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
+		float x1[QKV_MAX_PAIRS], x2[QKV_MAX_PAIRS];
+		float ss = 0.f;
+#pragma unroll
+		for (int i = 0; i < QKV_MAX_PAIRS; i++) {
+			int j = lane + 32 * i;
+			x1[i] = j < half ? bf2f(v[j]) : 0.f;
+			x2[i] = j < half ? bf2f(v[j + half]) : 0.f;
+			ss += x1[i] * x1[i] + x2[i] * x2[i];
+		}
+		if (h < hq + hk) {
+			if (has_norm) {
+				const bf16 *w = h < hq ? qnorm : knorm;
+				float inv = rsqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+				for (int i = 0; i < QKV_MAX_PAIRS; i++) {
+					int j = lane + 32 * i;
+					if (j < half) {
+						x1[i] = rbf(bf2f(w[j]) * rbf(x1[i] * inv));
+						x2[i] = rbf(bf2f(w[j + half]) * rbf(x2[i] * inv));
+					}
+				}
+			}
+#pragma unroll
+			for (int i = 0; i < QKV_MAX_PAIRS; i++) {
+				int j = lane + 32 * i;
+				if (j < half) {
+					float c = rbf(cos_t[p * half + j]), s = rbf(sin_t[p * half + j]);
+					float o1 = rbf(rbf(x1[i] * c) + rbf(-x2[i] * s));
+					float o2 = rbf(rbf(x2[i] * c) + rbf(x1[i] * s));
+					x1[i] = o1;
+					x2[i] = o2;
+					v[j] = f2bf(o1);
+					v[j + half] = f2bf(o2);
+				}
+			}
+		}
+		if (h >= hq) {
+			bool is_k = h < hq + hk;
+			int kvh = is_k ? h - hq : h - hq - hk;
+			bf16 *dst = (is_k ? kc : vc) + (slot * hk + kvh) * d;
+#pragma unroll
+			for (int i = 0; i < QKV_MAX_PAIRS; i++) {
+				int j = lane + 32 * i;
+				if (j < half) {
+					dst[j] = f2bf(x1[i]);
+					dst[j + half] = f2bf(x2[i]);
+				}
+			}
+		}
+	}
+}
+
+// gemv computes out[m, n] = sum_k x[m, k] w[n, k] for a few rows m (M of
+// them), one warp per output column n, 16-byte loads of both operands:
+// a decode step at small batch is bound by reading the weights once.
+// K is a multiple of 8; out is bf16, or float32 when out_f32.
+template <int M>
+__device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K) {
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const long long n = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
+	if (n >= N) return;
+	const int kv = K / 8;
+	const uint4 *wr = (const uint4 *)(w + n * K);
+	const uint4 *xr = (const uint4 *)x;
+	float acc[M];
+#pragma unroll
+	for (int m = 0; m < M; m++) acc[m] = 0.f;
+#pragma unroll 4
+	for (int i = lane; i < kv; i += 32) {
+		uint4 wv = wr[i];
+		unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+		for (int m = 0; m < M; m++) {
+			uint4 xv = __ldg(xr + (long long)m * kv + i);
+			unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				acc[m] += __uint_as_float(wu[e] << 16) * __uint_as_float(xu[e] << 16);
+				acc[m] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(xu[e] & 0xffff0000u);
+			}
+		}
+	}
+#pragma unroll
+	for (int m = 0; m < M; m++) {
+		float s = warp_sum(acc[m]);
+		if (lane == 0) {
+			if (out_f32) ((float *)out)[(long long)m * N + n] = s;
+			else ((bf16 *)out)[(long long)m * N + n] = f2bf(s);
+		}
+	}
+}
+
+#define GEMV(M)                                                                                        \
+	extern "C" __global__ void __launch_bounds__(256) gemv_m##M(void *out, int out_f32, const bf16 *x, \
+	                                                            const bf16 *w, int N, int K) {          \
+		gemv_impl<M>(out, out_f32, x, w, N, K);                                                      \
+	}
+GEMV(1)
+GEMV(2)
+GEMV(3)
+GEMV(4)
+GEMV(5)
+GEMV(6)
+GEMV(7)
+GEMV(8)
+
+// silu_mul: out = silu(gate) * up with gate_up rows [gate | up], rounded as
+// transformers' act_fn(gate) * up in bf16. Grid (column blocks, rows).
+extern "C" __global__ void silu_mul(bf16 *out, const bf16 *gate_up, int inter) {
+	const long long r = blockIdx.y;
+	const int j = blockIdx.x * blockDim.x + threadIdx.x;
+	if (j >= inter) return;
+	float g = bf2f(gate_up[r * 2 * inter + j]), u = bf2f(gate_up[r * 2 * inter + inter + j]);
+	out[r * inter + j] = f2bf(rbf(g / (1.f + __expf(-g))) * u);
+}
+
+// gather_rows: out[i] = x[rows[i]] (bf16 rows of n).
+extern "C" __global__ void gather_rows(bf16 *out, const bf16 *x, const int *rows, int n) {
+	const bf16 *src = x + (long long)rows[blockIdx.x] * n;
+	bf16 *dst = out + (long long)blockIdx.x * n;
+	for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+extern "C" __global__ void fill_bf16(bf16 *x, long long n, float v) {
+	bf16 b = f2bf(v);
+	FOR_GRID(i, n) x[i] = b;
+}
+
+extern "C" __global__ void fill_f32(float *x, long long n, float v) { FOR_GRID(i, n) x[i] = v; }
+
+// f32_to_bf16 and bf16_to_f32 convert on the device (staging for uploads).
+extern "C" __global__ void f32_to_bf16(bf16 *out, const float *in, long long n) { FOR_GRID(i, n) out[i] = f2bf(in[i]); }
+
+extern "C" __global__ void bf16_to_f32(float *out, const bf16 *in, long long n) { FOR_GRID(i, n) out[i] = bf2f(in[i]); }

@@ -1,0 +1,89 @@
+package engine
+
+import (
+	"fmt"
+	"math"
+	"testing"
+
+	"ebb/cuda"
+	"ebb/ioschema"
+	"ebb/scheduler"
+)
+
+// TestGoldensCUDA runs the golden prompts on the GPU in bf16, through
+// CUDA-graph decode, against transformers in bf16 (sdpa). Tokens must agree
+// until transformers' top-2 gap is within one bf16 step of the logits.
+// Logprobs must be as close to transformers as transformers' own eager
+// attention is (bf16_floor): mean |d| within max(0.02, 1.5 x the floor's),
+// and each within 1.5 x the floor's max plus 1% of its magnitude. It skips
+// without a GPU.
+func TestGoldensCUDA(t *testing.T) {
+	if err := cuda.Available(); err != nil {
+		t.Skip("no GPU:", err)
+	}
+	const tieGap, relTol = 0.13, 0.01
+	var sum, worst, floorMean float64
+	var n, models int
+	for _, g := range loadGoldens(t) {
+		if len(g.BF16Cases) != len(g.Cases) {
+			t.Fatalf("%s: no bf16 reference (rerun tools/golden_tiny.py on the GPU machine)", g.Name)
+		}
+		g.Cases = g.BF16Cases
+		floorMean += g.BF16Floor.Mean
+		models++
+		absTol := 1.5*g.BF16Floor.Max + 0.01
+		t.Run(g.Name, func(t *testing.T) {
+			dir := writeGoldenModel(t, g)
+			e, err := Open(Config{ModelDir: dir, Device: "cuda", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
+				MaxTotalTokens: 4096, CUDAGraphMaxBS: 8})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Close()
+			zero := float32(0)
+			maxNew := g.NewTokens
+			params, _ := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
+			var reqs []scheduler.Request
+			for i, c := range g.Cases {
+				reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
+					ReturnLogprob: true, LogprobStartLen: 0})
+			}
+			outs, err := e.Generate(reqs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e.Runner.Stats.GraphSteps == 0 {
+				t.Fatalf("no decode step used a CUDA graph (%+v)", e.Runner.Stats)
+			}
+			check := func(what string, got float32, want float64) {
+				d := math.Abs(float64(got) - want)
+				sum, n, worst = sum+d, n+1, math.Max(worst, d)
+				if d > absTol+relTol*math.Abs(want) {
+					t.Errorf("%s: logprob %v, transformers %v", what, got, want)
+				}
+			}
+			for i, c := range g.Cases {
+				for j := range c.OutputIDs {
+					if c.Top2Gap[j] < tieGap {
+						break
+					}
+					if outs[i].OutputIDs[j] != c.OutputIDs[j] {
+						t.Fatalf("prompt %d: token %d is %d, transformers %d (gap %.3f)", i, j, outs[i].OutputIDs[j], c.OutputIDs[j], c.Top2Gap[j])
+					}
+					check(fmt.Sprintf("prompt %d step %d", i, j), outs[i].OutputLogprobs[j], c.OutputLogprobs[j])
+				}
+				for j, want := range c.PromptLogprobs {
+					check(fmt.Sprintf("prompt %d token %d", i, j+1), outs[i].InputLogprobs[j+1], want)
+				}
+			}
+		})
+	}
+	if n > 0 {
+		floorMean /= float64(models)
+		t.Logf("GPU (bf16) vs transformers (bf16, sdpa): %d logprobs, mean |d| %.4f, max |d| %.4f; transformers eager vs sdpa: mean %.4f",
+			n, sum/float64(n), worst, floorMean)
+		if limit := max(0.02, 1.5*floorMean); sum/float64(n) > limit {
+			t.Fatalf("mean |d| %.4f above %.4f", sum/float64(n), limit)
+		}
+	}
+}

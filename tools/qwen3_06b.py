@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""A Qwen3-0.6B-shaped model with random weights, and ebb checked against
+transformers (bf16) on it. Run on the GPU machine:
+
+    python3 tools/qwen3_06b.py --dir /tmp/qwen3-0.6b --ebb ebb --out report.json
+
+1. Writes the model directory (exact Qwen3-0.6B shapes: 28 layers, hidden
+   1024, 16 query / 8 KV heads, head_dim 128, intermediate 3072, vocab
+   151936, tied embeddings) in bf16 safetensors, with Qwen3's tokenizer files
+   taken from an `ebb tiny-model` directory. Linear weights are drawn with
+   variance 1/fan_in and the embedding so that logits spread over a few nats
+   (not the near-uniform default init), which makes greedy decoding and
+   logprob comparisons meaningful.
+2. transformers (bf16, CUDA, its default sdpa attention): teacher-forced
+   logprobs of random prompts and greedy continuations with the
+   top-1/top-2 gap of each step; and the same with eager attention, whose
+   distance from sdpa is the noise floor of two bf16 implementations.
+3. `ebb generate --device cuda` on the same prompts (prompt logprobs from
+   position 0, greedy continuation), in its own process after torch has
+   released the GPU.
+4. Reports the mean |logprob difference| over prompt tokens and how far the
+   greedy continuations agree, with the gap where they first differ.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+
+def make_model(path, ebb, seed):
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                      eos_token_id=151645, attention_bias=False, hidden_act="silu")
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 4.8 / math.sqrt(cfg.hidden_size))
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([ebb, "tiny-model", d, "--arch", "qwen3"], check=True, stdout=subprocess.DEVNULL)
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(os.path.join(d, f), os.path.join(path, f))
+
+
+@torch.no_grad()
+def reference(path, prompts, new_tokens, attn="sdpa"):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn)
+    model.eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        lp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        prompt_lp = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
+        toks, gaps, past, cur = [], [], None, ids
+        for _ in range(new_tokens):
+            o = model(cur, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            step = torch.log_softmax(o.logits[0, -1].float(), dim=-1)
+            top = torch.topk(step, 2)
+            t = int(top.indices[0])
+            toks.append(t)
+            gaps.append(float(top.values[0] - top.values[1]))
+            cur = torch.tensor([[t]], device="cuda")
+        out.append({"prompt_logprobs": prompt_lp, "output_ids": toks, "top2_gap": gaps})
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_ebb(ebb, path, prompts, new_tokens):
+    cmd = [ebb, "generate", "--model", path, "--device", "cuda", "--temperature", "0", "--ignore-eos",
+           "--max-new-tokens", str(new_tokens), "--return-logprob", "--logprob-start-len", "0", "--json"]
+    for p in prompts:
+        cmd += ["--input-ids", ",".join(map(str, p))]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return [json.loads(l) for l in res.stdout.splitlines()]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/qwen3-0.6b")
+    ap.add_argument("--ebb", default="ebb")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="qwen3_06b_report.json")
+    args = ap.parse_args()
+    make_model(args.dir, args.ebb, args.seed)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(0, 150000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    ref = reference(args.dir, prompts, args.new_tokens)
+    eager = reference(args.dir, prompts, args.new_tokens, "eager")
+    floor = [abs(a - b) for r, e in zip(ref, eager) for a, b in zip(r["prompt_logprobs"], e["prompt_logprobs"])]
+    got = run_ebb(args.ebb, args.dir, prompts, args.new_tokens)
+    diffs, agree, report = [], [], []
+    for r, g in zip(ref, got):
+        ebb_lp = [x[0] for x in g["meta_info"]["input_token_logprobs"]][1:]
+        d = [abs(a - b) for a, b in zip(ebb_lp, r["prompt_logprobs"])]
+        diffs += d
+        n = 0
+        while n < len(r["output_ids"]) and g["output_ids"][n] == r["output_ids"][n]:
+            n += 1
+        gap = r["top2_gap"][n] if n < len(r["output_ids"]) else None
+        agree.append(n)
+        report.append({"agree_tokens": n, "gap_at_divergence": gap, "mean_abs_logprob_diff": sum(d) / len(d)})
+        print(f"prompt: teacher-forced mean |dlogprob| {sum(d)/len(d):.4f}, greedy agrees for {n}/{len(r['output_ids'])} tokens"
+              + (f" (transformers' top-2 gap there: {gap:.3f})" if gap is not None else ""), flush=True)
+    summary = {"mean_abs_logprob_diff": sum(diffs) / len(diffs), "max_abs_logprob_diff": max(diffs),
+               "transformers_eager_vs_sdpa_mean": sum(floor) / len(floor),
+               "greedy_agree_tokens": agree, "prompts": report, "prompt_len": args.prompt_len,
+               "new_tokens": args.new_tokens}
+    print(f"mean |dlogprob| over {len(diffs)} prompt tokens: {summary['mean_abs_logprob_diff']:.4f} "
+          f"(max {summary['max_abs_logprob_diff']:.3f}); greedy agreement {agree}; "
+          f"transformers eager vs sdpa: {summary['transformers_eager_vs_sdpa_mean']:.4f}")
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
