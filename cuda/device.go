@@ -42,7 +42,7 @@ var (
 )
 
 const (
-	gemvMaxRows     = 8 // MatMul with at most this many rows uses the gemv kernel
+	gemvMaxRows     = 4 // MatMul with at most this many rows uses the gemv kernel (cuBLAS is faster from 8)
 	cublasWorkspace = 32 << 20
 	partialBytes    = 16 << 20
 	graphRegionVA   = 64 << 30 // address space only; memory is mapped as used
@@ -374,16 +374,25 @@ func (d *Device) Embedding(out, table, ids device.Tensor) {
 // RMSNorm implements device.Device.
 func (d *Device) RMSNorm(out, x, w device.Tensor, eps float32) {
 	dim := w.Numel()
+	if dim > 8*1024 {
+		d.fail(fmt.Errorf("rmsnorm: dim %d above 8192", dim))
+		return
+	}
 	d.launch("rmsnorm", D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(out.Ptr), P(x.Ptr), P(w.Ptr), I(dim), F(eps))
 }
 
 // AddRMSNorm implements device.Device.
 func (d *Device) AddRMSNorm(residual, x, out, w device.Tensor, eps float32) {
 	dim := w.Numel()
+	if dim > 8*1024 {
+		d.fail(fmt.Errorf("add_rmsnorm: dim %d above 8192", dim))
+		return
+	}
 	d.launch("add_rmsnorm", D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(residual.Ptr), P(x.Ptr), P(out.Ptr), P(w.Ptr), I(dim), F(eps))
 }
 
-func normThreads(dim int) int { return min(1024, max(32, (dim/4+31)/32*32)) }
+// normThreads gives each thread at most NORM_VPT (8) values of a row.
+func normThreads(dim int) int { return min(1024, max(32, ((dim+7)/8+31)/32*32)) }
 
 // MatMul implements device.Device.
 func (d *Device) MatMul(out, x, w, bias device.Tensor) {
@@ -427,7 +436,7 @@ func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCac
 		d.fail(fmt.Errorf("prepare_qkv: head_dim %d above 256", dim))
 		return
 	}
-	d.launch("prepare_qkv", D1(t), D1(128), 0,
+	d.launch("prepare_qkv", Dim3{uint32(t), uint32((hq + 2*hk + 3) / 4), 1}, D1(128), 0,
 		P(qkv.Ptr), P(qNorm.Ptr), P(kNorm.Ptr), P(positions.Ptr), P(cos.Ptr), P(sin.Ptr),
 		P(kCache.Ptr), P(vCache.Ptr), P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm))
 }

@@ -104,8 +104,11 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="qwen3_06b_report.json")
+    ap.add_argument("--make-only", action="store_true", help="write the model directory and stop")
     args = ap.parse_args()
     make_model(args.dir, args.ebb, args.seed)
+    if args.make_only:
+        return
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(0, 150000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     ref = reference(args.dir, prompts, args.new_tokens)

@@ -13,7 +13,7 @@
 // DECODE_MIN_SPLIT positions; with more than one, every split writes a
 // partial and the last one to finish (a counter per sequence and kv head,
 // reset after use) merges them, so no second launch is needed.
-#define DECODE_MIN_SPLIT 64
+#define DECODE_MIN_SPLIT 16
 
 template <int MG, int DL>
 __device__ void attn_decode_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr,
@@ -43,42 +43,27 @@ __device__ void attn_decode_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, con
 			o[r][i] = 0.f;
 		}
 	}
-	// UNR positions per warp per iteration: their K/V loads are all in flight
-	// before the first is used.
-	constexpr int UNR = DL <= 4 ? 4 : 2;
-	for (int c = c0 + warp; c < c1; c += ATT_WARPS * UNR) {
-		float k[UNR][DL], v[UNR][DL];
+	for (int c = c0 + warp; c < c1; c += ATT_WARPS) {
+		long long base = ((long long)kvidx[kv0 + c] * hk + g) * d;
+		float k[DL], v[DL];
 #pragma unroll
-		for (int u = 0; u < UNR; u++) {
-			int cc = c + u * ATT_WARPS;
-			long long base = cc < c1 ? ((long long)kvidx[kv0 + cc] * hk + g) * d : 0;
-#pragma unroll
-			for (int i = 0; i < DL; i++) {
-				int dd = lane + 32 * i;
-				bool in = cc < c1 && dd < d;
-				k[u][i] = in ? bf2f(kc[base + dd]) : 0.f;
-				v[u][i] = in ? bf2f(vc[base + dd]) : 0.f;
-			}
+		for (int i = 0; i < DL; i++) {
+			int dd = lane + 32 * i;
+			k[i] = dd < d ? bf2f(kc[base + dd]) : 0.f;
+			v[i] = dd < d ? bf2f(vc[base + dd]) : 0.f;
 		}
 #pragma unroll
 		for (int r = 0; r < MG; r++) {
-			if (r >= G) break;
-			float dots[UNR];
-#pragma unroll
-			for (int u = 0; u < UNR; u++) {
+			if (r < G) {
 				float dot = 0.f;
 #pragma unroll
-				for (int i = 0; i < DL; i++) dot += q[r][i] * k[u][i];
-				dots[u] = warp_sum(dot);
-			}
-#pragma unroll
-			for (int u = 0; u < UNR; u++) {
-				if (c + u * ATT_WARPS >= c1) break;
-				float mn = fmaxf(m[r], dots[u]);
-				float a = __expf(m[r] - mn), p = __expf(dots[u] - mn);
+				for (int i = 0; i < DL; i++) dot += q[r][i] * k[i];
+				dot = warp_sum(dot);
+				float mn = fmaxf(m[r], dot);
+				float a = __expf(m[r] - mn), p = __expf(dot - mn);
 				l[r] = l[r] * a + p;
 #pragma unroll
-				for (int i = 0; i < DL; i++) o[r][i] = o[r][i] * a + p * v[u][i];
+				for (int i = 0; i < DL; i++) o[r][i] = o[r][i] * a + p * v[i];
 				m[r] = mn;
 			}
 		}

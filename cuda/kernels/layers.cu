@@ -14,18 +14,30 @@ extern "C" __global__ void embedding(bf16 *out, const bf16 *table, const int *id
 	}
 }
 
+// Norms keep a row in registers (NORM_VPT values per thread, dim <=
+// NORM_VPT * blockDim.x): one read of each operand, all issued up front.
+#define NORM_VPT 8
+
 // rmsnorm: one block per row; out may alias x.
 extern "C" __global__ void rmsnorm(bf16 *out, const bf16 *x, const bf16 *w, int dim, float eps) {
 	__shared__ float red[32];
 	const bf16 *xr = x + (long long)blockIdx.x * dim;
 	bf16 *o = out + (long long)blockIdx.x * dim;
+	float v[NORM_VPT], wv[NORM_VPT];
 	float ss = 0.f;
-	for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-		float v = bf2f(xr[i]);
-		ss += v * v;
+#pragma unroll
+	for (int k = 0; k < NORM_VPT; k++) {
+		int i = threadIdx.x + k * blockDim.x;
+		v[k] = i < dim ? bf2f(xr[i]) : 0.f;
+		wv[k] = i < dim ? bf2f(w[i]) : 0.f;
+		ss += v[k] * v[k];
 	}
 	float inv = rsqrtf(block_sum(ss, red) / dim + eps);
-	for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = f2bf(bf2f(w[i]) * rbf(bf2f(xr[i]) * inv));
+#pragma unroll
+	for (int k = 0; k < NORM_VPT; k++) {
+		int i = threadIdx.x + k * blockDim.x;
+		if (i < dim) o[i] = f2bf(wv[k] * rbf(v[k] * inv));
+	}
 }
 
 // add_rmsnorm: residual += x (rounded to bf16), out = rmsnorm(residual).
@@ -35,15 +47,24 @@ extern "C" __global__ void add_rmsnorm(bf16 *residual, const bf16 *x, bf16 *out,
 	bf16 *r = residual + off;
 	const bf16 *xr = x + off;
 	bf16 *o = out + off;
+	float v[NORM_VPT], wv[NORM_VPT];
 	float ss = 0.f;
-	for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-		bf16 s = f2bf(bf2f(r[i]) + bf2f(xr[i]));
-		r[i] = s;
-		float v = bf2f(s);
-		ss += v * v;
+#pragma unroll
+	for (int k = 0; k < NORM_VPT; k++) {
+		int i = threadIdx.x + k * blockDim.x;
+		v[k] = i < dim ? rbf(bf2f(r[i]) + bf2f(xr[i])) : 0.f;
+		wv[k] = i < dim ? bf2f(w[i]) : 0.f;
+		ss += v[k] * v[k];
 	}
 	float inv = rsqrtf(block_sum(ss, red) / dim + eps);
-	for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = f2bf(bf2f(w[i]) * rbf(bf2f(r[i]) * inv));
+#pragma unroll
+	for (int k = 0; k < NORM_VPT; k++) {
+		int i = threadIdx.x + k * blockDim.x;
+		if (i < dim) {
+			r[i] = f2bf(v[k]);
+			o[i] = f2bf(wv[k] * rbf(v[k] * inv));
+		}
+	}
 }
 
 // add_bias: x[row, j] += b[j] over rows of n.
@@ -56,8 +77,9 @@ extern "C" __global__ void add_bias_f32(float *x, const bf16 *b, long long total
 	FOR_GRID(i, total) x[i] += bf2f(b[i % n]);
 }
 
-// prepare_qkv handles one token per block, each warp a head at a time
-// (the fused row holds hq q heads, then hk k heads, then hk v heads):
+// prepare_qkv: one warp per head of one token (blockIdx.x token,
+// blockIdx.y * 4 + warp head; the fused row holds hq q heads, then hk k
+// heads, then hk v heads):
 // per-head RMSNorm of q and k when has_norm, rotary embedding of q and k
 // (rotate-half, as transformers with cos/sin cast to bf16), and the store of
 // k and v into the paged cache. Lanes hold the pairs (j, j + d/2).
@@ -66,9 +88,10 @@ extern "C" __global__ void __launch_bounds__(128)
     prepare_qkv(bf16 *qkv, const bf16 *qnorm, const bf16 *knorm, const int *pos, const float *cos_t,
                 const float *sin_t, bf16 *kc, bf16 *vc, const int *slots, int hq, int hk, int d, float eps,
                 int has_norm) {
-	const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = d / 2;
+	const int t = blockIdx.x, lane = threadIdx.x & 31, half = d / 2;
+	const int h = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
 	const long long p = pos[t], slot = slots[t];
-	for (int h = warp; h < hq + 2 * hk; h += blockDim.x >> 5) {
+	if (h < hq + 2 * hk) {
 		bf16 *v = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
 		float x1[QKV_MAX_PAIRS], x2[QKV_MAX_PAIRS];
 		float ss = 0.f;
