@@ -67,7 +67,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		return nil, err
 	}
 	defer e.Close()
-	core, err := e.NewCore()
+	core, err := scheduler.NewCoreFor(e)
 	if err != nil {
 		return nil, err
 	}
@@ -76,7 +76,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	if e.Tokenizer != nil {
 		vocab = min(vocab, e.Tokenizer.VocabSize()-300) // stay clear of special tokens
 	}
-	zero := float32(0)
+	zero := 0.0
 	maxNew := cfg.OutputLen
 	params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(nil)
 	if err != nil {

@@ -39,6 +39,7 @@ var (
 	_ device.Profiler        = (*Device)(nil)
 	_ device.PinnedAllocator = (*Device)(nil)
 	_ device.ResumeHook      = (*Device)(nil)
+	_ device.MemoryReporter  = (*Device)(nil)
 )
 
 const (
@@ -335,6 +336,15 @@ func (d *Device) Convert(dst, src device.Tensor) {
 	default:
 		d.fail(fmt.Errorf("convert %v to %v", src, dst))
 	}
+}
+
+// MemoryReport implements device.MemoryReporter through NVML.
+func (d *Device) MemoryReport() (device.MemoryReport, error) {
+	if d.nvml == nil {
+		return device.MemoryReport{ProcessBytes: -1}, errors.New("NVML is not available")
+	}
+	r, err := d.nvml.Read()
+	return device.MemoryReport{ProcessBytes: r.ProcessBytes, UsedBytes: r.UsedBytes, TotalBytes: r.TotalBytes}, err
 }
 
 // AfterResume implements device.ResumeHook: memory mapped again has

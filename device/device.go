@@ -262,3 +262,15 @@ type PinnedAllocator interface {
 type ResumeHook interface {
 	AfterResume(tags []memory.Tag) error
 }
+
+// MemoryReport is what the driver's own accounting (NVML) says.
+type MemoryReport struct {
+	ProcessBytes int64 // this process; -1 when unknown
+	UsedBytes    int64 // the whole device
+	TotalBytes   int64
+}
+
+// MemoryReporter is implemented by devices that can read NVML.
+type MemoryReporter interface {
+	MemoryReport() (MemoryReport, error)
+}

@@ -1,6 +1,6 @@
 // Package engine assembles a servable model from a Hugging Face directory:
 // device, weights, KV cache, runner, tokenizer and sampling defaults. The
-// scheduler process and `ebb generate` both start here.
+// scheduler (process and offline) starts here.
 package engine
 
 import (
@@ -16,7 +16,6 @@ import (
 	"ebb/model"
 	"ebb/runner"
 	"ebb/safetensors"
-	"ebb/scheduler"
 	"ebb/tokenizer"
 )
 
@@ -192,16 +191,6 @@ func eosIDs(m *model.Config, g *model.GenerationConfig, tc *tokenizer.Config, to
 	}
 	slices.Sort(ids)
 	return slices.Compact(ids)
-}
-
-// NewCore starts a scheduler core over the engine.
-func (e *Engine) NewCore() (*scheduler.Core, error) {
-	return scheduler.NewCore(e.Runner, scheduler.Options{
-		MaxRunningRequests: e.Config.MaxRunningRequests,
-		ChunkedPrefillSize: e.Config.ChunkedPrefillSize,
-		EOS:                e.EOS,
-		Tokenizer:          e.Tokenizer,
-	})
 }
 
 // Defaults are the model's sampling defaults.

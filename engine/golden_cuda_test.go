@@ -1,4 +1,4 @@
-package engine
+package engine_test
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"ebb/cuda"
+	"ebb/engine"
 	"ebb/ioschema"
 	"ebb/scheduler"
 )
@@ -34,13 +35,13 @@ func TestGoldensCUDA(t *testing.T) {
 		absTol := 1.5*g.BF16Floor.Max + 0.01
 		t.Run(g.Name, func(t *testing.T) {
 			dir := writeGoldenModel(t, g)
-			e, err := Open(Config{ModelDir: dir, Device: "cuda", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
+			e, err := engine.Open(engine.Config{ModelDir: dir, Device: "cuda", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
 				MaxTotalTokens: 4096, CUDAGraphMaxBS: 8})
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer e.Close()
-			zero := float32(0)
+			zero := 0.0
 			maxNew := g.NewTokens
 			params, _ := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
 			var reqs []scheduler.Request
@@ -48,7 +49,7 @@ func TestGoldensCUDA(t *testing.T) {
 				reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
 					ReturnLogprob: true, LogprobStartLen: 0})
 			}
-			outs, err := e.Generate(reqs)
+			outs, err := scheduler.Generate(e, reqs)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -1,4 +1,4 @@
-package engine
+package engine_test
 
 import (
 	"crypto/sha256"
@@ -12,6 +12,7 @@ import (
 	"slices"
 	"testing"
 
+	"ebb/engine"
 	"ebb/ioschema"
 	"ebb/scheduler"
 	"ebb/tinymodel"
@@ -107,9 +108,9 @@ func writeGoldenModel(t *testing.T, g golden) string {
 
 // openCPU opens a model on the CPU with decode graphs emulated, so the
 // graph path (static buffers, padding to a captured size) is what runs.
-func openCPU(t *testing.T, dir string) *Engine {
+func openCPU(t *testing.T, dir string) *engine.Engine {
 	t.Helper()
-	e, err := Open(Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
+	e, err := engine.Open(engine.Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
 		MaxTotalTokens: 4096, CUDAGraphMaxBS: 8})
 	if err != nil {
 		t.Fatal(err)
@@ -127,7 +128,7 @@ func TestGoldensCPU(t *testing.T) {
 		t.Run(g.Name, func(t *testing.T) {
 			dir := writeGoldenModel(t, g)
 			e := openCPU(t, dir)
-			zero := float32(0)
+			zero := 0.0
 			maxNew := g.NewTokens
 			params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
 			if err != nil {
@@ -138,7 +139,7 @@ func TestGoldensCPU(t *testing.T) {
 				reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
 					ReturnLogprob: true, LogprobStartLen: 0})
 			}
-			outs, err := e.Generate(reqs)
+			outs, err := scheduler.Generate(e, reqs)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -13,13 +13,13 @@ type SamplingParams struct {
 	MinNewTokens               int        `msgpack:"min_new_tokens" json:"min_new_tokens,omitempty"`
 	Stop                       StringList `msgpack:"stop" json:"stop,omitempty"`
 	StopTokenIDs               []int32    `msgpack:"stop_token_ids" json:"stop_token_ids,omitempty"`
-	Temperature                *float32   `msgpack:"temperature" json:"temperature,omitempty"`
-	TopP                       *float32   `msgpack:"top_p" json:"top_p,omitempty"`
+	Temperature                *float64   `msgpack:"temperature" json:"temperature,omitempty"`
+	TopP                       *float64   `msgpack:"top_p" json:"top_p,omitempty"`
 	TopK                       *int       `msgpack:"top_k" json:"top_k,omitempty"`
-	MinP                       *float32   `msgpack:"min_p" json:"min_p,omitempty"`
-	FrequencyPenalty           float32    `msgpack:"frequency_penalty" json:"frequency_penalty,omitempty"`
-	PresencePenalty            float32    `msgpack:"presence_penalty" json:"presence_penalty,omitempty"`
-	RepetitionPenalty          *float32   `msgpack:"repetition_penalty" json:"repetition_penalty,omitempty"`
+	MinP                       *float64   `msgpack:"min_p" json:"min_p,omitempty"`
+	FrequencyPenalty           float64    `msgpack:"frequency_penalty" json:"frequency_penalty,omitempty"`
+	PresencePenalty            float64    `msgpack:"presence_penalty" json:"presence_penalty,omitempty"`
+	RepetitionPenalty          *float64   `msgpack:"repetition_penalty" json:"repetition_penalty,omitempty"`
 	IgnoreEOS                  bool       `msgpack:"ignore_eos" json:"ignore_eos,omitempty"`
 	SkipSpecialTokens          *bool      `msgpack:"skip_special_tokens" json:"skip_special_tokens,omitempty"`
 	SpacesBetweenSpecialTokens *bool      `msgpack:"spaces_between_special_tokens" json:"spaces_between_special_tokens,omitempty"`
@@ -33,11 +33,11 @@ type SamplingParams struct {
 
 // GenerationDefaults are a model's sampling defaults (generation_config.json).
 type GenerationDefaults struct {
-	Temperature       *float32 `json:"temperature"`
-	TopP              *float32 `json:"top_p"`
+	Temperature       *float64 `json:"temperature"`
+	TopP              *float64 `json:"top_p"`
 	TopK              *int     `json:"top_k"`
-	MinP              *float32 `json:"min_p"`
-	RepetitionPenalty *float32 `json:"repetition_penalty"`
+	MinP              *float64 `json:"min_p"`
+	RepetitionPenalty *float64 `json:"repetition_penalty"`
 	MaxNewTokens      *int     `json:"max_new_tokens"`
 }
 
@@ -73,13 +73,13 @@ func (p *SamplingParams) Resolve(d *GenerationDefaults) (Resolved, error) {
 	r := Resolved{
 		MaxNewTokens: pick(p.MaxNewTokens, d.MaxNewTokens, DefaultMaxNewTokens),
 		MinNewTokens: p.MinNewTokens, Stop: p.Stop, StopTokenIDs: p.StopTokenIDs,
-		Temperature:       pick(p.Temperature, d.Temperature, 1),
-		TopP:              pick(p.TopP, d.TopP, 1),
+		Temperature:       float32(pick(p.Temperature, d.Temperature, 1)),
+		TopP:              float32(pick(p.TopP, d.TopP, 1)),
 		TopK:              pick(p.TopK, d.TopK, -1),
-		MinP:              pick(p.MinP, d.MinP, 0),
-		FrequencyPenalty:  p.FrequencyPenalty,
-		PresencePenalty:   p.PresencePenalty,
-		RepetitionPenalty: pick(p.RepetitionPenalty, d.RepetitionPenalty, 1),
+		MinP:              float32(pick(p.MinP, d.MinP, 0)),
+		FrequencyPenalty:  float32(p.FrequencyPenalty),
+		PresencePenalty:   float32(p.PresencePenalty),
+		RepetitionPenalty: float32(pick(p.RepetitionPenalty, d.RepetitionPenalty, 1)),
 		IgnoreEOS:         p.IgnoreEOS,
 		SkipSpecialTokens: pick(p.SkipSpecialTokens, nil, true),
 		SpacesBetween:     pick(p.SpacesBetweenSpecialTokens, nil, true),

@@ -73,11 +73,15 @@ func (m *Manager) each(tags []Tag, f func(*Region) (int64, error)) Outcomes {
 	for _, t := range tags {
 		r := m.regions[t]
 		if r == nil {
-			out = append(out, Outcome{Tag: t, State: "absent", Err: fmt.Errorf("no region %q: %w", t, ErrUnknownTag)})
+			err := fmt.Errorf("no region %q: %w", t, ErrUnknownTag)
+			out = append(out, Outcome{Tag: t, State: "absent", Err: err, Error: err.Error()})
 			continue
 		}
 		n, err := f(r)
 		o := Outcome{Tag: t, Bytes: n, State: r.state.String(), Err: err}
+		if err != nil {
+			o.Error = err.Error()
+		}
 		switch {
 		case errors.Is(err, ErrAlreadyReleased), errors.Is(err, ErrAlreadyResident):
 			o.Note = "nothing done: " + err.Error()

@@ -146,6 +146,7 @@ type Outcome struct {
 	Bytes int64  `json:"bytes" msgpack:"bytes"` // freed by release, mapped by resume
 	State string `json:"state" msgpack:"state"` // state afterwards
 	Note  string `json:"note,omitempty" msgpack:"note,omitempty"`
+	Error string `json:"error,omitempty" msgpack:"error,omitempty"` // Err, for the wire
 	Err   error  `json:"-" msgpack:"-"`
 }
 

@@ -245,8 +245,9 @@ func (r *Region) allocatedBytes() int64 {
 	return n
 }
 
-// release backs up (when enabled) and unmaps everything; segments holding
-// live allocations are remembered so resume maps them at the same offsets.
+// release backs up (when enabled) and unmaps everything. Every segment is
+// remembered, so resume maps the region back exactly as it was (a cached
+// but empty workspace segment too: emptying is EmptyCache's job).
 func (r *Region) release() (int64, error) {
 	if r.state == Released {
 		return 0, ErrAlreadyReleased
@@ -261,7 +262,6 @@ func (r *Region) release() (int64, error) {
 		}
 	}
 	var freed int64
-	kept := r.segments[:0]
 	for _, s := range r.segments {
 		if s.mapped {
 			if err := r.phys.Unmap(r.base+uintptr(s.off), s.size, s.m); err != nil {
@@ -270,12 +270,7 @@ func (r *Region) release() (int64, error) {
 			s.mapped, s.m = false, nil
 			freed += s.size
 		}
-		if r.overlapsAlloc(s.span) {
-			kept = append(kept, s)
-		}
 	}
-	clear(r.segments[len(kept):])
-	r.segments = kept
 	r.state = Released
 	return freed, nil
 }

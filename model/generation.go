@@ -38,7 +38,7 @@ func LoadGenerationConfig(dir string) (*GenerationConfig, error) {
 	g := &GenerationConfig{Defaults: raw.GenerationDefaults}
 	if raw.DoSample != nil && !*raw.DoSample {
 		// transformers ignores sampling settings without do_sample: greedy.
-		zero := float32(0)
+		zero := 0.0
 		g.Defaults = ioschema.GenerationDefaults{Temperature: &zero, MaxNewTokens: raw.MaxNewTokens}
 	}
 	if g.EOS, err = parseIDList(raw.EOS); err != nil {

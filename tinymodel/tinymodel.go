@@ -30,6 +30,9 @@ type Spec struct {
 	MaxPositions  int     `json:"max_positions"`
 	DType         string  `json:"dtype"` // BF16 or F32
 	Seed          uint64  `json:"seed"`
+	// Vocab overrides the tokenizer's vocabulary size (0: keep it); a
+	// smaller one makes a fast model that takes input_ids only.
+	Vocab int `json:"vocab,omitempty"`
 }
 
 // FromJSON overlays a JSON spec (any subset of fields, "arch" required) on
@@ -101,6 +104,9 @@ func Write(dir string, s Spec) error {
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
+	}
+	if s.Vocab > 0 {
+		f.vocab = s.Vocab
 	}
 	if err := writeJSON(filepath.Join(dir, "config.json"), configJSON(s, f)); err != nil {
 		return err

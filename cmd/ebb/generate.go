@@ -21,10 +21,10 @@ func generateCmd() *cobra.Command {
 		prompts       []string
 		inputIDs      []string
 		maxNew        int
-		temperature   float32
-		topP          float32
+		temperature   float64
+		topP          float64
 		topK          int
-		minP          float32
+		minP          float64
 		seed          uint64
 		ignoreEOS     bool
 		returnLogprob bool
@@ -108,10 +108,10 @@ func generateCmd() *cobra.Command {
 	f.StringArrayVar(&prompts, "prompt", nil, "prompt text (repeatable)")
 	f.StringArrayVar(&inputIDs, "input-ids", nil, "comma-separated prompt token ids (repeatable)")
 	f.IntVar(&maxNew, "max-new-tokens", ioschema.DefaultMaxNewTokens, "tokens to generate")
-	f.Float32Var(&temperature, "temperature", 1, "sampling temperature (0: greedy); default from generation_config.json")
-	f.Float32Var(&topP, "top-p", 1, "nucleus sampling mass")
+	f.Float64Var(&temperature, "temperature", 1, "sampling temperature (0: greedy); default from generation_config.json")
+	f.Float64Var(&topP, "top-p", 1, "nucleus sampling mass")
 	f.IntVar(&topK, "top-k", -1, "sample among the k most likely tokens (-1: all)")
-	f.Float32Var(&minP, "min-p", 0, "drop tokens below min_p times the top probability")
+	f.Float64Var(&minP, "min-p", 0, "drop tokens below min_p times the top probability")
 	f.Uint64Var(&seed, "seed", 0, "sampling seed (reproducible draws)")
 	f.BoolVar(&ignoreEOS, "ignore-eos", false, "keep generating past end-of-sequence tokens")
 	f.BoolVar(&returnLogprob, "return-logprob", false, "report the logprob of each generated token")
@@ -153,7 +153,7 @@ func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, re
 		reqs[i] = scheduler.Request{Rid: fmt.Sprintf("generate-%d", i), InputIDs: ids, Params: params,
 			ReturnLogprob: returnLogprob, LogprobStartLen: logprobStart}
 	}
-	results, err := e.Generate(reqs)
+	results, err := scheduler.Generate(e, reqs)
 	if err != nil {
 		return nil, err
 	}

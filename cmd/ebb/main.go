@@ -8,6 +8,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	_ "ebb/cuda"
 	_ "ebb/device/cpu"
 )
 
@@ -18,7 +19,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(generateCmd(), tokenizeCmd(), tinyModelCmd(), selftestCmd(), benchCmd())
+	root.AddCommand(serveCmd(), childCmd(), generateCmd(), tokenizeCmd(), tinyModelCmd(), selftestCmd(), benchCmd())
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "ebb:", err)
 		os.Exit(1)

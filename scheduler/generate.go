@@ -1,10 +1,10 @@
-package engine
+package scheduler
 
 import (
 	"fmt"
 
+	"ebb/engine"
 	"ebb/ioschema"
-	"ebb/scheduler"
 )
 
 // Output is one request's complete result.
@@ -22,10 +22,20 @@ type Output struct {
 	CachedTokens      int
 }
 
+// NewCoreFor starts a scheduler core over an engine.
+func NewCoreFor(e *engine.Engine) (*Core, error) {
+	return NewCore(e.Runner, Options{
+		MaxRunningRequests: e.Config.MaxRunningRequests,
+		ChunkedPrefillSize: e.Config.ChunkedPrefillSize,
+		EOS:                e.EOS,
+		Tokenizer:          e.Tokenizer,
+	})
+}
+
 // Generate runs requests to completion in this process (continuous batching
 // as the server does it, with no I/O) and returns them in order.
-func (e *Engine) Generate(reqs []scheduler.Request) ([]Output, error) {
-	core, err := e.NewCore()
+func Generate(e *engine.Engine, reqs []Request) ([]Output, error) {
+	core, err := NewCoreFor(e)
 	if err != nil {
 		return nil, err
 	}

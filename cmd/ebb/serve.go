@@ -1,0 +1,82 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"ebb/launcher"
+)
+
+// newLogger writes human-readable logs to stderr at level.
+func newLogger(level, name string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	cfg := zap.NewProductionConfig()
+	cfg.Level = zap.NewAtomicLevelAt(lvl)
+	cfg.Encoding = "console"
+	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	cfg.DisableStacktrace = true
+	log, err := cfg.Build()
+	if err != nil {
+		return nil, err
+	}
+	return log.Named(name), nil
+}
+
+func serveCmd() *cobra.Command {
+	var cfg launcher.Config
+	cmd := &cobra.Command{
+		Use:   "serve --model DIR [--host H] [--port P] [--zmq-endpoint E]",
+		Short: "Serve a model: SGLang's HTTP API, OpenAI endpoints and the external ZMQ API",
+		RunE: func(*cobra.Command, []string) error {
+			log, err := newLogger(cfg.LogLevel, "ebb")
+			if err != nil {
+				return err
+			}
+			defer log.Sync()
+			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
+			cfg.Ready = func(addr, zmqEndpoint string) {
+				fmt.Fprintf(os.Stderr, "\nebb is ready on http://%s", addr)
+				if zmqEndpoint != "" {
+					fmt.Fprintf(os.Stderr, " (external ZMQ API: %s)", zmqEndpoint)
+				}
+				fmt.Fprintf(os.Stderr, "\nTry:\n  curl -s http://%s/generate -H 'Content-Type: application/json' \\\n"+
+					"    -d '{\"text\": \"The capital of France is\", \"sampling_params\": {\"max_new_tokens\": 16, \"temperature\": 0}}'\n\n", addr)
+			}
+			return launcher.Run(ctx, cfg, log)
+		},
+	}
+	f := cmd.Flags()
+	addEngineFlags(f, &cfg.Engine)
+	f.StringVar(&cfg.Host, "host", "127.0.0.1", "HTTP listen address")
+	f.IntVar(&cfg.Port, "port", 30000, "HTTP port")
+	f.StringVar(&cfg.ZMQEndpoint, "zmq-endpoint", "", `external ZMQ ROUTER endpoint (default tcp://127.0.0.1:<port+1>; "none" disables)`)
+	f.StringVar(&cfg.ModelName, "served-model-name", "", "model name for the OpenAI endpoints (default: the directory name)")
+	f.IntVar(&cfg.Engine.MaxRunningRequests, "max-running-requests", 0, "most requests decoding at once (default 256)")
+	f.IntVar(&cfg.Engine.ChunkedPrefillSize, "chunked-prefill-size", 0, "most prompt tokens per step (default 8192)")
+	f.BoolVar(&cfg.Engine.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")
+	f.IntVar(&cfg.Engine.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
+	f.StringVar(&cfg.LogLevel, "log-level", "info", "debug, info, warn or error")
+	return cmd
+}
+
+func childCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:    "__child ROLE RUNTIME_DIR",
+		Hidden: true,
+		Args:   cobra.ExactArgs(2),
+		RunE: func(_ *cobra.Command, args []string) error {
+			return launcher.RunChild(args[0], args[1], newLogger)
+		},
+	}
+}

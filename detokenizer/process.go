@@ -1,0 +1,91 @@
+package detokenizer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/zap"
+
+	"ebb/ioschema"
+	"ebb/tokenizer"
+)
+
+// Config is what the detokenizer process needs.
+type Config struct {
+	ModelDir string
+	// InputEndpoint is bound (PULL) for the scheduler's batches;
+	// OutputEndpoint is connected (PUSH) to the tokenizer manager.
+	InputEndpoint, OutputEndpoint string
+}
+
+// Run is the detokenizer process: one goroutine owns both sockets and the
+// decode state. ready is called once the sockets are up.
+func Run(ctx context.Context, cfg Config, log *zap.Logger, ready func()) error {
+	var tok *tokenizer.Tokenizer
+	var err error
+	if tok, err = tokenizer.Load(cfg.ModelDir); err != nil {
+		log.Warn("no tokenizer: outputs carry token ids and empty text", zap.Error(err))
+		tok = nil
+	}
+	zctx, err := zmq.NewContext()
+	if err != nil {
+		return err
+	}
+	defer zctx.Term()
+	in, err := zctx.NewSocket(zmq.PULL)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := zctx.NewSocket(zmq.PUSH)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	for _, s := range []*zmq.Socket{in, out} {
+		if err := s.SetLinger(0); err != nil {
+			return err
+		}
+	}
+	if err := in.SetRcvtimeo(200 * time.Millisecond); err != nil {
+		return err
+	}
+	if err := in.Bind(cfg.InputEndpoint); err != nil {
+		return fmt.Errorf("bind %s: %w", cfg.InputEndpoint, err)
+	}
+	if err := out.Connect(cfg.OutputEndpoint); err != nil {
+		return fmt.Errorf("connect %s: %w", cfg.OutputEndpoint, err)
+	}
+	ready()
+	d := New(tok)
+	for ctx.Err() == nil {
+		b, err := in.RecvBytes(0)
+		if err != nil {
+			if errors.Is(zmq.AsErrno(err), zmq.Errno(11)) { // EAGAIN: receive timeout, check ctx
+				continue
+			}
+			return fmt.Errorf("receive: %w", err)
+		}
+		m, err := ioschema.Decode(b)
+		if err != nil {
+			log.Error("dropping undecodable batch", zap.Error(err))
+			continue
+		}
+		batch, ok := m.(*ioschema.BatchTokenIDOutput)
+		if !ok {
+			log.Error("unexpected message", zap.String("type", m.TypeName()))
+			continue
+		}
+		enc, err := ioschema.Encode(d.Process(batch))
+		if err != nil {
+			return err
+		}
+		if _, err := out.SendBytes(enc, 0); err != nil {
+			return fmt.Errorf("send: %w", err)
+		}
+	}
+	return nil
+}

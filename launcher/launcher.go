@@ -1,0 +1,277 @@
+// Package launcher runs `ebb serve`: it starts the scheduler and the
+// detokenizer as child processes of the same binary, waits for both to
+// report ready, runs the tokenizer manager (HTTP and the external ZMQ API)
+// itself, and when any part stops it stops the rest, so no process is left
+// behind and a crash ends the server with the child's error.
+package launcher
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+
+	"ebb/detokenizer"
+	"ebb/engine"
+	"ebb/scheduler"
+	tm "ebb/tokenizer_manager"
+)
+
+// Config is `ebb serve`'s settings.
+type Config struct {
+	Engine      engine.Config
+	Host        string
+	Port        int
+	ZMQEndpoint string // external API; "" for the default, "none" to disable
+	ModelName   string
+	LogLevel    string
+	// Executable is the ebb binary the children run (default: this one).
+	Executable string
+	// Ready, if set, is called with the HTTP address once serving.
+	Ready func(httpAddr, zmqEndpoint string)
+}
+
+// ChildConfig is what the children read from the runtime directory.
+type ChildConfig struct {
+	Scheduler   scheduler.ProcessConfig
+	Detokenizer detokenizer.Config
+	LogLevel    string
+}
+
+const childConfigFile = "config.json"
+
+// child is a running child process.
+type child struct {
+	name string
+	cmd  *exec.Cmd
+	done chan error // the exit status, once
+}
+
+// Run serves until ctx ends (nil error) or a part of the server fails.
+func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
+	// Children get SIGKILL when the thread that started them ends
+	// (Pdeathsig): keep this goroutine on one thread for the server's life.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if cfg.Executable == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		cfg.Executable = exe
+	}
+	dir, err := os.MkdirTemp("", "ebb-run-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	ep := func(name string) string { return "ipc://" + filepath.Join(dir, name) }
+	zmqEndpoint := cfg.ZMQEndpoint
+	switch zmqEndpoint {
+	case "":
+		zmqEndpoint = "tcp://127.0.0.1:" + strconv.Itoa(cfg.Port+1)
+	case "none":
+		zmqEndpoint = ""
+	}
+	cc := ChildConfig{
+		Scheduler: scheduler.ProcessConfig{Engine: cfg.Engine, InputEndpoint: ep("scheduler"),
+			DetokenizerEndpoint: ep("detokenizer"), TokenizerEndpoint: ep("tokenizer")},
+		Detokenizer: detokenizer.Config{ModelDir: cfg.Engine.ModelDir, InputEndpoint: ep("detokenizer"), OutputEndpoint: ep("tokenizer")},
+		LogLevel:    cfg.LogLevel,
+	}
+	b, err := json.Marshal(cc)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, childConfigFile), b, 0o600); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var children []*child
+	defer func() { stopChildren(children, log) }()
+	for _, role := range []string{"scheduler", "detokenizer"} {
+		c, err := startChild(ctx, cfg.Executable, role, dir, log)
+		if err != nil {
+			return err
+		}
+		children = append(children, c)
+	}
+	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, ModelName: cfg.ModelName, SchedulerEndpoint: ep("scheduler"),
+		InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint}, log.Named("tokenizer_manager"))
+	if err != nil {
+		return err
+	}
+	if err := m.Start(ctx); err != nil {
+		return err
+	}
+	defer m.Close()
+	addr := net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))
+	httpErr := make(chan error, 1)
+	go func() {
+		httpErr <- m.Serve(ctx, addr, func(a string) {
+			log.Info("serving", zap.String("http", "http://"+a), zap.String("zmq", zmqEndpoint))
+			if cfg.Ready != nil {
+				cfg.Ready(a, zmqEndpoint)
+			}
+		})
+	}()
+	var failure error
+	select {
+	case <-ctx.Done():
+	case err := <-httpErr:
+		failure = fmt.Errorf("http server: %w", err)
+	case err := <-m.Errors():
+		failure = fmt.Errorf("tokenizer manager: %w", err)
+	case failure = <-firstExit(children):
+	}
+	cancel()
+	return failure
+}
+
+// firstExit reports the first child to end, as an error.
+func firstExit(children []*child) <-chan error {
+	out := make(chan error, len(children))
+	for _, c := range children {
+		go func() {
+			err := <-c.done
+			c.done <- err // keep it readable for stopChildren
+			if err == nil {
+				err = errors.New("exited")
+			}
+			out <- fmt.Errorf("%s process stopped: %w", c.name, err)
+		}()
+	}
+	return out
+}
+
+// startChild runs `ebb __child role dir` and waits for its ready line.
+func startChild(ctx context.Context, exe, role, dir string, log *zap.Logger) (*child, error) {
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	defer pr.Close()
+	cmd := exec.Command(exe, "__child", role, dir)
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	cmd.ExtraFiles = []*os.File{pw}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		pw.Close()
+		return nil, fmt.Errorf("start %s: %w", role, err)
+	}
+	pw.Close()
+	c := &child{name: role, cmd: cmd, done: make(chan error, 1)}
+	go func() { c.done <- cmd.Wait() }()
+	lines := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(pr)
+		sc.Buffer(nil, 1<<20)
+		if sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+	}()
+	select {
+	case line, ok := <-lines:
+		if ok && strings.HasPrefix(line, "ready") {
+			log.Info(role+" ready", zap.String("info", strings.TrimSpace(strings.TrimPrefix(line, "ready"))))
+			return c, nil
+		}
+		stopChildren([]*child{c}, log)
+		if ok && strings.HasPrefix(line, "error ") {
+			return nil, fmt.Errorf("%s: %s", role, strings.TrimPrefix(line, "error "))
+		}
+		return nil, fmt.Errorf("%s exited before it was ready", role)
+	case <-ctx.Done():
+		stopChildren([]*child{c}, log)
+		return nil, ctx.Err()
+	}
+}
+
+// stopChildren sends SIGTERM, waits a little, then SIGKILL.
+func stopChildren(children []*child, log *zap.Logger) {
+	for _, c := range children {
+		_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	deadline := time.After(10 * time.Second)
+	for _, c := range children {
+		select {
+		case err := <-c.done:
+			c.done <- err
+		case <-deadline:
+			log.Warn("child did not stop; killing it", zap.String("child", c.name))
+			_ = c.cmd.Process.Kill()
+		}
+	}
+}
+
+// RunChild is the body of `ebb __child role dir`: it reads the config,
+// reports ready (or its error) on file descriptor 3 and serves until
+// SIGTERM. SIGINT is left to the parent, which shuts the children down in
+// order.
+func RunChild(role, dir string, newLog func(level, name string) (*zap.Logger, error)) error {
+	signal := os.NewFile(3, "ready")
+	report := func(s string) {
+		if signal != nil {
+			fmt.Fprintln(signal, s)
+			signal.Close()
+			signal = nil
+		}
+	}
+	fail := func(err error) error {
+		report("error " + strings.ReplaceAll(err.Error(), "\n", " "))
+		return err
+	}
+	b, err := os.ReadFile(filepath.Join(dir, childConfigFile))
+	if err != nil {
+		return fail(err)
+	}
+	var cc ChildConfig
+	if err := json.Unmarshal(b, &cc); err != nil {
+		return fail(err)
+	}
+	log, err := newLog(cc.LogLevel, role)
+	if err != nil {
+		return fail(err)
+	}
+	defer log.Sync()
+	ctx, stop := notifyTerm()
+	defer stop()
+	switch role {
+	case "scheduler":
+		err = scheduler.RunProcess(ctx, cc.Scheduler, log, func(info map[string]any) {
+			b, _ := json.Marshal(info)
+			report("ready " + string(b))
+		})
+	case "detokenizer":
+		err = detokenizer.Run(ctx, cc.Detokenizer, log, func() { report("ready") })
+	default:
+		err = fmt.Errorf("unknown child role %q", role)
+	}
+	if err != nil {
+		log.Error("stopped", zap.Error(err))
+		return fail(err)
+	}
+	return nil
+}
+
+// notifyTerm is cancelled by SIGTERM and ignores SIGINT (a terminal's ^C
+// reaches the whole process group; the parent shuts children down).
+func notifyTerm() (context.Context, context.CancelFunc) {
+	signal.Ignore(syscall.SIGINT)
+	return signal.NotifyContext(context.Background(), syscall.SIGTERM)
+}

@@ -1,0 +1,150 @@
+package scheduler
+
+import (
+	"fmt"
+	"slices"
+	"testing"
+
+	"ebb/ioschema"
+)
+
+func TestPrefixSharingReportsCachedTokens(t *testing.T) {
+	h := newHarness(t, false, 4096)
+	shared := prompt(11, 100)
+	h.generate("first", append(slices.Clone(shared), 1, 2, 3), 4)
+	h.runToIdle()
+	h.generate("second", append(slices.Clone(shared), 7, 8), 4)
+	h.runToIdle()
+	if cached := h.cached["second"]; cached < 100 {
+		t.Fatalf("second request reused %d cached tokens, want >= 100", cached)
+	}
+}
+
+// TestChunkedPrefillMatchesOneShot: a prompt split over several steps (chunk
+// 48) decodes exactly like the same prompt in one chunk.
+func TestChunkedPrefillMatchesOneShot(t *testing.T) {
+	ids := prompt(21, 200)
+	small := newHarness(t, false, 4096)
+	small.generate("x", ids, 8)
+	small.runToIdle()
+	big := newHarnessChunk(t, false, 4096, 512)
+	big.generate("x", ids, 8)
+	big.runToIdle()
+	if !slices.Equal(small.tokens["x"], big.tokens["x"]) || len(small.tokens["x"]) != 8 {
+		t.Fatalf("chunked %v, one shot %v", small.tokens["x"], big.tokens["x"])
+	}
+}
+
+func TestFinishRules(t *testing.T) {
+	h := newHarness(t, false, 4096)
+	ids := prompt(31, 12)
+	h.generate("probe", ids, 6)
+	h.runToIdle()
+	probe := h.tokens["probe"]
+	zero := 0.0
+	cases := []struct {
+		name   string
+		params ioschema.SamplingParams
+		want   func(toks []int32, fr *ioschema.FinishReason) error
+	}{
+		{"stop_token_ids", ioschema.SamplingParams{MaxNewTokens: ptr(6), Temperature: &zero, StopTokenIDs: []int32{probe[2]}, IgnoreEOS: true},
+			func(toks []int32, fr *ioschema.FinishReason) error {
+				if fr.Type != "stop" || fr.Matched != probe[2] || len(toks) > 3 {
+					return fmt.Errorf("%v %+v", toks, fr)
+				}
+				return nil
+			}},
+		{"min_new_tokens bans the stop token", ioschema.SamplingParams{MaxNewTokens: ptr(6), MinNewTokens: 4, Temperature: &zero,
+			StopTokenIDs: []int32{probe[0]}, IgnoreEOS: true},
+			func(toks []int32, fr *ioschema.FinishReason) error {
+				if len(toks) < 4 || slices.Contains(toks[:3], probe[0]) {
+					return fmt.Errorf("%v %+v", toks, fr)
+				}
+				return nil
+			}},
+		{"max_new_tokens 0 prefills only", ioschema.SamplingParams{MaxNewTokens: ptr(0)},
+			func(toks []int32, fr *ioschema.FinishReason) error {
+				if len(toks) != 0 || fr.Type != "length" {
+					return fmt.Errorf("%v %+v", toks, fr)
+				}
+				return nil
+			}},
+		{"length", ioschema.SamplingParams{MaxNewTokens: ptr(3), Temperature: &zero, IgnoreEOS: true},
+			func(toks []int32, fr *ioschema.FinishReason) error {
+				if len(toks) != 3 || fr.Type != "length" || fr.Length != 3 {
+					return fmt.Errorf("%v %+v", toks, fr)
+				}
+				return nil
+			}},
+	}
+	for i, c := range cases {
+		rid := fmt.Sprint("case", i)
+		h.s.Handle(&ioschema.TokenizedGenerateReqInput{Rid: rid, InputIDs: ids, SamplingParams: c.params, LogprobStartLen: -1})
+		h.runToIdle()
+		if fr := h.finish[rid]; fr == nil {
+			t.Fatalf("%s: not finished", c.name)
+		} else if err := c.want(h.tokens[rid], fr); err != nil {
+			t.Errorf("%s: %v", c.name, err)
+		}
+	}
+}
+
+func TestAbortByPrefixAndBadRequests(t *testing.T) {
+	h := newHarness(t, false, 4096)
+	for i := 0; i < 3; i++ {
+		h.generate(fmt.Sprint("grp-", i), prompt(i, 20), 40)
+	}
+	h.generate("other", prompt(9, 20), 5)
+	h.step(3)
+	h.s.Handle(&ioschema.AbortReq{Rid: "grp-"})
+	h.runToIdle()
+	for i := 0; i < 3; i++ {
+		if fr := h.finish[fmt.Sprint("grp-", i)]; fr == nil || fr.Type != "abort" {
+			t.Fatalf("grp-%d: %+v", i, fr)
+		}
+	}
+	if fr := h.finish["other"]; fr == nil || fr.Type != "length" {
+		t.Fatalf("other: %+v", fr)
+	}
+	// Requests the model cannot take get error replies; nothing else changes.
+	h.replies = nil
+	long := prompt(1, 5000)
+	h.generate("too-long", long, 1)
+	h.generate("bad-id", []int32{1, 99999}, 1)
+	h.s.Handle(&ioschema.TokenizedGenerateReqInput{Rid: "bad-params", InputIDs: prompt(1, 3), SamplingParams: ioschema.SamplingParams{TopP: ptr(2.0)}})
+	h.drain()
+	if len(h.replies) != 3 {
+		t.Fatalf("%d error replies for 3 bad requests", len(h.replies))
+	}
+	for _, r := range h.replies {
+		if _, isErr := r.(*ioschema.ErrorOutput); !isErr {
+			t.Fatalf("reply %T", r)
+		}
+	}
+	if err := h.s.core.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestKVExhaustionRetracts: more decode demand than KV slots makes the
+// scheduler retract requests; all still finish, with the right outputs.
+func TestKVExhaustionRetracts(t *testing.T) {
+	const maxNew = 40
+	reqs := map[string][]int32{}
+	for i := 0; i < 6; i++ {
+		reqs[fmt.Sprint("r", i)] = prompt(40+i, 30)
+	}
+	want := reference(t, reqs, maxNew)
+	h := newHarness(t, false, 260) // 6 x 70 tokens do not fit at once
+	for rid, ids := range reqs {
+		h.generate(rid, ids, maxNew)
+	}
+	h.runToIdle()
+	if h.s.core.Stats.Retractions == 0 {
+		t.Fatal("expected retractions with a small KV cache")
+	}
+	sameOutputs(t, h.tokens, want)
+	if err := h.s.core.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}

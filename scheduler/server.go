@@ -1,0 +1,358 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/zap"
+
+	"ebb/engine"
+	"ebb/ioschema"
+	"ebb/memory"
+)
+
+// ProcessConfig is what the scheduler process needs.
+type ProcessConfig struct {
+	Engine engine.Config
+	// InputEndpoint is bound (PULL) for the tokenizer manager's requests;
+	// DetokenizerEndpoint and TokenizerEndpoint are connected (PUSH).
+	InputEndpoint, DetokenizerEndpoint, TokenizerEndpoint string
+	// InvariantInterval bounds how often the idle checks run.
+	InvariantInterval time.Duration
+}
+
+// destination of an outgoing message.
+type destination int
+
+const (
+	toDetokenizer destination = iota
+	toTokenizer
+)
+
+type outgoing struct {
+	to  destination
+	msg ioschema.Message
+}
+
+// RunProcess is the scheduler process. The engine lives on this goroutine,
+// locked to its OS thread; one goroutine owns the input socket and one the
+// two output sockets. ready is called with the server info once serving.
+func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready func(info map[string]any)) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	e, err := engine.Open(cfg.Engine)
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	s, err := NewServer(e, log)
+	if err != nil {
+		return err
+	}
+	zctx, err := zmq.NewContext()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	inbox := make(chan ioschema.Message, 1024)
+	outbox := make(chan outgoing, 1024)
+	errs := make(chan error, 2)
+	inSock, err := zctx.NewSocket(zmq.PULL)
+	if err != nil {
+		return err
+	}
+	if err := inSock.Bind(cfg.InputEndpoint); err != nil {
+		inSock.Close()
+		return fmt.Errorf("bind %s: %w", cfg.InputEndpoint, err)
+	}
+	go func() { errs <- receive(ctx, inSock, inbox, outbox, log) }()
+	go func() { errs <- send(ctx, zctx, cfg, outbox) }()
+	defer func() {
+		cancel()
+		<-errs
+		<-errs
+		zctx.Term()
+	}()
+	s.out = outbox
+	ready(s.Info())
+	interval := cfg.InvariantInterval
+	if interval <= 0 {
+		interval = time.Second
+	}
+	return s.Loop(ctx, inbox, errs, interval)
+}
+
+// receive owns the input socket: it decodes requests and forwards them; a
+// message that does not decode gets an error reply and is dropped.
+func receive(ctx context.Context, sock *zmq.Socket, inbox chan<- ioschema.Message, outbox chan<- outgoing, log *zap.Logger) error {
+	defer sock.Close()
+	if err := sock.SetLinger(0); err != nil {
+		return err
+	}
+	if err := sock.SetRcvtimeo(100 * time.Millisecond); err != nil {
+		return err
+	}
+	for ctx.Err() == nil {
+		b, err := sock.RecvBytes(0)
+		if err != nil {
+			if zmq.AsErrno(err) == zmq.Errno(11) { // EAGAIN
+				continue
+			}
+			if ctx.Err() != nil || zmq.AsErrno(err) == zmq.ETERM {
+				return nil
+			}
+			return fmt.Errorf("scheduler receive: %w", err)
+		}
+		m, err := ioschema.Decode(b)
+		if err != nil {
+			log.Warn("bad request", zap.Error(err))
+			outbox <- outgoing{toTokenizer, &ioschema.ErrorOutput{Rid: ioschema.RidOf(b), Message: err.Error()}}
+			continue
+		}
+		select {
+		case inbox <- m:
+		case <-ctx.Done():
+			return nil
+		}
+	}
+	return nil
+}
+
+// send owns both output sockets.
+func send(ctx context.Context, zctx *zmq.Context, cfg ProcessConfig, outbox <-chan outgoing) error {
+	socks := map[destination]*zmq.Socket{}
+	for d, ep := range map[destination]string{toDetokenizer: cfg.DetokenizerEndpoint, toTokenizer: cfg.TokenizerEndpoint} {
+		s, err := zctx.NewSocket(zmq.PUSH)
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		if err := s.SetLinger(0); err != nil {
+			return err
+		}
+		if err := s.Connect(ep); err != nil {
+			return fmt.Errorf("connect %s: %w", ep, err)
+		}
+		socks[d] = s
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case o := <-outbox:
+			b, err := ioschema.Encode(o.msg)
+			if err != nil {
+				return err
+			}
+			if _, err := socks[o.to].SendBytes(b, 0); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return fmt.Errorf("scheduler send: %w", err)
+			}
+		}
+	}
+}
+
+// Server is the scheduler's state: the engine, the core, and the RL
+// lifecycle around them. Its methods run on the engine's goroutine.
+type Server struct {
+	e      *engine.Engine
+	core   *Core
+	log    *zap.Logger
+	out    chan<- outgoing
+	flags  map[string]reqFlags // per running request, for the detokenizer
+	paused bool                // by pause_generation, until continue_generation
+	// weightVersion is reported with every output.
+	weightVersion string
+	lastCheck     time.Time
+	InvariantErr  error // the last failed idle check, if any
+}
+
+type reqFlags struct {
+	skipSpecial, spacesBetween, noStopTrim bool
+	stop                                   []string
+}
+
+// NewServer wraps an engine.
+func NewServer(e *engine.Engine, log *zap.Logger) (*Server, error) {
+	core, err := NewCoreFor(e)
+	if err != nil {
+		return nil, err
+	}
+	return &Server{e: e, core: core, log: log, flags: map[string]reqFlags{}, weightVersion: "default"}, nil
+}
+
+// Core exposes the scheduling core (tests, benchmarks).
+func (s *Server) Core() *Core { return s.core }
+
+// canRun reports whether generation may proceed: not paused, every region
+// back and the weights not stale.
+func (s *Server) canRun() bool { return !s.paused && s.e.Dev.Memory().AllResident() }
+
+// Loop serves until ctx ends or a socket goroutine fails.
+func (s *Server) Loop(ctx context.Context, inbox <-chan ioschema.Message, errs <-chan error, interval time.Duration) error {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		busy := s.canRun() && !s.core.Idle()
+		if busy {
+			// Take whatever has arrived, then step.
+			for drained := false; !drained; {
+				select {
+				case m := <-inbox:
+					s.Handle(m)
+				default:
+					drained = true
+				}
+			}
+			if err := s.Step(); err != nil {
+				return err
+			}
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-errs:
+			if err == nil {
+				err = errors.New("a socket goroutine stopped")
+			}
+			return err
+		case m := <-inbox:
+			s.Handle(m)
+		case <-tick.C:
+			s.checkIdle()
+		}
+	}
+}
+
+// Step runs one scheduling step and sends its outputs.
+func (s *Server) Step() error {
+	events, err := s.core.Step()
+	s.emit(events)
+	if err != nil {
+		// A failed step has failed its batch (abort events above); the
+		// device error is sticky for this step only. Keep serving.
+		s.log.Error("step failed", zap.Error(err))
+	}
+	return nil
+}
+
+// checkIdle runs the invariant checks when nothing is running.
+func (s *Server) checkIdle() {
+	if !s.core.Idle() || time.Since(s.lastCheck) < time.Second {
+		return
+	}
+	s.lastCheck = time.Now()
+	err := errors.Join(s.core.CheckInvariants(), s.e.Dev.Memory().CheckInvariants())
+	if err != nil && (s.InvariantErr == nil || err.Error() != s.InvariantErr.Error()) {
+		s.log.Error("invariant violated", zap.Error(err))
+	}
+	s.InvariantErr = err
+}
+
+// emit sends events as one BatchTokenIDOutput.
+func (s *Server) emit(events []Event) {
+	if len(events) == 0 {
+		return
+	}
+	b := &ioschema.BatchTokenIDOutput{}
+	o := b.Outputs()
+	o.WeightVersion = s.weightVersion
+	for _, ev := range events {
+		f := s.flags[ev.Rid]
+		o.Rids = append(o.Rids, ev.Rid)
+		o.FinishedReasons = append(o.FinishedReasons, ev.FinishReason)
+		o.OutputIDs = append(o.OutputIDs, ev.NewTokens)
+		o.PromptTokens = append(o.PromptTokens, ev.PromptTokens)
+		o.CompletionTokens = append(o.CompletionTokens, ev.CompletionTokens)
+		o.CachedTokens = append(o.CachedTokens, ev.CachedTokens)
+		o.OutputTokenLogprobsVal = append(o.OutputTokenLogprobsVal, ev.OutputLogprobs)
+		o.OutputTopLogprobsVal = append(o.OutputTopLogprobsVal, ev.OutputTopLogprobs)
+		top := make([]ioschema.Int32s, len(ev.OutputTopIDs))
+		for i, ids := range ev.OutputTopIDs {
+			top[i] = ids
+		}
+		o.OutputTopLogprobsIdx = append(o.OutputTopLogprobsIdx, top)
+		o.InputTokenLogprobsVal = append(o.InputTokenLogprobsVal, ev.InputLogprobs)
+		o.InputTokenLogprobsIdx = append(o.InputTokenLogprobsIdx, ev.InputTokenIDs)
+		b.SkipSpecialTokens = append(b.SkipSpecialTokens, f.skipSpecial)
+		b.SpacesBetweenSpecialTokens = append(b.SpacesBetweenSpecialTokens, f.spacesBetween)
+		b.NoStopTrim = append(b.NoStopTrim, f.noStopTrim)
+		b.Stop = append(b.Stop, f.stop)
+		if ev.Finished {
+			delete(s.flags, ev.Rid)
+		}
+	}
+	s.out <- outgoing{toDetokenizer, b}
+}
+
+func (s *Server) reply(m ioschema.Message) {
+	if s.out != nil {
+		s.out <- outgoing{toTokenizer, m}
+	}
+}
+
+func (s *Server) fail(rid, request string, err error) {
+	s.reply(&ioschema.ErrorOutput{Rid: rid, Message: err.Error(), Request: request})
+}
+
+// Handle carries out one request.
+func (s *Server) Handle(m ioschema.Message) {
+	switch r := m.(type) {
+	case *ioschema.TokenizedGenerateReqInput:
+		s.addRequest(r)
+	case *ioschema.AbortReq:
+		s.emit(s.core.Abort(r.Rid, r.AbortAll, "aborted by request"))
+	default:
+		if c, ok := m.(interface{ GetRid() string }); ok {
+			s.control(m, c.GetRid())
+			return
+		}
+		s.fail("", m.TypeName(), fmt.Errorf("the scheduler does not handle %s", m.TypeName()))
+	}
+}
+
+func (s *Server) addRequest(r *ioschema.TokenizedGenerateReqInput) {
+	if s.e.Dev.Memory().State(memory.Weights) == memory.Stale {
+		s.fail(r.Rid, r.TypeName(), errors.New("the weights are stale (resumed without CPU backup): update the weights before generating"))
+		return
+	}
+	params, err := r.SamplingParams.Resolve(s.e.Defaults())
+	if err != nil {
+		s.fail(r.Rid, r.TypeName(), err)
+		return
+	}
+	req := Request{Rid: r.Rid, InputIDs: r.InputIDs, Params: params, ReturnLogprob: r.ReturnLogprob,
+		LogprobStartLen: r.LogprobStartLen, TopLogprobsNum: r.TopLogprobsNum}
+	if err := s.core.Add(req); err != nil {
+		s.fail(r.Rid, r.TypeName(), err)
+		return
+	}
+	s.flags[r.Rid] = reqFlags{skipSpecial: params.SkipSpecialTokens, spacesBetween: params.SpacesBetween,
+		noStopTrim: params.NoStopTrim, stop: params.Stop}
+}
+
+// Info describes the server for /server_info and the launcher.
+func (s *Server) Info() map[string]any {
+	e := s.e
+	waiting, running := s.core.Counts()
+	total, free, cached, private := s.core.KVUsage()
+	return map[string]any{
+		"device": e.Dev.Name(), "architecture": string(e.Model.Config.Arch), "context_length": e.Model.ContextLen(),
+		"max_total_num_tokens": total, "max_running_requests": s.core.Options().MaxRunningRequests,
+		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
+		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,
+		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,
+		"kv_cached_tokens": cached, "kv_used_tokens": private, "cpu_backup": e.Config.CPUBackup,
+		"generated_tokens": s.core.Stats.GeneratedTokens, "prompt_tokens": s.core.Stats.PromptTokens,
+		"cached_prompt_tokens": s.core.Stats.CachedTokens, "graph_steps": e.Runner.Stats.GraphSteps,
+		"eager_steps": e.Runner.Stats.EagerSteps, "invariants_ok": s.InvariantErr == nil,
+	}
+}

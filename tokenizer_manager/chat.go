@@ -1,0 +1,108 @@
+package tokenizermanager
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/nikolalohinski/gonja/v2"
+	"github.com/nikolalohinski/gonja/v2/exec"
+
+	"ebb/tokenizer"
+)
+
+// chatTemplate renders a model's Jinja chat template (gonja renders the
+// Qwen3 and Llama-3 templates byte-identically to transformers).
+type chatTemplate struct {
+	tpl      *exec.Template
+	bos, eos string
+}
+
+func newChatTemplate(cfg *tokenizer.Config) (*chatTemplate, error) {
+	tpl, err := gonja.FromString(cfg.ChatTemplate)
+	if err != nil {
+		return nil, err
+	}
+	return &chatTemplate{tpl: tpl, bos: cfg.BOSToken, eos: cfg.EOSToken}, nil
+}
+
+// ChatMessage is an OpenAI chat message; content is a string or a list of
+// parts, of which the text parts are used.
+type ChatMessage struct {
+	Role             string `json:"role"`
+	Content          any    `json:"content"`
+	Name             string `json:"name,omitempty"`
+	ReasoningContent string `json:"reasoning_content,omitempty"`
+	ToolCalls        []any  `json:"tool_calls,omitempty"`
+	ToolCallID       string `json:"tool_call_id,omitempty"`
+}
+
+func (m ChatMessage) text() (string, error) {
+	switch c := m.Content.(type) {
+	case nil:
+		return "", nil
+	case string:
+		return c, nil
+	case []any:
+		var b strings.Builder
+		for _, p := range c {
+			part, ok := p.(map[string]any)
+			if !ok {
+				return "", fmt.Errorf("content parts must be objects")
+			}
+			switch part["type"] {
+			case "text":
+				s, _ := part["text"].(string)
+				b.WriteString(s)
+			default:
+				return "", fmt.Errorf("content part of type %v is not supported (text only)", part["type"])
+			}
+		}
+		return b.String(), nil
+	}
+	return "", fmt.Errorf("content must be a string or a list of parts")
+}
+
+// render applies the template with add_generation_prompt and any extra
+// template arguments (chat_template_kwargs, e.g. enable_thinking).
+func (c *chatTemplate) render(messages []ChatMessage, tools []any, kwargs map[string]any) (string, error) {
+	if len(messages) == 0 {
+		return "", errors.New("messages is empty")
+	}
+	msgs := make([]any, len(messages))
+	for i, m := range messages {
+		text, err := m.text()
+		if err != nil {
+			return "", fmt.Errorf("message %d: %w", i, err)
+		}
+		if m.Role == "" {
+			return "", fmt.Errorf("message %d has no role", i)
+		}
+		mm := map[string]any{"role": m.Role, "content": text}
+		if m.ReasoningContent != "" {
+			mm["reasoning_content"] = m.ReasoningContent
+		}
+		if len(m.ToolCalls) > 0 {
+			mm["tool_calls"] = m.ToolCalls
+		}
+		if m.Name != "" {
+			mm["name"] = m.Name
+		}
+		msgs[i] = mm
+	}
+	vars := map[string]any{
+		"messages": msgs, "add_generation_prompt": true, "bos_token": c.bos, "eos_token": c.eos,
+		"raise_exception": func(msg string) (string, error) { return "", errors.New(msg) },
+	}
+	if len(tools) > 0 {
+		vars["tools"] = tools
+	}
+	for k, v := range kwargs {
+		vars[k] = v
+	}
+	out, err := c.tpl.ExecuteToString(exec.NewContext(vars))
+	if err != nil {
+		return "", fmt.Errorf("chat template: %w", err)
+	}
+	return out, nil
+}

@@ -1,0 +1,42 @@
+package tokenizermanager
+
+import (
+	"testing"
+
+	"ebb/assets"
+	"ebb/tokenizer"
+)
+
+func TestChatTemplatesRenderLikeTransformers(t *testing.T) {
+	msgs := []ChatMessage{{Role: "system", Content: "You are helpful."}, {Role: "user", Content: []any{map[string]any{"type": "text", "text": "Hi"}}}}
+	cases := []struct {
+		family string
+		kwargs map[string]any
+		want   string
+	}{
+		{"qwen3", nil, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"},
+		{"qwen3", map[string]any{"enable_thinking": false}, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"},
+		{"llama3", nil, "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"},
+	}
+	for _, c := range cases {
+		raw, err := assets.TokenizerConfig(c.family)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := tokenizer.ParseConfig(raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tpl, err := newChatTemplate(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := tpl.render(msgs, nil, c.kwargs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != c.want {
+			t.Errorf("%s %v:\n got %q\nwant %q", c.family, c.kwargs, got, c.want)
+		}
+	}
+}

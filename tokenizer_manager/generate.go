@@ -1,0 +1,193 @@
+package tokenizermanager
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"ebb/ioschema"
+)
+
+// prompt is one request after a GenerateReqInput is expanded (batch, n).
+type prompt struct {
+	tokenized *ioschema.TokenizedGenerateReqInput
+	state     *reqState
+}
+
+// badRequest marks errors that are the client's (HTTP 400).
+type badRequest struct{ error }
+
+func badf(format string, a ...any) error { return badRequest{fmt.Errorf(format, a...)} }
+
+// IsBadRequest reports whether err is the client's fault.
+func IsBadRequest(err error) bool {
+	var b badRequest
+	return errors.As(err, &b)
+}
+
+// expand validates a generate request and tokenizes its prompts; n > 1
+// repeats each prompt with rids suffixed -0, -1, ...
+func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
+	hasText, hasIDs := len(in.Text.Items) > 0, len(in.InputIDs.Items) > 0
+	if hasText == hasIDs {
+		return nil, false, badf("give exactly one of text and input_ids")
+	}
+	var inputs [][]int32
+	var texts []string
+	batch := in.Text.Batch || in.InputIDs.Batch
+	if hasText {
+		if m.Tokenizer == nil {
+			return nil, false, badf("the model has no tokenizer: send input_ids")
+		}
+		for _, t := range in.Text.Items {
+			inputs = append(inputs, m.Tokenizer.Encode(t, true))
+			texts = append(texts, t)
+		}
+	} else {
+		inputs = in.InputIDs.Items
+		texts = make([]string, len(inputs))
+	}
+	if in.Rid.Batch && len(in.Rid.Items) != len(inputs) {
+		return nil, false, badf("rid has %d entries for %d prompts", len(in.Rid.Items), len(inputs))
+	}
+	start := -1
+	if in.LogprobStartLen != nil {
+		start = *in.LogprobStartLen
+	}
+	if in.TopLogprobsNum < 0 {
+		return nil, false, badf("top_logprobs_num must be at least 0")
+	}
+	var out []*prompt
+	for i, ids := range inputs {
+		if len(ids) == 0 {
+			return nil, false, badf("prompt %d is empty", i)
+		}
+		sp, err := in.SamplingParams.For(i)
+		if err != nil {
+			return nil, false, badRequest{err}
+		}
+		n := max(sp.N, 1)
+		if n > 1 {
+			batch = true
+		}
+		rid := newRid()
+		if i < len(in.Rid.Items) && in.Rid.Items[i] != "" {
+			rid = in.Rid.Items[i]
+		}
+		for j := 0; j < n; j++ {
+			r := rid
+			if n > 1 {
+				r = fmt.Sprintf("%s-%d", rid, j)
+			}
+			sp := sp
+			sp.N = 1
+			t := &ioschema.TokenizedGenerateReqInput{Rid: r, InputText: texts[i], InputIDs: ids, SamplingParams: sp,
+				ReturnLogprob: in.ReturnLogprob, LogprobStartLen: start, TopLogprobsNum: in.TopLogprobsNum, Stream: in.Stream}
+			out = append(out, &prompt{tokenized: t, state: newReqState(r, in.ReturnLogprob, in.TopLogprobsNum)})
+		}
+	}
+	return out, batch, nil
+}
+
+// submit registers prompts and sends them to the scheduler. Copies of one
+// prompt (n > 1) share its KV: the prompt is prefilled once first, as
+// SGLang does, so the copies find it in the radix cache.
+func (m *Manager) submit(ctx context.Context, prompts []*prompt) error {
+	warmed := map[string]bool{}
+	for _, p := range prompts {
+		key := fmt.Sprint(p.tokenized.InputIDs)
+		if len(p.tokenized.InputIDs) > 1 && countSame(prompts, key) > 1 && !warmed[key] {
+			warmed[key] = true
+			if err := m.warm(ctx, p.tokenized.InputIDs); err != nil {
+				return err
+			}
+		}
+	}
+	for _, p := range prompts {
+		p := p
+		m.do(func(t *table) { t.reqs[p.state.rid] = p.state })
+		select {
+		case m.toSched <- p.tokenized:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+func countSame(prompts []*prompt, key string) int {
+	n := 0
+	for _, p := range prompts {
+		if fmt.Sprint(p.tokenized.InputIDs) == key {
+			n++
+		}
+	}
+	return n
+}
+
+// warm prefills ids once (max_new_tokens 0) and waits for it.
+func (m *Manager) warm(ctx context.Context, ids []int32) error {
+	zero := 0
+	rid := "prefix-" + newRid()
+	st := newReqState(rid, false, 0)
+	m.do(func(t *table) { t.reqs[rid] = st })
+	select {
+	case m.toSched <- &ioschema.TokenizedGenerateReqInput{Rid: rid, InputIDs: ids, SamplingParams: ioschema.SamplingParams{MaxNewTokens: &zero}, LogprobStartLen: -1}:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return m.wait(ctx, st)
+}
+
+// wait blocks until the request is done; if ctx ends first (the client went
+// away) the request is aborted so its KV is freed.
+func (m *Manager) wait(ctx context.Context, st *reqState) error {
+	for {
+		s := st.snapshot()
+		if s.Done {
+			return s.Err
+		}
+		select {
+		case <-st.notify:
+		case <-ctx.Done():
+			m.cancel(st)
+			return ctx.Err()
+		}
+	}
+}
+
+// cancel aborts a request whose client is gone and forgets it.
+func (m *Manager) cancel(st *reqState) {
+	m.Abort(st.rid, false)
+	m.do(func(t *table) { delete(t.reqs, st.rid) })
+	st.fail(context.Canceled)
+}
+
+// Generate runs a GenerateReqInput to completion and returns /generate's
+// response: one object, or a list for batches and n > 1.
+func (m *Manager) Generate(ctx context.Context, in *ioschema.GenerateReqInput) (any, error) {
+	prompts, batch, err := m.expand(in)
+	if err != nil {
+		return nil, err
+	}
+	if err := m.submit(ctx, prompts); err != nil {
+		return nil, err
+	}
+	results := make([]any, len(prompts))
+	for i, p := range prompts {
+		if err := m.wait(ctx, p.state); err != nil {
+			for _, q := range prompts[i+1:] {
+				m.cancel(q.state)
+			}
+			if ctx.Err() == nil {
+				err = badRequest{err}
+			}
+			return nil, err
+		}
+		results[i] = m.generateResult(p.state.snapshot(), in.ReturnTextInLogprobs)
+	}
+	if batch {
+		return results, nil
+	}
+	return results[0], nil
+}

@@ -1,0 +1,349 @@
+package tokenizermanager
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"path/filepath"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+
+	"ebb/ioschema"
+)
+
+// Handler serves SGLang's HTTP API and the OpenAI endpoints.
+func (m *Manager) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("GET /health_generate", m.healthGenerate)
+	mux.HandleFunc("GET /model_info", m.modelInfo)
+	mux.HandleFunc("GET /get_model_info", m.modelInfo)
+	mux.HandleFunc("GET /server_info", m.serverInfo)
+	mux.HandleFunc("GET /get_server_info", m.serverInfo)
+	mux.HandleFunc("GET /v1/models", m.models)
+	mux.HandleFunc("POST /generate", m.generate)
+	mux.HandleFunc("POST /v1/completions", m.completions)
+	mux.HandleFunc("POST /v1/chat/completions", m.chatCompletions)
+	mux.HandleFunc("POST /abort_request", m.abortRequest)
+	for path, newMsg := range map[string]func() ioschema.Message{
+		"/flush_cache":                     func() ioschema.Message { return &ioschema.FlushCacheReqInput{} },
+		"/pause_generation":                func() ioschema.Message { return &ioschema.PauseGenerationReqInput{} },
+		"/continue_generation":             func() ioschema.Message { return &ioschema.ContinueGenerationReqInput{} },
+		"/release_memory_occupation":       func() ioschema.Message { return &ioschema.ReleaseMemoryOccupationReqInput{} },
+		"/resume_memory_occupation":        func() ioschema.Message { return &ioschema.ResumeMemoryOccupationReqInput{} },
+		"/update_weights_from_disk":        func() ioschema.Message { return &ioschema.UpdateWeightFromDiskReqInput{} },
+		"/update_weights_from_tensor":      func() ioschema.Message { return &ioschema.UpdateWeightsFromTensorReqInput{} },
+		"/init_weights_update_group":       func() ioschema.Message { return &ioschema.InitWeightsUpdateGroupReqInput{} },
+		"/update_weights_from_distributed": func() ioschema.Message { return &ioschema.UpdateWeightsFromDistributedReqInput{} },
+		"/get_weights_by_name":             func() ioschema.Message { return &ioschema.GetWeightsByNameReqInput{} },
+		"/memory_stats":                    func() ioschema.Message { return &ioschema.GetMemoryStatsReqInput{} },
+	} {
+		h := m.controlHandler(newMsg)
+		mux.HandleFunc("POST "+path, h)
+		mux.HandleFunc("GET "+path, h)
+	}
+	mux.Handle("GET /metrics", promhttp.HandlerFor(m.metrics.reg, promhttp.HandlerOpts{}))
+	return mux
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// writeError answers {"error": {"message": ...}}: 400 for the client's
+// errors, 499 when the client went away, 500 otherwise.
+func writeError(w http.ResponseWriter, err error) {
+	status := http.StatusInternalServerError
+	switch {
+	case IsBadRequest(err):
+		status = http.StatusBadRequest
+	case errors.Is(err, context.Canceled):
+		status = 499
+	}
+	writeJSON(w, status, map[string]any{"error": map[string]any{"message": err.Error(), "code": status}})
+}
+
+// decodeBody reads a JSON body (empty means defaults) into v.
+func decodeBody(r *http.Request, v any) error {
+	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<20))
+	if err != nil {
+		return badf("read body: %v", err)
+	}
+	if len(body) == 0 {
+		return nil
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		return badf("invalid JSON body: %v", err)
+	}
+	return nil
+}
+
+func (m *Manager) controlHandler(newMsg func() ioschema.Message) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		msg := newMsg()
+		if err := decodeBody(r, msg); err != nil {
+			writeError(w, err)
+			return
+		}
+		ioschema.ApplyDefaults(msg)
+		reply, err := m.Control(r.Context(), msg)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		if e, ok := reply.(*ioschema.ErrorOutput); ok {
+			writeError(w, badRequest{errors.New(e.Message)})
+			return
+		}
+		status := http.StatusOK
+		if res, ok := reply.(interface{ ResultPtr() *ioschema.Result }); ok && !res.ResultPtr().Success {
+			status = http.StatusBadRequest
+		}
+		// SGLang's /get_weights_by_name answers with the values themselves.
+		if g, ok := reply.(*ioschema.GetWeightsByNameReqOutput); ok && g.Success {
+			writeJSON(w, status, g.Parameter)
+			return
+		}
+		writeJSON(w, status, reply)
+	}
+}
+
+func (m *Manager) abortRequest(w http.ResponseWriter, r *http.Request) {
+	var req ioschema.AbortReq
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, err)
+		return
+	}
+	if req.Rid == "" && !req.AbortAll {
+		writeError(w, badf("give rid or abort_all"))
+		return
+	}
+	m.Abort(req.Rid, req.AbortAll)
+	writeJSON(w, http.StatusOK, map[string]any{"success": true})
+}
+
+func (m *Manager) modelName() string {
+	if m.cfg.ModelName != "" {
+		return m.cfg.ModelName
+	}
+	return filepath.Base(filepath.Clean(m.cfg.ModelDir))
+}
+
+func (m *Manager) modelInfo(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{
+		"model_path": m.cfg.ModelDir, "tokenizer_path": m.cfg.ModelDir, "is_generation": true,
+		"architecture": string(m.ModelCfg.Arch), "served_model_name": m.modelName(),
+		"has_tokenizer": m.Tokenizer != nil, "has_chat_template": m.chat != nil,
+	})
+}
+
+func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
+	reply, err := m.Control(r.Context(), &ioschema.GetServerInfoReqInput{})
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	info, ok := reply.(*ioschema.GetServerInfoReqOutput)
+	if !ok {
+		writeError(w, fmt.Errorf("unexpected reply %s", reply.TypeName()))
+		return
+	}
+	info.Info["model_path"] = m.cfg.ModelDir
+	info.Info["served_model_name"] = m.modelName()
+	if m.cfg.ZMQEndpoint != "" {
+		info.Info["zmq_endpoint"] = m.cfg.ZMQEndpoint
+	}
+	writeJSON(w, http.StatusOK, info.Info)
+}
+
+func (m *Manager) models(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []any{map[string]any{
+		"id": m.modelName(), "object": "model", "created": time.Now().Unix(), "owned_by": "ebb", "root": m.modelName(),
+		"max_model_len": m.ModelCfg.MaxPositions,
+	}}})
+}
+
+// healthGenerate checks that a one-token generation completes.
+func (m *Manager) healthGenerate(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), 20*time.Second)
+	defer cancel()
+	one := 1
+	zero := 0.0
+	in := &ioschema.GenerateReqInput{InputIDs: ioschema.InputIDBatch{Items: [][]int32{{0}}},
+		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{{MaxNewTokens: &one, Temperature: &zero}}},
+		Rid:            ioschema.Rids{Items: []string{"health-" + newRid()}}}
+	if _, err := m.Generate(ctx, in); err != nil {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"error": map[string]any{"message": err.Error()}})
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+func (m *Manager) generate(w http.ResponseWriter, r *http.Request) {
+	var in ioschema.GenerateReqInput
+	if err := decodeBody(r, &in); err != nil {
+		writeError(w, err)
+		return
+	}
+	if !in.Stream {
+		out, err := m.Generate(r.Context(), &in)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, out)
+		return
+	}
+	prompts, batch, err := m.expand(&in)
+	if err == nil {
+		err = m.submit(r.Context(), prompts)
+	}
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	sse := newSSE(w)
+	// Each chunk carries the request's whole output so far, as SGLang's
+	// /generate stream does; batches add "index".
+	m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
+		if s.Err != nil {
+			sse.send(map[string]any{"error": map[string]any{"message": s.Err.Error()}, "index": i})
+			return false
+		}
+		res := m.generateResult(s, in.ReturnTextInLogprobs)
+		if batch {
+			res["index"] = i
+		}
+		return sse.send(res)
+	})
+	sse.done()
+}
+
+// stream calls f with every update of every prompt until all are done; if
+// the client goes away the unfinished ones are aborted.
+func (m *Manager) stream(ctx context.Context, prompts []*prompt, f func(i int, s snapshot) bool) {
+	updates := make(chan int, len(prompts))
+	stop := make(chan struct{})
+	defer close(stop)
+	for i, p := range prompts {
+		go func() {
+			for {
+				select {
+				case <-p.state.notify:
+					select {
+					case updates <- i:
+					case <-stop:
+						return
+					}
+				case <-stop:
+					return
+				}
+			}
+		}()
+		updates <- i // an initial look, in case it finished already
+	}
+	remaining := len(prompts)
+	finished := make([]bool, len(prompts))
+	for remaining > 0 {
+		select {
+		case <-ctx.Done():
+			for i, p := range prompts {
+				if !finished[i] {
+					m.cancel(p.state)
+				}
+			}
+			return
+		case i := <-updates:
+			if finished[i] {
+				continue
+			}
+			s := prompts[i].state.snapshot()
+			if len(s.OutputIDs) == 0 && !s.Done {
+				continue
+			}
+			if !f(i, s) {
+				for j, p := range prompts {
+					if !finished[j] {
+						m.cancel(p.state)
+					}
+				}
+				return
+			}
+			if s.Done {
+				finished[i] = true
+				remaining--
+			}
+		}
+	}
+}
+
+// sse writes server-sent events.
+type sse struct {
+	w http.ResponseWriter
+	f http.Flusher
+}
+
+func newSSE(w http.ResponseWriter) *sse {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	f, _ := w.(http.Flusher)
+	return &sse{w: w, f: f}
+}
+
+// send writes one event; false means the client is gone.
+func (s *sse) send(v any) bool {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return false
+	}
+	if _, err := fmt.Fprintf(s.w, "data: %s\n\n", b); err != nil {
+		return false
+	}
+	if s.f != nil {
+		s.f.Flush()
+	}
+	return true
+}
+
+func (s *sse) done() {
+	fmt.Fprint(s.w, "data: [DONE]\n\n")
+	if s.f != nil {
+		s.f.Flush()
+	}
+}
+
+// Serve runs the HTTP server until ctx ends.
+func (m *Manager) Serve(ctx context.Context, addr string, ready func(addr string)) error {
+	srv := &http.Server{Addr: addr, Handler: m.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	if ready != nil {
+		ready(ln.Addr().String())
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case <-ctx.Done():
+		shut, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(shut)
+		return nil
+	case err := <-errc:
+		if errors.Is(err, http.ErrServerClosed) {
+			return nil
+		}
+		m.log.Error("http server", zap.Error(err))
+		return err
+	}
+}

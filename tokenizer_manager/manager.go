@@ -1,0 +1,326 @@
+// Package tokenizermanager is the front process of `ebb serve` (directory
+// tokenizer_manager/): SGLang's HTTP API and OpenAI endpoints, the external
+// ZMQ API for RL frameworks, tokenization and chat templates. It fans
+// requests out to the scheduler and gathers the detokenizer's text.
+package tokenizermanager
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/zap"
+
+	"ebb/ioschema"
+	"ebb/model"
+	"ebb/tokenizer"
+)
+
+// Config is what the tokenizer manager needs.
+type Config struct {
+	ModelDir  string
+	ModelName string // served model name (/v1/models); default: the directory
+	// SchedulerEndpoint is connected (PUSH); InputEndpoint is bound (PULL)
+	// for the detokenizer's text and the scheduler's replies.
+	SchedulerEndpoint, InputEndpoint string
+	// ZMQEndpoint is the external ROUTER; empty disables it.
+	ZMQEndpoint string
+	// ControlTimeout bounds waiting for a control reply.
+	ControlTimeout time.Duration
+}
+
+// Manager routes requests and outputs. One goroutine (loop) owns the
+// request table; others reach it through channels.
+type Manager struct {
+	cfg       Config
+	log       *zap.Logger
+	Tokenizer *tokenizer.Tokenizer // nil when the model has no tokenizer
+	TokConfig *tokenizer.Config
+	GenConfig *model.GenerationConfig
+	ModelCfg  *model.Config
+	chat      *chatTemplate
+	metrics   *metrics
+
+	zctx    *zmq.Context
+	toSched chan ioschema.Message
+	ops     chan func(*table)
+	done    chan struct{}
+	errs    chan error
+}
+
+// table is the state the loop goroutine owns.
+type table struct {
+	reqs    map[string]*reqState
+	control map[string]chan ioschema.Message
+}
+
+// New loads the tokenizer and configs of the model directory.
+func New(cfg Config, log *zap.Logger) (*Manager, error) {
+	m := &Manager{cfg: cfg, log: log, toSched: make(chan ioschema.Message, 1024), ops: make(chan func(*table), 1024),
+		done: make(chan struct{}), errs: make(chan error, 4)}
+	if m.cfg.ControlTimeout <= 0 {
+		m.cfg.ControlTimeout = 30 * time.Minute
+	}
+	var err error
+	if m.ModelCfg, err = model.LoadConfig(cfg.ModelDir); err != nil {
+		return nil, err
+	}
+	if m.GenConfig, err = model.LoadGenerationConfig(cfg.ModelDir); err != nil {
+		return nil, err
+	}
+	if m.TokConfig, err = tokenizer.LoadConfig(cfg.ModelDir); err != nil {
+		return nil, err
+	}
+	if tok, err := tokenizer.Load(cfg.ModelDir); err == nil {
+		m.Tokenizer = tok
+	} else {
+		log.Warn("no tokenizer: only input_ids requests are served", zap.Error(err))
+	}
+	if m.TokConfig.ChatTemplate != "" {
+		if m.chat, err = newChatTemplate(m.TokConfig); err != nil {
+			return nil, fmt.Errorf("chat template: %w", err)
+		}
+	}
+	m.metrics = newMetrics(m)
+	return m, nil
+}
+
+// Start opens the sockets and the routing loop; it returns once they are up.
+func (m *Manager) Start(ctx context.Context) error {
+	zctx, err := zmq.NewContext()
+	if err != nil {
+		return err
+	}
+	m.zctx = zctx
+	in, err := zctx.NewSocket(zmq.PULL)
+	if err != nil {
+		return err
+	}
+	if err := in.Bind(m.cfg.InputEndpoint); err != nil {
+		in.Close()
+		return fmt.Errorf("bind %s: %w", m.cfg.InputEndpoint, err)
+	}
+	out, err := zctx.NewSocket(zmq.PUSH)
+	if err != nil {
+		return err
+	}
+	if err := out.Connect(m.cfg.SchedulerEndpoint); err != nil {
+		out.Close()
+		return fmt.Errorf("connect %s: %w", m.cfg.SchedulerEndpoint, err)
+	}
+	var router *zmq.Socket
+	if m.cfg.ZMQEndpoint != "" {
+		if router, err = zctx.NewSocket(zmq.ROUTER); err != nil {
+			return err
+		}
+		if err := router.Bind(m.cfg.ZMQEndpoint); err != nil {
+			router.Close()
+			return fmt.Errorf("bind the external ZMQ endpoint %s: %w", m.cfg.ZMQEndpoint, err)
+		}
+	}
+	go m.loop(ctx)
+	go func() { m.errs <- m.sendLoop(ctx, out) }()
+	go func() { m.errs <- m.receiveLoop(ctx, in) }()
+	if router != nil {
+		go func() { m.errs <- m.routerLoop(ctx, router) }()
+	}
+	return nil
+}
+
+// Errors reports a socket goroutine's failure.
+func (m *Manager) Errors() <-chan error { return m.errs }
+
+// Close terminates the ZMQ context once the socket goroutines have closed
+// their sockets (they stop when the context passed to Start ends).
+func (m *Manager) Close() {
+	if m.zctx != nil {
+		m.zctx.Term()
+	}
+}
+
+func (m *Manager) loop(ctx context.Context) {
+	t := &table{reqs: map[string]*reqState{}, control: map[string]chan ioschema.Message{}}
+	for {
+		select {
+		case <-ctx.Done():
+			for _, r := range t.reqs {
+				r.fail(errors.New("server shutting down"))
+			}
+			close(m.done)
+			return
+		case op := <-m.ops:
+			op(t)
+		}
+	}
+}
+
+// do runs f on the loop goroutine.
+func (m *Manager) do(f func(*table)) {
+	select {
+	case m.ops <- f:
+	case <-m.done:
+	}
+}
+
+func (m *Manager) sendLoop(ctx context.Context, sock *zmq.Socket) error {
+	defer sock.Close()
+	if err := sock.SetLinger(0); err != nil {
+		return err
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case msg := <-m.toSched:
+			b, err := ioschema.Encode(msg)
+			if err != nil {
+				return err
+			}
+			if _, err := sock.SendBytes(b, 0); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return fmt.Errorf("send to scheduler: %w", err)
+			}
+		}
+	}
+}
+
+func (m *Manager) receiveLoop(ctx context.Context, sock *zmq.Socket) error {
+	defer sock.Close()
+	if err := sock.SetLinger(0); err != nil {
+		return err
+	}
+	if err := sock.SetRcvtimeo(100 * time.Millisecond); err != nil {
+		return err
+	}
+	for ctx.Err() == nil {
+		b, err := sock.RecvBytes(0)
+		if err != nil {
+			if zmq.AsErrno(err) == zmq.Errno(11) {
+				continue
+			}
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("receive: %w", err)
+		}
+		msg, err := ioschema.Decode(b)
+		if err != nil {
+			m.log.Error("dropping undecodable output", zap.Error(err))
+			continue
+		}
+		m.do(func(t *table) { m.route(t, msg) })
+	}
+	return nil
+}
+
+// route delivers an output to the request or control call it answers.
+func (m *Manager) route(t *table, msg ioschema.Message) {
+	switch o := msg.(type) {
+	case *ioschema.BatchStrOutput:
+		for i, rid := range o.Rids {
+			r := t.reqs[rid]
+			if r == nil {
+				continue // aborted and forgotten
+			}
+			r.absorb(o, i, m)
+			if r.finished() {
+				delete(t.reqs, rid)
+				m.metrics.finished(r)
+			}
+		}
+	case *ioschema.ErrorOutput:
+		if r := t.reqs[o.Rid]; r != nil {
+			r.fail(errors.New(o.Message))
+			delete(t.reqs, o.Rid)
+			return
+		}
+		if ch := t.control[o.Rid]; ch != nil {
+			ch <- o
+			delete(t.control, o.Rid)
+			return
+		}
+		m.log.Warn("error for an unknown request", zap.String("rid", o.Rid), zap.String("message", o.Message))
+	default:
+		rid := ""
+		if c, ok := msg.(interface{ GetRid() string }); ok {
+			rid = c.GetRid()
+		}
+		if ch := t.control[rid]; ch != nil {
+			ch <- msg
+			delete(t.control, rid)
+			return
+		}
+		m.log.Warn("reply for an unknown request", zap.String("type", msg.TypeName()), zap.String("rid", rid))
+	}
+}
+
+// newRid returns a fresh request id.
+func newRid() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Control sends a control request and waits for its reply.
+func (m *Manager) Control(ctx context.Context, msg ioschema.Message) (ioschema.Message, error) {
+	c, ok := msg.(interface {
+		GetRid() string
+		SetRid(string)
+	})
+	if !ok {
+		return nil, fmt.Errorf("%s is not a control request", msg.TypeName())
+	}
+	rid := c.GetRid()
+	if rid == "" {
+		rid = newRid()
+	}
+	// Clients may reuse their rids; the scheduler sees a unique one.
+	internal := "ctl-" + newRid()
+	c.SetRid(internal)
+	ch := make(chan ioschema.Message, 1)
+	m.do(func(t *table) { t.control[internal] = ch })
+	defer func() {
+		c.SetRid(rid)
+		m.do(func(t *table) { delete(t.control, internal) })
+	}()
+	select {
+	case m.toSched <- msg:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	timer := time.NewTimer(m.cfg.ControlTimeout)
+	defer timer.Stop()
+	select {
+	case reply := <-ch:
+		setReplyRid(reply, rid)
+		return reply, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-timer.C:
+		return nil, fmt.Errorf("no reply to %s within %v", msg.TypeName(), m.cfg.ControlTimeout)
+	}
+}
+
+// setReplyRid puts the client's rid back on a reply.
+func setReplyRid(reply ioschema.Message, rid string) {
+	switch r := reply.(type) {
+	case *ioschema.ErrorOutput:
+		r.Rid = rid
+	case interface{ ResultPtr() *ioschema.Result }:
+		r.ResultPtr().Rid = rid
+	}
+}
+
+// Abort asks the scheduler to abort requests (prefix match) or all.
+func (m *Manager) Abort(rid string, all bool) {
+	select {
+	case m.toSched <- &ioschema.AbortReq{Rid: rid, AbortAll: all}:
+	case <-m.done:
+	}
+}

@@ -1,0 +1,321 @@
+package tokenizermanager
+
+import (
+	"encoding/json"
+	"net/http"
+	"time"
+
+	"ebb/ioschema"
+)
+
+// openAISampling are the sampling fields shared by both OpenAI endpoints,
+// with SGLang's extensions (top_k, min_p, ...).
+type openAISampling struct {
+	Model         string   `json:"model"`
+	MaxTokens     *int     `json:"max_tokens"`
+	Temperature   *float64 `json:"temperature"`
+	TopP          *float64 `json:"top_p"`
+	TopK          *int     `json:"top_k"`
+	MinP          *float64 `json:"min_p"`
+	N             int      `json:"n"`
+	Stream        bool     `json:"stream"`
+	StreamOptions *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	Stop              ioschema.StringList `json:"stop"`
+	StopTokenIDs      []int32             `json:"stop_token_ids"`
+	Seed              *uint64             `json:"seed"`
+	PresencePenalty   float64             `json:"presence_penalty"`
+	FrequencyPenalty  float64             `json:"frequency_penalty"`
+	RepetitionPenalty *float64            `json:"repetition_penalty"`
+	IgnoreEOS         bool                `json:"ignore_eos"`
+	SkipSpecialTokens *bool               `json:"skip_special_tokens"`
+	NoStopTrim        bool                `json:"no_stop_trim"`
+	MinTokens         int                 `json:"min_tokens"`
+	Rid               string              `json:"rid"`
+}
+
+func (o *openAISampling) params(defaultMax *int) ioschema.SamplingParams {
+	max := o.MaxTokens
+	if max == nil {
+		max = defaultMax
+	}
+	return ioschema.SamplingParams{MaxNewTokens: max, Temperature: o.Temperature, TopP: o.TopP, TopK: o.TopK, MinP: o.MinP,
+		Stop: o.Stop, StopTokenIDs: o.StopTokenIDs, SamplingSeed: o.Seed, PresencePenalty: o.PresencePenalty,
+		FrequencyPenalty: o.FrequencyPenalty, RepetitionPenalty: o.RepetitionPenalty, IgnoreEOS: o.IgnoreEOS,
+		SkipSpecialTokens: o.SkipSpecialTokens, NoStopTrim: o.NoStopTrim, MinNewTokens: o.MinTokens, N: o.N}
+}
+
+func finishString(fr *ioschema.FinishReason) any {
+	if fr == nil {
+		return nil
+	}
+	return fr.Type // stop, length, abort
+}
+
+func usage(snaps []snapshot) map[string]any {
+	prompt, completion, cached := 0, 0, 0
+	for _, s := range snaps {
+		prompt += s.PromptTokens
+		completion += s.Completion
+		cached += s.Cached
+	}
+	return map[string]any{"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+		"prompt_tokens_details": map[string]any{"cached_tokens": cached}}
+}
+
+type completionRequest struct {
+	openAISampling
+	Prompt   json.RawMessage `json:"prompt"`
+	Logprobs *int            `json:"logprobs"`
+	Echo     bool            `json:"echo"`
+}
+
+// completions serves /v1/completions.
+func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
+	var req completionRequest
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, err)
+		return
+	}
+	in := &ioschema.GenerateReqInput{Stream: req.Stream}
+	if err := json.Unmarshal(req.Prompt, &in.Text); err != nil {
+		if err := json.Unmarshal(req.Prompt, &in.InputIDs); err != nil {
+			writeError(w, badf("prompt must be a string, a list of strings, or token ids"))
+			return
+		}
+	}
+	sixteen := 16 // OpenAI's default max_tokens for completions
+	in.SamplingParams.Items = []ioschema.SamplingParams{req.params(&sixteen)}
+	if req.Rid != "" {
+		in.Rid.Items = []string{req.Rid}
+	}
+	if req.Logprobs != nil {
+		in.ReturnLogprob, in.TopLogprobsNum = true, *req.Logprobs
+	}
+	id, created := "cmpl-"+newRid(), time.Now().Unix()
+	prompts, _, err := m.expand(in)
+	if err == nil {
+		err = m.submit(r.Context(), prompts)
+	}
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	choice := func(i int, s snapshot, text string) map[string]any {
+		c := map[string]any{"index": i, "text": text, "logprobs": nil, "finish_reason": finishString(s.Finish)}
+		if s.Finish != nil && s.Finish.Matched != nil {
+			c["matched_stop"] = s.Finish.Matched
+		}
+		if req.Logprobs != nil {
+			c["logprobs"] = m.completionLogprobs(s)
+		}
+		return c
+	}
+	if req.Stream {
+		sse := newSSE(w)
+		sent := make([]int, len(prompts))
+		final := make([]snapshot, len(prompts))
+		m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
+			final[i] = s
+			if s.Err != nil {
+				sse.send(map[string]any{"error": map[string]any{"message": s.Err.Error()}})
+				return false
+			}
+			delta := s.Text[sent[i]:]
+			sent[i] = len(s.Text)
+			if delta == "" && !s.Done {
+				return true
+			}
+			c := choice(i, s, delta)
+			if !s.Done {
+				c["finish_reason"] = nil
+			}
+			return sse.send(map[string]any{"id": id, "object": "text_completion", "created": created, "model": m.modelName(), "choices": []any{c}})
+		})
+		if req.StreamOptions != nil && req.StreamOptions.IncludeUsage {
+			sse.send(map[string]any{"id": id, "object": "text_completion", "created": created, "model": m.modelName(), "choices": []any{}, "usage": usage(final)})
+		}
+		sse.done()
+		return
+	}
+	var choices []any
+	var snaps []snapshot
+	for i, p := range prompts {
+		if err := m.wait(r.Context(), p.state); err != nil {
+			writeError(w, badRequest{err})
+			return
+		}
+		s := p.state.snapshot()
+		snaps = append(snaps, s)
+		text := s.Text
+		if req.Echo && m.Tokenizer != nil {
+			text = m.Tokenizer.Decode(p.tokenized.InputIDs, true) + text
+		}
+		choices = append(choices, choice(i, s, text))
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": "text_completion", "created": created,
+		"model": m.modelName(), "choices": choices, "usage": usage(snaps)})
+}
+
+func (m *Manager) tokenText(id int32) string {
+	if m.Tokenizer == nil {
+		return ""
+	}
+	return m.Tokenizer.Decode([]int32{id}, false)
+}
+
+// completionLogprobs is the legacy completions logprobs object.
+func (m *Manager) completionLogprobs(s snapshot) map[string]any {
+	tokens := make([]string, len(s.OutputIDs))
+	lps := make([]any, len(s.OutputIDs))
+	var top []any
+	for i, id := range s.OutputIDs {
+		tokens[i] = m.tokenText(id)
+		if i < len(s.OutLogprobs) {
+			lps[i] = float64(s.OutLogprobs[i])
+		}
+		if i < len(s.OutTopVals) {
+			alt := map[string]float64{}
+			for j, v := range s.OutTopVals[i] {
+				alt[m.tokenText(s.OutTopIdx[i][j])] = float64(v)
+			}
+			top = append(top, alt)
+		}
+	}
+	return map[string]any{"tokens": tokens, "token_logprobs": lps, "top_logprobs": top}
+}
+
+type chatRequest struct {
+	openAISampling
+	Messages            []ChatMessage  `json:"messages"`
+	MaxCompletionTokens *int           `json:"max_completion_tokens"`
+	Logprobs            bool           `json:"logprobs"`
+	TopLogprobs         int            `json:"top_logprobs"`
+	Tools               []any          `json:"tools"`
+	ChatTemplateKwargs  map[string]any `json:"chat_template_kwargs"`
+}
+
+// chatCompletions serves /v1/chat/completions with the model's template.
+func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
+	var req chatRequest
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, err)
+		return
+	}
+	if m.chat == nil || m.Tokenizer == nil {
+		writeError(w, badf("the model has no chat template or tokenizer"))
+		return
+	}
+	text, err := m.chat.render(req.Messages, req.Tools, req.ChatTemplateKwargs)
+	if err != nil {
+		writeError(w, badRequest{err})
+		return
+	}
+	if req.MaxCompletionTokens != nil && req.MaxTokens == nil {
+		req.MaxTokens = req.MaxCompletionTokens
+	}
+	in := &ioschema.GenerateReqInput{Stream: req.Stream,
+		InputIDs:       ioschema.InputIDBatch{Items: [][]int32{m.Tokenizer.Encode(text, false)}},
+		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{req.params(nil)}}}
+	if req.Rid != "" {
+		in.Rid.Items = []string{req.Rid}
+	}
+	if req.Logprobs {
+		in.ReturnLogprob, in.TopLogprobsNum = true, req.TopLogprobs
+	}
+	id, created := "chatcmpl-"+newRid(), time.Now().Unix()
+	prompts, _, err := m.expand(in)
+	if err == nil {
+		err = m.submit(r.Context(), prompts)
+	}
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	if req.Stream {
+		sse := newSSE(w)
+		sent := make([]int, len(prompts))
+		started := make([]bool, len(prompts))
+		final := make([]snapshot, len(prompts))
+		chunk := func(c map[string]any) bool {
+			return sse.send(map[string]any{"id": id, "object": "chat.completion.chunk", "created": created, "model": m.modelName(), "choices": []any{c}})
+		}
+		m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
+			final[i] = s
+			if s.Err != nil {
+				sse.send(map[string]any{"error": map[string]any{"message": s.Err.Error()}})
+				return false
+			}
+			if !started[i] {
+				started[i] = true
+				if !chunk(map[string]any{"index": i, "delta": map[string]any{"role": "assistant", "content": ""}, "finish_reason": nil}) {
+					return false
+				}
+			}
+			delta := s.Text[sent[i]:]
+			sent[i] = len(s.Text)
+			if delta != "" && !chunk(map[string]any{"index": i, "delta": map[string]any{"content": delta}, "finish_reason": nil}) {
+				return false
+			}
+			if s.Done {
+				return chunk(map[string]any{"index": i, "delta": map[string]any{}, "finish_reason": finishString(s.Finish)})
+			}
+			return true
+		})
+		if req.StreamOptions != nil && req.StreamOptions.IncludeUsage {
+			sse.send(map[string]any{"id": id, "object": "chat.completion.chunk", "created": created, "model": m.modelName(), "choices": []any{}, "usage": usage(final)})
+		}
+		sse.done()
+		return
+	}
+	var choices []any
+	var snaps []snapshot
+	for i, p := range prompts {
+		if err := m.wait(r.Context(), p.state); err != nil {
+			writeError(w, badRequest{err})
+			return
+		}
+		s := p.state.snapshot()
+		snaps = append(snaps, s)
+		c := map[string]any{"index": i, "message": map[string]any{"role": "assistant", "content": s.Text},
+			"logprobs": nil, "finish_reason": finishString(s.Finish)}
+		if req.Logprobs {
+			c["logprobs"] = m.chatLogprobs(s)
+		}
+		choices = append(choices, c)
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": "chat.completion", "created": created,
+		"model": m.modelName(), "choices": choices, "usage": usage(snaps)})
+}
+
+// chatLogprobs is the chat completions logprobs object.
+func (m *Manager) chatLogprobs(s snapshot) map[string]any {
+	content := make([]any, len(s.OutputIDs))
+	for i, id := range s.OutputIDs {
+		tok := m.tokenText(id)
+		e := map[string]any{"token": tok, "bytes": byteList(tok), "logprob": nil, "top_logprobs": []any{}}
+		if i < len(s.OutLogprobs) {
+			e["logprob"] = float64(s.OutLogprobs[i])
+		}
+		if i < len(s.OutTopVals) {
+			var top []any
+			for j, v := range s.OutTopVals[i] {
+				t := m.tokenText(s.OutTopIdx[i][j])
+				top = append(top, map[string]any{"token": t, "bytes": byteList(t), "logprob": float64(v)})
+			}
+			e["top_logprobs"] = top
+		}
+		content[i] = e
+	}
+	return map[string]any{"content": content}
+}
+
+// byteList is OpenAI's "bytes": the UTF-8 bytes as a list of integers.
+func byteList(s string) []int {
+	out := make([]int, len(s))
+	for i := 0; i < len(s); i++ {
+		out[i] = int(s[i])
+	}
+	return out
+}

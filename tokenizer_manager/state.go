@@ -1,0 +1,181 @@
+package tokenizermanager
+
+import (
+	"math"
+	"strings"
+	"sync"
+	"time"
+
+	"ebb/ioschema"
+)
+
+// reqState accumulates one request's outputs. The manager loop writes it;
+// the request's handler reads it, woken through notify.
+type reqState struct {
+	rid            string
+	returnLogprob  bool
+	topLogprobsNum int
+	created        time.Time
+	notify         chan struct{}
+
+	mu            sync.Mutex
+	text          strings.Builder
+	outputIDs     []int32
+	outLogprobs   []float32
+	outTopVals    [][]float32
+	outTopIdx     [][]int32
+	inLogprobs    []float32
+	inIdx         []int32
+	promptTokens  int
+	completion    int
+	cached        int
+	finish        *ioschema.FinishReason
+	weightVersion string
+	firstToken    time.Time
+	err           error
+	done          bool
+}
+
+func newReqState(rid string, returnLogprob bool, topN int) *reqState {
+	return &reqState{rid: rid, returnLogprob: returnLogprob, topLogprobsNum: topN, created: time.Now(), notify: make(chan struct{}, 1)}
+}
+
+func (r *reqState) wake() {
+	select {
+	case r.notify <- struct{}{}:
+	default:
+	}
+}
+
+// absorb takes entry i of a text batch.
+func (r *reqState) absorb(o *ioschema.BatchStrOutput, i int, m *Manager) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if i < len(o.OutputStrs) {
+		r.text.WriteString(o.OutputStrs[i])
+	}
+	if i < len(o.OutputIDs) && len(o.OutputIDs[i]) > 0 {
+		if r.firstToken.IsZero() {
+			r.firstToken = time.Now()
+			m.metrics.firstToken(r)
+		}
+		r.outputIDs = append(r.outputIDs, o.OutputIDs[i]...)
+	}
+	if i < len(o.OutputTokenLogprobsVal) {
+		r.outLogprobs = append(r.outLogprobs, o.OutputTokenLogprobsVal[i]...)
+	}
+	if i < len(o.OutputTopLogprobsVal) {
+		r.outTopVals = append(r.outTopVals, o.OutputTopLogprobsVal[i]...)
+		for _, ids := range o.OutputTopLogprobsIdx[i] {
+			r.outTopIdx = append(r.outTopIdx, ids)
+		}
+	}
+	if i < len(o.InputTokenLogprobsVal) && o.InputTokenLogprobsVal[i] != nil {
+		r.inLogprobs, r.inIdx = o.InputTokenLogprobsVal[i], o.InputTokenLogprobsIdx[i]
+	}
+	if i < len(o.PromptTokens) {
+		r.promptTokens, r.completion, r.cached = o.PromptTokens[i], o.CompletionTokens[i], o.CachedTokens[i]
+	}
+	r.weightVersion = o.WeightVersion
+	if i < len(o.FinishedReasons) && o.FinishedReasons[i] != nil {
+		r.finish = o.FinishedReasons[i]
+		r.done = true
+	}
+	r.wake()
+}
+
+func (r *reqState) fail(err error) {
+	r.mu.Lock()
+	if !r.done {
+		r.err, r.done = err, true
+	}
+	r.mu.Unlock()
+	r.wake()
+}
+
+func (r *reqState) finished() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.done
+}
+
+// snapshot is a consistent copy of the accumulated outputs.
+type snapshot struct {
+	Rid           string
+	Text          string
+	OutputIDs     []int32
+	OutLogprobs   []float32
+	OutTopVals    [][]float32
+	OutTopIdx     [][]int32
+	InLogprobs    []float32
+	InIdx         []int32
+	PromptTokens  int
+	Completion    int
+	Cached        int
+	Finish        *ioschema.FinishReason
+	WeightVersion string
+	Err           error
+	Done          bool
+	Latency       time.Duration
+}
+
+func (r *reqState) snapshot() snapshot {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return snapshot{Rid: r.rid, Text: r.text.String(), OutputIDs: append([]int32(nil), r.outputIDs...),
+		OutLogprobs: append([]float32(nil), r.outLogprobs...), OutTopVals: append([][]float32(nil), r.outTopVals...),
+		OutTopIdx: append([][]int32(nil), r.outTopIdx...), InLogprobs: r.inLogprobs, InIdx: r.inIdx,
+		PromptTokens: r.promptTokens, Completion: r.completion, Cached: r.cached, Finish: r.finish,
+		WeightVersion: r.weightVersion, Err: r.err, Done: r.done, Latency: time.Since(r.created)}
+}
+
+// logprobEntry renders SGLang's [logprob, token_id, text] triple.
+func (m *Manager) logprobEntry(lp float32, id int32, withText bool) []any {
+	var v, text any
+	if !math.IsNaN(float64(lp)) && !math.IsInf(float64(lp), 0) {
+		v = float64(lp)
+	}
+	if withText && m.Tokenizer != nil {
+		text = m.Tokenizer.Decode([]int32{id}, false)
+	}
+	return []any{v, id, text}
+}
+
+// generateResult is /generate's response object for one request.
+func (m *Manager) generateResult(s snapshot, withText bool) map[string]any {
+	meta := map[string]any{
+		"id": s.Rid, "finish_reason": s.Finish, "prompt_tokens": s.PromptTokens,
+		"completion_tokens": s.Completion, "cached_tokens": s.Cached, "weight_version": s.WeightVersion,
+		"e2e_latency": s.Latency.Seconds(),
+	}
+	if s.OutLogprobs != nil || s.InLogprobs != nil {
+		out := make([][]any, len(s.OutLogprobs))
+		for i, lp := range s.OutLogprobs {
+			out[i] = m.logprobEntry(lp, s.OutputIDs[i], withText)
+		}
+		meta["output_token_logprobs"] = out
+		in := make([][]any, len(s.InLogprobs))
+		for i, lp := range s.InLogprobs {
+			in[i] = m.logprobEntry(lp, s.InIdx[i], withText)
+		}
+		meta["input_token_logprobs"] = in
+		if len(s.OutTopVals) > 0 {
+			top := make([][][]any, len(s.OutTopVals))
+			for i, vals := range s.OutTopVals {
+				for j, v := range vals {
+					top[i] = append(top[i], m.logprobEntry(v, s.OutTopIdx[i][j], withText))
+				}
+			}
+			meta["output_top_logprobs"] = top
+		}
+	}
+	var text any
+	if m.Tokenizer != nil {
+		text = s.Text
+	}
+	ids := s.OutputIDs
+	if ids == nil {
+		ids = []int32{}
+	}
+	return map[string]any{"text": text, "output_ids": ids, "meta_info": meta}
+}
