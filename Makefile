@@ -23,7 +23,7 @@ $(MODEL)/config.json: | build
 
 run: build $(MODEL)/config.json
 	@echo "ebb: the model in $(MODEL) has RANDOM weights: its text is gibberish by design."
-	./$(BIN) generate --model $(MODEL) --prompt "The capital of France is" --max-new-tokens 24 --temperature 0
+	./$(BIN) serve --model $(MODEL) --port $(PORT)
 
 vet:
 	$(GO) vet ./...

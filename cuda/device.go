@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"unsafe"
 
 	"github.com/x448/float16"
@@ -29,6 +30,7 @@ type Device struct {
 	counters      device.Tensor // split-KV merge counters, zero between launches
 	samplePart    device.Tensor // per-slice row reductions for sampling
 	pinned        []*pinned     // host staging buffers handed out by AllocPinned
+	savedStack    int64         // stack limit to restore on resume (0: not shrunk)
 	prefillShared int           // dynamic shared memory the prefill kernel is allowed
 }
 
@@ -347,15 +349,38 @@ func (d *Device) MemoryReport() (device.MemoryReport, error) {
 	return device.MemoryReport{ProcessBytes: r.ProcessBytes, UsedBytes: r.UsedBytes, TotalBytes: r.TotalBytes}, err
 }
 
-// AfterResume implements device.ResumeHook: memory mapped again has
-// undefined contents, and the split-KV merge counters must start at zero.
-func (d *Device) AfterResume(tags []memory.Tag) error {
-	for _, t := range tags {
-		if t == memory.CUDAGraph {
-			return d.ctx.MemsetD32(d.counters.Ptr, 0, int64(d.counters.Numel()))
-		}
+// AfterRelease implements device.ResumeHook. With cuda_graph released no
+// kernel can run, so the context's local-memory reservation (stack size
+// times every resident thread: 264 MiB on an H100) goes back too.
+func (d *Device) AfterRelease(tags []memory.Tag) error {
+	if !slices.Contains(tags, memory.CUDAGraph) || d.savedStack > 0 {
+		return nil
 	}
+	limit, err := d.ctx.StackLimit()
+	if err != nil {
+		return err
+	}
+	if err := d.ctx.SetStackLimit(0); err != nil {
+		return err
+	}
+	d.savedStack = limit
 	return nil
+}
+
+// AfterResume implements device.ResumeHook: the stack reservation comes
+// back, and the split-KV merge counters (mapped again with undefined
+// contents) start at zero.
+func (d *Device) AfterResume(tags []memory.Tag) error {
+	if !slices.Contains(tags, memory.CUDAGraph) {
+		return nil
+	}
+	if d.savedStack > 0 {
+		if err := d.ctx.SetStackLimit(d.savedStack); err != nil {
+			return err
+		}
+		d.savedStack = 0
+	}
+	return d.ctx.MemsetD32(d.counters.Ptr, 0, int64(d.counters.Numel()))
 }
 
 // AllocPinned implements device.PinnedAllocator; the memory is freed with

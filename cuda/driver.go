@@ -237,6 +237,19 @@ func (c *Context) ProfilerStop() error {
 	return check("cuProfilerStop", C.ebb_cuProfilerStop())
 }
 
+// StackLimit reads the per-thread stack size the context reserves local
+// memory for (CU_LIMIT_STACK_SIZE).
+func (c *Context) StackLimit() (int64, error) {
+	var v C.size_t
+	err := check("cuCtxGetLimit", C.ebb_cuCtxGetLimit(&v, 0))
+	return int64(v), err
+}
+
+// SetStackLimit sets it; the driver sizes the local-memory reservation from it.
+func (c *Context) SetStackLimit(v int64) error {
+	return check("cuCtxSetLimit", C.ebb_cuCtxSetLimit(0, C.size_t(v)))
+}
+
 // Event is a CUDA event for timing.
 type Event struct{ e C.CUevent }
 

@@ -94,6 +94,8 @@ typedef struct { char internal[128]; } ncclUniqueId;
 	X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *p, CUipcMemHandle h, unsigned int f), (p, h, f)) \
 	X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr p), (p)) \
 	X(cuProfilerStart, "cuProfilerStart", (void), ()) \
+	X(cuCtxSetLimit, "cuCtxSetLimit", (int limit, size_t v), (limit, v)) \
+	X(cuCtxGetLimit, "cuCtxGetLimit", (size_t *v, int limit), (v, limit)) \
 	X(cuProfilerStop, "cuProfilerStop", (void), ())
 
 #define EBB_NVRTC_FUNCS(X) \

@@ -51,8 +51,10 @@ func OpenNVML(c *Context) (*NVML, error) {
 	return &NVML{dev: d}, nil
 }
 
-// Read takes a reading.
-func (n *NVML) Read() (NVMLReading, error) {
+// Read takes a reading for this process.
+func (n *NVML) Read() (NVMLReading, error) { return n.readFor(os.Getpid()) }
+
+func (n *NVML) readFor(pid int) (NVMLReading, error) {
 	mem, r := n.dev.GetMemoryInfo()
 	if r != nvml.SUCCESS {
 		return NVMLReading{}, fmt.Errorf("nvml memory info: %s", nvml.ErrorString(r))
@@ -60,9 +62,8 @@ func (n *NVML) Read() (NVMLReading, error) {
 	out := NVMLReading{TotalBytes: int64(mem.Total), UsedBytes: int64(mem.Used), FreeBytes: int64(mem.Free), ProcessBytes: -1}
 	procs, r := n.dev.GetComputeRunningProcesses()
 	if r == nvml.SUCCESS {
-		pid := uint32(os.Getpid())
 		for _, p := range procs {
-			if p.Pid == pid {
+			if p.Pid == uint32(pid) {
 				out.ProcessBytes = int64(p.UsedGpuMemory)
 			}
 		}
@@ -78,4 +79,24 @@ func (r NVMLReading) String() string {
 		fmt.Fprintf(&b, ", this process %d MiB", r.ProcessBytes>>20)
 	}
 	return b.String()
+}
+
+// DeviceUsage reads, without a CUDA context, what NVML says about GPU index
+// and process pid (ProcessBytes -1 when pid holds no memory there).
+func DeviceUsage(index, pid int) (NVMLReading, error) {
+	nvmlOnce.Do(func() {
+		if r := nvml.Init(); r != nvml.SUCCESS {
+			nvmlErr = fmt.Errorf("nvml init: %s", nvml.ErrorString(r))
+		}
+	})
+	if nvmlErr != nil {
+		return NVMLReading{}, nvmlErr
+	}
+	d, r := nvml.DeviceGetHandleByIndex(index)
+	if r != nvml.SUCCESS {
+		return NVMLReading{}, fmt.Errorf("nvml device %d: %s", index, nvml.ErrorString(r))
+	}
+	n := &NVML{dev: d}
+	reading, err := n.readFor(pid)
+	return reading, err
 }

@@ -257,9 +257,11 @@ type PinnedAllocator interface {
 }
 
 // ResumeHook is implemented by devices that keep state of their own in
-// tagged regions (kernel scratch that must start zeroed): the engine calls
-// it after those tags are mapped again.
+// tagged regions (kernel scratch that must start zeroed) or hold memory
+// outside them that can go while nothing runs: the scheduler calls it after
+// tags are released and after they are mapped again.
 type ResumeHook interface {
+	AfterRelease(tags []memory.Tag) error
 	AfterResume(tags []memory.Tag) error
 }
 

@@ -3,6 +3,7 @@ package memory
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
 // Manager owns every region of one device.
@@ -77,8 +78,9 @@ func (m *Manager) each(tags []Tag, f func(*Region) (int64, error)) Outcomes {
 			out = append(out, Outcome{Tag: t, State: "absent", Err: err, Error: err.Error()})
 			continue
 		}
+		start := time.Now()
 		n, err := f(r)
-		o := Outcome{Tag: t, Bytes: n, State: r.state.String(), Err: err}
+		o := Outcome{Tag: t, Bytes: n, State: r.state.String(), Err: err, Ms: float64(time.Since(start).Microseconds()) / 1000}
 		if err != nil {
 			o.Error = err.Error()
 		}

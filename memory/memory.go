@@ -142,12 +142,13 @@ func MiB(b int64) string { return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20)) }
 
 // Outcome says what Release or Resume did for one tag.
 type Outcome struct {
-	Tag   Tag    `json:"tag" msgpack:"tag"`
-	Bytes int64  `json:"bytes" msgpack:"bytes"` // freed by release, mapped by resume
-	State string `json:"state" msgpack:"state"` // state afterwards
-	Note  string `json:"note,omitempty" msgpack:"note,omitempty"`
-	Error string `json:"error,omitempty" msgpack:"error,omitempty"` // Err, for the wire
-	Err   error  `json:"-" msgpack:"-"`
+	Tag   Tag     `json:"tag" msgpack:"tag"`
+	Bytes int64   `json:"bytes" msgpack:"bytes"` // freed by release, mapped by resume
+	Ms    float64 `json:"ms" msgpack:"ms"`       // time taken
+	State string  `json:"state" msgpack:"state"` // state afterwards
+	Note  string  `json:"note,omitempty" msgpack:"note,omitempty"`
+	Error string  `json:"error,omitempty" msgpack:"error,omitempty"` // Err, for the wire
+	Err   error   `json:"-" msgpack:"-"`
 }
 
 // Outcomes is the result of a multi-tag call.

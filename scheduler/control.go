@@ -145,8 +145,25 @@ func (s *Server) release(r *ioschema.ReleaseMemoryOccupationReqInput, res iosche
 		}
 	}
 	out := s.e.Dev.Memory().Release(tags)
+	if hook, ok := s.e.Dev.(device.ResumeHook); ok {
+		if err := hook.AfterRelease(succeeded(out)); err != nil {
+			res.Success, res.Message = false, "after release: "+err.Error()
+			return &ioschema.ReleaseMemoryOccupationReqOutput{MemoryResult: ioschema.MemoryResult{Result: res, Tags: out}}
+		}
+	}
 	s.log.Info("released memory", zap.String("tags", out.Summary()))
 	return &ioschema.ReleaseMemoryOccupationReqOutput{MemoryResult: outcomesResult(res, out, "released")}
+}
+
+// succeeded lists the tags an operation carried out.
+func succeeded(out memory.Outcomes) []memory.Tag {
+	var tags []memory.Tag
+	for _, o := range out {
+		if o.Err == nil {
+			tags = append(tags, o.Tag)
+		}
+	}
+	return tags
 }
 
 func (s *Server) resume(r *ioschema.ResumeMemoryOccupationReqInput, res ioschema.Result) ioschema.Message {
@@ -156,14 +173,8 @@ func (s *Server) resume(r *ioschema.ResumeMemoryOccupationReqInput, res ioschema
 		return &ioschema.ResumeMemoryOccupationReqOutput{MemoryResult: ioschema.MemoryResult{Result: res}}
 	}
 	out := s.e.Dev.Memory().Resume(tags)
-	var resumed []memory.Tag
-	for _, o := range out {
-		if o.Err == nil {
-			resumed = append(resumed, o.Tag)
-		}
-	}
-	if hook, ok := s.e.Dev.(device.ResumeHook); ok && len(resumed) > 0 {
-		if err := hook.AfterResume(resumed); err != nil {
+	if hook, ok := s.e.Dev.(device.ResumeHook); ok {
+		if err := hook.AfterResume(succeeded(out)); err != nil {
 			res.Success, res.Message = false, "after resume: "+err.Error()
 			return &ioschema.ResumeMemoryOccupationReqOutput{MemoryResult: ioschema.MemoryResult{Result: res, Tags: out}}
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"time"
 
@@ -354,5 +355,6 @@ func (s *Server) Info() map[string]any {
 		"generated_tokens": s.core.Stats.GeneratedTokens, "prompt_tokens": s.core.Stats.PromptTokens,
 		"cached_prompt_tokens": s.core.Stats.CachedTokens, "graph_steps": e.Runner.Stats.GraphSteps,
 		"eager_steps": e.Runner.Stats.EagerSteps, "invariants_ok": s.InvariantErr == nil,
+		"scheduler_pid": os.Getpid(),
 	}
 }

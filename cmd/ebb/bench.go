@@ -4,18 +4,82 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"sort"
 	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
 
 	"ebb/bench"
+	"ebb/cuda"
 )
 
 func benchCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "bench", Short: "Benchmarks: one-batch latency, offline throughput, serving, RL memory cycle"}
-	cmd.AddCommand(oneBatchCmd())
+	cmd.AddCommand(oneBatchCmd(), rlCycleCmd())
 	return cmd
+}
+
+func rlCycleCmd() *cobra.Command {
+	var cfg bench.RLCycleConfig
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "rl-cycle --model DIR --cycles N",
+		Short: "Rollout, release every tag, a trainer process fills the GPU, resume, update weights, continue; per cycle",
+		RunE: func(*cobra.Command, []string) error {
+			if !asJSON {
+				cfg.Progress = os.Stderr
+			}
+			rep, err := bench.RLCycle(cfg)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				enc := json.NewEncoder(os.Stdout)
+				enc.SetIndent("", " ")
+				return enc.Encode(rep)
+			}
+			fmt.Printf("%s, bare context %.0f MiB, device %.0f MiB\n", rep.Device, rep.BareContextMiB, rep.DeviceTotalMiB)
+			fmt.Printf("%5s %10s %11s %9s %11s %12s %12s %12s %6s\n", "cycle", "residual", "reclaim %", "rel ms", "trainer MiB", "res kv+g ms", "update ms", "after MiB", "probe")
+			for _, c := range rep.Cycles {
+				fmt.Printf("%5d %10.1f %11.2f %9.1f %11.0f %12.2f %12.1f %12.0f %6v\n", c.Cycle, c.ResidualMiB, c.ReclaimPct,
+					c.ReleaseCallMs, c.TrainerAllocatedMiB, c.ResumeRestCallMs, c.UpdateWeightsMs, c.AfterResumeMiB, c.ProbeMatches)
+			}
+			keys := make([]string, 0, len(rep.Summary))
+			for k := range rep.Summary {
+				keys = append(keys, k)
+			}
+			sort.Strings(keys)
+			for _, k := range keys {
+				fmt.Printf("%-40s %.3f\n", k, rep.Summary[k])
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	addEngineFlags(f, &cfg.Engine)
+	f.IntVar(&cfg.Cycles, "cycles", 10, "cycles to run")
+	f.IntVar(&cfg.BatchSize, "batch-size", 64, "rollout batch size")
+	f.IntVar(&cfg.InputLen, "input-len", 128, "rollout prompt tokens")
+	f.IntVar(&cfg.OutputLen, "output-len", 128, "rollout generated tokens")
+	f.StringVar(&cfg.PlotPath, "plot", "", "write a PNG of memory over time here")
+	f.BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func trainerCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:    "__trainer",
+		Hidden: true,
+		Short:  "Stand in for a trainer: take all the GPU memory possible, write it, free it, report JSON",
+		RunE: func(*cobra.Command, []string) error {
+			rep, err := cuda.FillAsTrainer()
+			if err != nil {
+				return err
+			}
+			return json.NewEncoder(os.Stdout).Encode(rep)
+		},
+	}
 }
 
 func parseInts(s string) ([]int, error) {

@@ -16,5 +16,9 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.IntVar(&cfg.MaxTotalTokens, "max-total-tokens", 0, "KV cache size in tokens (default: from --mem-fraction-static)")
 	f.Float64Var(&cfg.MemFractionStatic, "mem-fraction-static", 0.85, "share of GPU memory for weights and KV cache")
 	f.BoolVar(&cfg.CPUBackup, "enable-weights-cpu-backup", false, "keep a pinned host copy of the weights so resume restores them")
+	f.IntVar(&cfg.MaxRunningRequests, "max-running-requests", 0, "most requests decoding at once (default 256)")
+	f.IntVar(&cfg.ChunkedPrefillSize, "chunked-prefill-size", 0, "most prompt tokens per step (default 8192)")
+	f.BoolVar(&cfg.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")
+	f.IntVar(&cfg.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
 	_ = f.SetAnnotation("model", "cobra_annotation_bash_completion_one_required_flag", []string{"true"})
 }

@@ -38,8 +38,12 @@ func generateCmd() *cobra.Command {
 			if len(prompts) == 0 && len(inputIDs) == 0 {
 				return fmt.Errorf("give --prompt or --input-ids")
 			}
-			cfg.MaxRunningRequests = max(len(prompts)+len(inputIDs), 1)
-			cfg.ChunkedPrefillSize = 2048
+			if cfg.MaxRunningRequests == 0 {
+				cfg.MaxRunningRequests = max(len(prompts)+len(inputIDs), 1)
+			}
+			if cfg.ChunkedPrefillSize == 0 {
+				cfg.ChunkedPrefillSize = 2048
+			}
 			e, err := engine.Open(cfg)
 			if err != nil {
 				return err

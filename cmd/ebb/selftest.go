@@ -62,6 +62,6 @@ func selftestCmd() *cobra.Command {
 	}
 	probe.Flags().IntVar(&probeGiB, "gib", 32, "range size")
 	probe.Flags().DurationVar(&probeIdle, "idle", 500*time.Millisecond, "idle wait")
-	cmd.AddCommand(mem, probe)
+	cmd.AddCommand(mem, probe, residualCmd())
 	return cmd
 }

@@ -62,10 +62,6 @@ func serveCmd() *cobra.Command {
 	f.IntVar(&cfg.Port, "port", 30000, "HTTP port")
 	f.StringVar(&cfg.ZMQEndpoint, "zmq-endpoint", "", `external ZMQ ROUTER endpoint (default tcp://127.0.0.1:<port+1>; "none" disables)`)
 	f.StringVar(&cfg.ModelName, "served-model-name", "", "model name for the OpenAI endpoints (default: the directory name)")
-	f.IntVar(&cfg.Engine.MaxRunningRequests, "max-running-requests", 0, "most requests decoding at once (default 256)")
-	f.IntVar(&cfg.Engine.ChunkedPrefillSize, "chunked-prefill-size", 0, "most prompt tokens per step (default 8192)")
-	f.BoolVar(&cfg.Engine.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")
-	f.IntVar(&cfg.Engine.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
 	f.StringVar(&cfg.LogLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
 }

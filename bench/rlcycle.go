@@ -1,0 +1,413 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+
+	"ebb/cuda"
+	"ebb/engine"
+)
+
+// RLCycleConfig is `ebb bench rl-cycle`.
+type RLCycleConfig struct {
+	Engine     engine.Config
+	Cycles     int
+	BatchSize  int
+	InputLen   int
+	OutputLen  int
+	Executable string    // the ebb binary (default: this one)
+	PlotPath   string    // PNG of memory over time; empty for none
+	Progress   io.Writer // nil for none
+}
+
+// Phase is one NVML reading during the run.
+type Phase struct {
+	Seconds      float64 `json:"t_s"`
+	Cycle        int     `json:"cycle"`
+	Name         string  `json:"phase"`
+	ServerMiB    float64 `json:"server_mib"`      // the scheduler process (NVML)
+	DeviceUsedMB float64 `json:"device_used_mib"` // the whole GPU
+}
+
+// CycleRecord is one rollout / train / resume cycle.
+type CycleRecord struct {
+	Cycle               int                `json:"cycle"`
+	RolloutTokPerS      float64            `json:"rollout_output_tokens_per_s"`
+	ProbeMatches        bool               `json:"probe_matches_first_cycle"`
+	BeforeReleaseMiB    float64            `json:"server_before_release_mib"`
+	AfterReleaseMiB     float64            `json:"server_after_release_mib"`
+	ResidualMiB         float64            `json:"residual_over_bare_context_mib"`
+	ReclaimPct          float64            `json:"reclaim_pct"`
+	ReleaseMs           map[string]float64 `json:"release_ms"`
+	ReleaseCallMs       float64            `json:"release_call_ms"`
+	TrainerAllocatedMiB float64            `json:"trainer_allocated_mib"`
+	TrainerFreeMiB      float64            `json:"trainer_driver_free_mib"`
+	ResumeMs            map[string]float64 `json:"resume_ms"`
+	ResumeWeightsCallMs float64            `json:"resume_weights_call_ms"`
+	UpdateWeightsMs     float64            `json:"update_weights_ms"`
+	ResumeRestCallMs    float64            `json:"resume_kv_graph_call_ms"`
+	AfterResumeMiB      float64            `json:"server_after_resume_mib"`
+	RegionReservedBytes int64              `json:"region_reserved_bytes"`
+}
+
+// RLCycleReport is the benchmark's result.
+type RLCycleReport struct {
+	Device         string             `json:"device"`
+	BareContextMiB float64            `json:"bare_context_mib"`
+	DeviceTotalMiB float64            `json:"device_total_mib"`
+	Cycles         []CycleRecord      `json:"cycles"`
+	Phases         []Phase            `json:"phases"`
+	Summary        map[string]float64 `json:"summary"`
+}
+
+// RLCycle runs `ebb serve` and, per cycle: generates a rollout batch, checks
+// a greedy probe against the first cycle, pauses, releases every tag, lets a
+// separate process fill the freed memory, resumes the weights, updates them
+// from disk, resumes kv_cache and cuda_graph and continues. NVML measures the
+// scheduler process throughout.
+func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
+	if cfg.Executable == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, err
+		}
+		cfg.Executable = exe
+	}
+	trainerBase, err := runTrainer(cfg.Executable)
+	if err != nil {
+		return nil, fmt.Errorf("trainer probe: %w", err)
+	}
+	rep := &RLCycleReport{BareContextMiB: mib(trainerBase.BareContextBytes), Summary: map[string]float64{}}
+	srv, err := startServe(cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer srv.stop()
+	info := map[string]any{}
+	if err := srv.call("GET", "/server_info", nil, &info); err != nil {
+		return nil, err
+	}
+	rep.Device, _ = info["device"].(string)
+	pid := int(info["scheduler_pid"].(float64))
+	start := time.Now()
+	read := func(cycle int, name string) Phase {
+		r, _ := cuda.DeviceUsage(cfg.Engine.GPU, pid)
+		p := Phase{Seconds: time.Since(start).Seconds(), Cycle: cycle, Name: name, ServerMiB: mib(r.ProcessBytes), DeviceUsedMB: mib(r.UsedBytes)}
+		rep.DeviceTotalMiB = mib(r.TotalBytes)
+		rep.Phases = append(rep.Phases, p)
+		return p
+	}
+	rng := rand.New(rand.NewPCG(3, 4))
+	vocab := int(info["vocab_size"].(float64)) - 1000
+	randomIDs := func(n int) []int32 {
+		ids := make([]int32, n)
+		for i := range ids {
+			ids[i] = int32(rng.IntN(vocab))
+		}
+		return ids
+	}
+	probe := [][]int32{randomIDs(64), randomIDs(17), randomIDs(100)}
+	var probeRef [][]int32
+	var bar *progressbar.ProgressBar
+	if cfg.Progress != nil {
+		bar = progressbar.NewOptions(cfg.Cycles, progressbar.OptionSetWriter(cfg.Progress), progressbar.OptionSetDescription("rl cycles"))
+	}
+	for c := 0; c < cfg.Cycles; c++ {
+		rec := CycleRecord{Cycle: c, ReleaseMs: map[string]float64{}, ResumeMs: map[string]float64{}}
+		rollout := make([][]int32, cfg.BatchSize)
+		for i := range rollout {
+			rollout[i] = randomIDs(cfg.InputLen)
+		}
+		t0 := time.Now()
+		if _, err := srv.generate(rollout, cfg.OutputLen, 1.0); err != nil {
+			return rep, fmt.Errorf("cycle %d rollout: %w", c, err)
+		}
+		rec.RolloutTokPerS = float64(cfg.BatchSize*cfg.OutputLen) / time.Since(t0).Seconds()
+		// Probe prompts run one at a time: a batch's composition can vary
+		// with arrival timing, and different GEMM shapes round differently,
+		// which would flip greedy near-ties that say nothing about memory.
+		var got [][]int32
+		for _, p := range probe {
+			out, err := srv.generate([][]int32{p}, 24, 0)
+			if err != nil {
+				return rep, fmt.Errorf("cycle %d probe: %w", c, err)
+			}
+			got = append(got, out...)
+		}
+		if probeRef == nil {
+			probeRef = got
+		}
+		rec.ProbeMatches = equalIDs(got, probeRef)
+		rec.BeforeReleaseMiB = read(c, "generating").ServerMiB
+		if err := srv.control("/pause_generation", map[string]any{"mode": "retract"}, nil); err != nil {
+			return rep, err
+		}
+		var rel struct {
+			Tags []struct {
+				Tag   string  `json:"tag"`
+				Ms    float64 `json:"ms"`
+				Bytes int64   `json:"bytes"`
+			} `json:"tags"`
+		}
+		t0 = time.Now()
+		if err := srv.control("/release_memory_occupation", map[string]any{}, &rel); err != nil {
+			return rep, err
+		}
+		rec.ReleaseCallMs = ms(time.Since(t0))
+		for _, t := range rel.Tags {
+			rec.ReleaseMs[t.Tag] = t.Ms
+		}
+		rec.AfterReleaseMiB = read(c, "released").ServerMiB
+		rec.ResidualMiB = rec.AfterReleaseMiB - rep.BareContextMiB
+		rec.ReclaimPct = 100 * (rec.BeforeReleaseMiB - rec.AfterReleaseMiB) / (rec.BeforeReleaseMiB - rep.BareContextMiB)
+		tr, err := runTrainer(cfg.Executable)
+		if err != nil {
+			return rep, fmt.Errorf("cycle %d trainer: %w", c, err)
+		}
+		rec.TrainerAllocatedMiB, rec.TrainerFreeMiB = mib(tr.AllocatedBytes), mib(tr.DriverFreeBefore)
+		read(c, "trainer done")
+		var res struct {
+			Tags []struct {
+				Tag string  `json:"tag"`
+				Ms  float64 `json:"ms"`
+			} `json:"tags"`
+		}
+		t0 = time.Now()
+		if err := srv.control("/resume_memory_occupation", map[string]any{"tags": []string{"weights"}}, &res); err != nil {
+			return rep, err
+		}
+		rec.ResumeWeightsCallMs = ms(time.Since(t0))
+		for _, t := range res.Tags {
+			rec.ResumeMs[t.Tag] = t.Ms
+		}
+		t0 = time.Now()
+		if err := srv.control("/update_weights_from_disk", map[string]any{"model_path": cfg.Engine.ModelDir, "weight_version": fmt.Sprint("cycle-", c)}, nil); err != nil {
+			return rep, err
+		}
+		rec.UpdateWeightsMs = ms(time.Since(t0))
+		t0 = time.Now()
+		res.Tags = nil
+		if err := srv.control("/resume_memory_occupation", map[string]any{"tags": []string{"kv_cache", "cuda_graph"}}, &res); err != nil {
+			return rep, err
+		}
+		rec.ResumeRestCallMs = ms(time.Since(t0))
+		for _, t := range res.Tags {
+			rec.ResumeMs[t.Tag] = t.Ms
+		}
+		if err := srv.control("/continue_generation", map[string]any{}, nil); err != nil {
+			return rep, err
+		}
+		rec.AfterResumeMiB = read(c, "resumed").ServerMiB
+		var stats struct {
+			Tags []struct {
+				Reserved int64 `json:"reserved_bytes"`
+			} `json:"tags"`
+		}
+		if err := srv.call("GET", "/memory_stats", nil, &stats); err != nil {
+			return rep, err
+		}
+		for _, t := range stats.Tags {
+			rec.RegionReservedBytes += t.Reserved
+		}
+		rep.Cycles = append(rep.Cycles, rec)
+		if bar != nil {
+			bar.Add(1)
+		}
+	}
+	summarize(rep)
+	if cfg.PlotPath != "" {
+		if err := plotMemory(rep, cfg.PlotPath); err != nil {
+			return rep, err
+		}
+	}
+	return rep, nil
+}
+
+func mib(b int64) float64          { return float64(b) / (1 << 20) }
+func ms(d time.Duration) float64   { return float64(d.Microseconds()) / 1000 }
+func equalIDs(a, b [][]int32) bool { return slices.EqualFunc(a, b, slices.Equal[[]int32]) }
+
+func medianOf(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	sort.Float64s(s)
+	return s[len(s)/2]
+}
+
+func summarize(rep *RLCycleReport) {
+	var residual, reclaim, relCall, resumeRest, update []float64
+	perTag := map[string][]float64{}
+	allMatch := 1.0
+	for _, c := range rep.Cycles {
+		residual = append(residual, c.ResidualMiB)
+		reclaim = append(reclaim, c.ReclaimPct)
+		relCall = append(relCall, c.ReleaseCallMs)
+		resumeRest = append(resumeRest, c.ResumeRestCallMs)
+		update = append(update, c.UpdateWeightsMs)
+		for tag, v := range c.ReleaseMs {
+			perTag["release_"+tag] = append(perTag["release_"+tag], v)
+		}
+		for tag, v := range c.ResumeMs {
+			perTag["resume_"+tag] = append(perTag["resume_"+tag], v)
+		}
+		if !c.ProbeMatches {
+			allMatch = 0
+		}
+	}
+	s := rep.Summary
+	s["residual_mib_max"] = slices.Max(residual)
+	s["residual_mib_median"] = medianOf(residual)
+	s["reclaim_pct_min"] = slices.Min(reclaim)
+	s["release_call_ms_median"] = medianOf(relCall)
+	s["resume_kv_graph_call_ms_median"] = medianOf(resumeRest)
+	s["update_weights_ms_median"] = medianOf(update)
+	for k, v := range perTag {
+		s[k+"_ms_median"] = medianOf(v)
+	}
+	first, last := rep.Cycles[0], rep.Cycles[len(rep.Cycles)-1]
+	s["drift_after_resume_mib"] = last.AfterResumeMiB - first.AfterResumeMiB
+	s["drift_after_release_mib"] = last.AfterReleaseMiB - first.AfterReleaseMiB
+	s["drift_region_reserved_bytes"] = float64(last.RegionReservedBytes - first.RegionReservedBytes)
+	s["probe_matches_every_cycle"] = allMatch
+	s["trainer_allocated_mib_min"] = slices.MinFunc(rep.Cycles, func(a, b CycleRecord) int {
+		return int(a.TrainerAllocatedMiB - b.TrainerAllocatedMiB)
+	}).TrainerAllocatedMiB
+	s["device_total_mib"] = rep.DeviceTotalMiB
+	s["bare_context_mib"] = rep.BareContextMiB
+}
+
+// runTrainer runs `ebb __trainer`, a process of its own that fills the
+// GPU and reports what it got.
+func runTrainer(exe string) (*cuda.TrainerReport, error) {
+	cmd := exec.Command(exe, "__trainer")
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, err
+	}
+	var r cuda.TrainerReport
+	if err := json.Unmarshal(out, &r); err != nil {
+		return nil, fmt.Errorf("trainer output %q: %w", out, err)
+	}
+	return &r, nil
+}
+
+// serveProc is the server under test.
+type serveProc struct {
+	cmd  *exec.Cmd
+	url  string
+	done chan error
+}
+
+func startServe(cfg RLCycleConfig) (*serveProc, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	e := cfg.Engine
+	args := []string{"serve", "--model", e.ModelDir, "--device", e.Device, "--port", strconv.Itoa(port), "--zmq-endpoint", "none",
+		"--mem-fraction-static", strconv.FormatFloat(e.MemFractionStatic, 'f', -1, 64), "--log-level", "warn",
+		"--max-running-requests", strconv.Itoa(max(cfg.BatchSize, 8)), "--context-length", strconv.Itoa(max(e.ContextLength, cfg.InputLen+cfg.OutputLen+64))}
+	if e.MaxTotalTokens > 0 {
+		args = append(args, "--max-total-tokens", strconv.Itoa(e.MaxTotalTokens))
+	}
+	if e.CPUBackup {
+		args = append(args, "--enable-weights-cpu-backup")
+	}
+	s := &serveProc{cmd: exec.Command(cfg.Executable, args...), url: fmt.Sprintf("http://127.0.0.1:%d", port), done: make(chan error, 1)}
+	s.cmd.Stderr = os.Stderr
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := s.cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { s.done <- s.cmd.Wait() }()
+	deadline := time.Now().Add(10 * time.Minute)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(s.url + "/health"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return s, nil
+			}
+		}
+		select {
+		case err := <-s.done:
+			return nil, fmt.Errorf("ebb serve exited: %v", err)
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	s.stop()
+	return nil, fmt.Errorf("ebb serve did not become healthy")
+}
+
+func (s *serveProc) stop() {
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(20 * time.Second):
+		_ = s.cmd.Process.Kill()
+	}
+}
+
+func (s *serveProc) call(method, path string, body, out any) error {
+	var r io.Reader
+	if body != nil {
+		b, _ := json.Marshal(body)
+		r = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(context.Background(), method, s.url+path, r)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 {
+		return fmt.Errorf("%s: %s: %s", path, resp.Status, strings.TrimSpace(string(b)))
+	}
+	if out != nil {
+		return json.Unmarshal(b, out)
+	}
+	return nil
+}
+
+func (s *serveProc) control(path string, body, out any) error { return s.call("POST", path, body, out) }
+
+// generate runs a batch through /generate and returns the output ids.
+func (s *serveProc) generate(prompts [][]int32, maxNew int, temperature float64) ([][]int32, error) {
+	var res []struct {
+		OutputIDs []int32 `json:"output_ids"`
+	}
+	body := map[string]any{"input_ids": prompts, "sampling_params": map[string]any{"max_new_tokens": maxNew, "temperature": temperature, "ignore_eos": true}}
+	if err := s.call("POST", "/generate", body, &res); err != nil {
+		return nil, err
+	}
+	out := make([][]int32, len(res))
+	for i, r := range res {
+		out[i] = r.OutputIDs
+	}
+	return out, nil
+}

@@ -1,0 +1,118 @@
+package cpu
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+func logSoftmax(x []float32, t float32) []float64 {
+	m := math.Inf(-1)
+	for _, v := range x {
+		m = math.Max(m, float64(v/t))
+	}
+	var z float64
+	for _, v := range x {
+		z += math.Exp(float64(v/t) - m)
+	}
+	out := make([]float64, len(x))
+	for i, v := range x {
+		out[i] = float64(v/t) - m - math.Log(z)
+	}
+	return out
+}
+
+func TestSampleRow(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	logits := make([]float32, 500)
+	for i := range logits {
+		logits[i] = float32(rng.NormFloat64() * 2)
+	}
+	order := make([]int, len(logits))
+	for i := range order {
+		order[i] = i
+	}
+	rank := func(id int32) int {
+		r := 0
+		for _, v := range logits {
+			if v > logits[id] {
+				r++
+			}
+		}
+		return r
+	}
+	cases := []struct {
+		name             string
+		temp, topP, minP float32
+		topK             int
+		allowed          func(id int32) bool
+	}{
+		{"greedy", 0, 1, 0, -1, func(id int32) bool { return rank(id) == 0 }},
+		{"top_k 1 is greedy", 0.7, 1, 0, 1, func(id int32) bool { return rank(id) == 0 }},
+		{"top_k 5", 1, 1, 0, 5, func(id int32) bool { return rank(id) < 5 }},
+		{"tiny top_p keeps the top token", 1, 1e-6, 0, -1, func(id int32) bool { return rank(id) == 0 }},
+		{"min_p", 1, 1, 0.5, -1, func(id int32) bool {
+			var top float32 = -1e9
+			for _, v := range logits {
+				top = max(top, v)
+			}
+			return math.Exp(float64(logits[id]-top)) >= 0.5
+		}},
+		{"plain sampling", 1.3, 1, 0, -1, func(int32) bool { return true }},
+	}
+	for _, c := range cases {
+		seen := map[int32]bool{}
+		for i := 0; i < 300; i++ {
+			u := float32(i) / 300
+			id, lp, _ := SampleRow(logits, c.temp, c.topP, c.topK, c.minP, u)
+			if id < 0 || !c.allowed(id) {
+				t.Fatalf("%s: sampled %d (rank %d)", c.name, id, rank(id))
+			}
+			temp := c.temp
+			if temp <= 0 {
+				temp = 1
+			}
+			if want := logSoftmax(logits, temp)[id]; math.Abs(float64(lp)-want) > 1e-4 {
+				t.Fatalf("%s: logprob %v, want %v", c.name, lp, want)
+			}
+			seen[id] = true
+		}
+		if c.name == "plain sampling" && len(seen) < 20 {
+			t.Fatalf("plain sampling drew only %d distinct tokens over the whole [0,1) range", len(seen))
+		}
+	}
+	// Inverse CDF: a larger draw never picks an earlier token id.
+	prev := int32(-1)
+	for i := 0; i < 100; i++ {
+		id, _, _ := SampleRow(logits, 1, 1, -1, 0, float32(i)/100)
+		if id < prev {
+			t.Fatalf("draw %d picked %d after %d", i, id, prev)
+		}
+		prev = id
+	}
+}
+
+func TestThreshold(t *testing.T) {
+	p := []float32{1, 0.5, 0.25, 0.125, 0.125}
+	z := float32(2)
+	cases := []struct {
+		topP float32
+		topK int
+		minP float32
+		want float32
+	}{
+		{1, -1, 0, 0},
+		{1, 2, 0, 0.5},
+		{1, 4, 0, 0.125},  // ties at the k-th value are all kept
+		{0.5, -1, 0, 0.5}, // mass before the second token is exactly top_p: kept, as SGLang does
+		{0.4, -1, 0, 1},   // the first token alone covers top_p
+		{0.6, -1, 0, 0.5},
+		{1, -1, 0.3, 0.3},
+		{0.6, 1, 0.1, 1},
+	}
+	for _, c := range cases {
+		if got := Threshold(p, z, c.topP, c.topK, c.minP); got != c.want {
+			t.Errorf("Threshold(top_p=%v top_k=%d min_p=%v) = %v, want %v", c.topP, c.topK, c.minP, got, c.want)
+		}
+	}
+}

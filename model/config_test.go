@@ -1,0 +1,81 @@
+package model
+
+import (
+	"math"
+	"strings"
+	"testing"
+)
+
+const base = `"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+	"vocab_size": 100, "max_position_embeddings": 512`
+
+func TestParseConfig(t *testing.T) {
+	cases := []struct {
+		name    string
+		json    string
+		wantErr string
+		check   func(*Config) bool
+	}{
+		{"qwen3 defaults", `{"architectures": ["Qwen3ForCausalLM"], ` + base + `}`, "",
+			func(c *Config) bool {
+				return c.QKNorm && c.KVHeads == 4 && c.HeadDim == 16 && !c.AttentionBias && c.Rope.Type == "default"
+			}},
+		{"qwen2 has qkv bias and no o bias", `{"architectures": ["Qwen2ForCausalLM"], ` + base + `}`, "",
+			func(c *Config) bool { return c.AttentionBias && !c.OutputBias && !c.QKNorm }},
+		{"llama gqa, head_dim, eos list", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "num_key_value_heads": 1, "head_dim": 32, "eos_token_id": [1, 2]}`, "",
+			func(c *Config) bool {
+				return c.KVHeads == 1 && c.HeadDim == 32 && len(c.EOSTokenIDs) == 2 && c.QKVRows() == 6*32
+			}},
+		{"transformers 5 rope_parameters", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "rope_parameters": {"rope_type": "linear", "factor": 2, "rope_theta": 5000}}`, "",
+			func(c *Config) bool { return c.Rope.Type == "linear" && c.RopeTheta == 5000 }},
+		{"legacy type key", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "rope_scaling": {"type": "linear", "factor": 4}}`, "",
+			func(c *Config) bool { return c.Rope.Type == "linear" && c.Rope.Factor == 4 }},
+		{"unsupported architecture", `{"architectures": ["MambaForCausalLM"], ` + base + `}`, `"MambaForCausalLM"`, nil},
+		{"unsupported rope", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "rope_scaling": {"rope_type": "yarn", "factor": 4}}`, `"yarn"`, nil},
+		{"kv heads must divide", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "num_key_value_heads": 3}`, "num_key_value_heads", nil},
+		{"sliding window", `{"architectures": ["Qwen2ForCausalLM"], ` + base + `, "use_sliding_window": true}`, "use_sliding_window", nil},
+		{"activation", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "hidden_act": "gelu"}`, "gelu", nil},
+		{"missing sizes", `{"architectures": ["LlamaForCausalLM"]}`, "hidden_size", nil},
+		{"quantized", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "quantization_config": {"quant_method": "awq"}}`, "quantization", nil},
+		{"not json", `{`, "parse", nil},
+	}
+	for _, c := range cases {
+		cfg, err := ParseConfig([]byte(c.json))
+		switch {
+		case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
+			t.Errorf("%s: error %v, want one naming %s", c.name, err, c.wantErr)
+		case c.wantErr == "" && err != nil:
+			t.Errorf("%s: %v", c.name, err)
+		case c.check != nil && err == nil && !c.check(cfg):
+			t.Errorf("%s: %+v", c.name, cfg)
+		}
+	}
+}
+
+// TestLlama3RopeScaling checks the three frequency bands of llama3 scaling.
+func TestLlama3RopeScaling(t *testing.T) {
+	c := &Config{HeadDim: 128, RopeTheta: 500000, Rope: RopeScaling{Type: "llama3", Factor: 8, LowFreqFactor: 1, HighFreqFactor: 4, OriginalMaxPos: 8192}}
+	plain := &Config{HeadDim: 128, RopeTheta: 500000, Rope: RopeScaling{Type: "default"}}
+	got, raw := c.InvFreq(), plain.InvFreq()
+	for j := range got {
+		wave := 2 * math.Pi / float64(raw[j])
+		switch {
+		case wave < 8192/4: // high frequency: unchanged
+			if got[j] != raw[j] {
+				t.Fatalf("band high, %d: %v vs %v", j, got[j], raw[j])
+			}
+		case wave > 8192: // low frequency: divided by the factor
+			if math.Abs(float64(got[j]*8-raw[j])) > 1e-6*float64(raw[j]) {
+				t.Fatalf("band low, %d: %v vs %v", j, got[j], raw[j])
+			}
+		default: // smoothed between the two
+			if got[j] > raw[j] || got[j] < raw[j]/8 {
+				t.Fatalf("band mid, %d: %v outside [%v, %v]", j, got[j], raw[j]/8, raw[j])
+			}
+		}
+	}
+	cos, sin := plain.RopeTables(4)
+	if cos[0] != 1 || sin[0] != 0 || math.Abs(float64(cos[64]*cos[64]+sin[64]*sin[64])-1) > 1e-6 {
+		t.Fatal("rope tables are not unit rotations")
+	}
+}
