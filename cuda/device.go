@@ -8,10 +8,9 @@ import (
 	"slices"
 	"unsafe"
 
-	"github.com/x448/float16"
-
 	"ebb/device"
 	"ebb/memory"
+	"ebb/safetensors"
 )
 
 // Device implements device.Device on one GPU in bf16. It must be used from
@@ -178,13 +177,7 @@ func (d *Device) Close() error {
 
 // Alloc implements device.Device.
 func (d *Device) Alloc(tag memory.Tag, dtype device.DType, shape ...int) (device.Tensor, error) {
-	t := device.Tensor{DType: dtype, Shape: append([]int(nil), shape...)}
-	ptr, err := d.mem.Alloc(tag, max(t.Bytes(), 1))
-	if err != nil {
-		return device.Tensor{}, err
-	}
-	t.Ptr = ptr
-	return t, nil
+	return device.AllocIn(d.mem, tag, dtype, shape...)
 }
 
 // Free implements device.Device.
@@ -212,7 +205,7 @@ func (d *Device) Upload(dst device.Tensor, src []byte, srcType device.DType) err
 	case device.BF16:
 		out = make([]byte, 2*n)
 		for i, v := range f {
-			binary.LittleEndian.PutUint16(out[2*i:], bf16Bits(v))
+			binary.LittleEndian.PutUint16(out[2*i:], safetensors.BF16Bits(v))
 		}
 	case device.F32:
 		out = make([]byte, 4*n)
@@ -226,37 +219,11 @@ func (d *Device) Upload(dst device.Tensor, src []byte, srcType device.DType) err
 }
 
 func decodeFloats(src []byte, t device.DType) []float32 {
-	switch t {
-	case device.F32:
-		f := make([]float32, len(src)/4)
-		for i := range f {
-			f[i] = math.Float32frombits(binary.LittleEndian.Uint32(src[4*i:]))
-		}
-		return f
-	case device.BF16:
-		f := make([]float32, len(src)/2)
-		for i := range f {
-			f[i] = math.Float32frombits(uint32(binary.LittleEndian.Uint16(src[2*i:])) << 16)
-		}
-		return f
-	case device.F16:
-		f := make([]float32, len(src)/2)
-		for i := range f {
-			f[i] = float16.Frombits(binary.LittleEndian.Uint16(src[2*i:])).Float32()
-		}
-		return f
+	f := make([]float32, len(src)/max(t.Size(), 1))
+	if !device.DecodeFloats(f, src, t) {
+		return nil
 	}
-	return nil
-}
-
-// bf16Bits rounds to nearest even, as the kernels' cvt.rn does.
-func bf16Bits(v float32) uint16 {
-	u := math.Float32bits(v)
-	if u&0x7fffffff > 0x7f800000 {
-		return uint16(u>>16) | 0x40
-	}
-	u += 0x7fff + (u>>16)&1
-	return uint16(u >> 16)
+	return f
 }
 
 // DownloadF32 implements device.Device.

@@ -9,6 +9,7 @@ import (
 	"ebb/device/cpu"
 	"ebb/memory"
 	"ebb/model"
+	"ebb/safetensors"
 )
 
 // pair runs the same operation on the GPU and on the CPU reference.
@@ -59,7 +60,7 @@ func (p *pair) floats(dtype device.DType, vals []float32, shape ...int) both {
 	}
 	if dtype == device.BF16 {
 		for i, v := range vals {
-			vals[i] = math.Float32frombits(uint32(bf16Bits(v)) << 16)
+			vals[i] = math.Float32frombits(uint32(safetensors.BF16Bits(v)) << 16)
 		}
 	}
 	if err := p.gpu.Upload(g, model.F32Bytes(vals), device.F32); err != nil {
@@ -438,7 +439,7 @@ func TestGraphReplayReadsCurrentInputs(t *testing.T) {
 func (p *pair) refill(b both, scale float32) both {
 	vals := make([]float32, b.c.Numel())
 	for i := range vals {
-		vals[i] = math.Float32frombits(uint32(bf16Bits(float32(p.rng.NormFloat64())*scale)) << 16)
+		vals[i] = math.Float32frombits(uint32(safetensors.BF16Bits(float32(p.rng.NormFloat64())*scale)) << 16)
 	}
 	if err := p.gpu.Upload(b.g, model.F32Bytes(vals), device.F32); err != nil {
 		p.t.Fatal(err)

@@ -7,8 +7,6 @@ import (
 
 	"ebb/cuda"
 	"ebb/engine"
-	"ebb/ioschema"
-	"ebb/scheduler"
 )
 
 // TestGoldensCUDA runs the golden prompts on the GPU in bf16, through
@@ -41,21 +39,7 @@ func TestGoldensCUDA(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer e.Close()
-			zero := 0.0
-			maxNew := g.NewTokens
-			params, _ := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
-			var reqs []scheduler.Request
-			for i, c := range g.Cases {
-				reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
-					ReturnLogprob: true, LogprobStartLen: 0})
-			}
-			outs, err := scheduler.Generate(e, reqs)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if e.Runner.Stats.GraphSteps == 0 {
-				t.Fatalf("no decode step used a CUDA graph (%+v)", e.Runner.Stats)
-			}
+			outs := runGolden(t, e, g)
 			check := func(what string, got float32, want float64) {
 				d := math.Abs(float64(got) - want)
 				sum, n, worst = sum+d, n+1, math.Max(worst, d)

@@ -128,24 +128,7 @@ func TestGoldensCPU(t *testing.T) {
 		t.Run(g.Name, func(t *testing.T) {
 			dir := writeGoldenModel(t, g)
 			e := openCPU(t, dir)
-			zero := 0.0
-			maxNew := g.NewTokens
-			params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
-			if err != nil {
-				t.Fatal(err)
-			}
-			var reqs []scheduler.Request
-			for i, c := range g.Cases {
-				reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
-					ReturnLogprob: true, LogprobStartLen: 0})
-			}
-			outs, err := scheduler.Generate(e, reqs)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if e.Runner.Stats.GraphSteps == 0 {
-				t.Fatalf("no decode step went through a graph (%+v)", e.Runner.Stats)
-			}
+			outs := runGolden(t, e, g)
 			for i, c := range g.Cases {
 				compareGolden(t, fmt.Sprintf("prompt of %d", len(c.InputIDs)), c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
 					outs[i].OutputIDs, outs[i].OutputLogprobs, logprobTol)
@@ -162,6 +145,31 @@ func TestGoldensCPU(t *testing.T) {
 			}
 		})
 	}
+}
+
+// runGolden generates every golden prompt greedily (ignoring eos, with
+// prompt logprobs) and checks that decode steps went through graphs.
+func runGolden(t *testing.T, e *engine.Engine, g golden) []scheduler.Output {
+	t.Helper()
+	zero := 0.0
+	maxNew := g.NewTokens
+	params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reqs []scheduler.Request
+	for i, c := range g.Cases {
+		reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
+			ReturnLogprob: true, LogprobStartLen: 0})
+	}
+	outs, err := scheduler.Generate(e, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.Runner.Stats.GraphSteps == 0 {
+		t.Fatalf("no decode step went through a graph (%+v)", e.Runner.Stats)
+	}
+	return outs
 }
 
 // compareGolden checks tokens up to the first near-tie and logprobs there.

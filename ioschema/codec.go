@@ -78,8 +78,6 @@ func (v Value) EncodeMsgpack(enc *msgpack.Encoder) error { return enc.Encode(v.V
 func Encode(m Message) ([]byte, error) {
 	var buf bytes.Buffer
 	enc := msgpack.NewEncoder(&buf)
-	enc.SetCustomStructTag("msgpack")
-	enc.UseCompactInts(true)
 	raw, err := msgpack.Marshal(m)
 	if err != nil {
 		return nil, fmt.Errorf("encode %s: %w", m.TypeName(), err)

@@ -308,7 +308,6 @@ func (c *Core) retractOne() bool {
 		c.release(r)
 		c.running = append(c.running[:i], c.running[i+1:]...)
 		c.waiting = append([]*request{r}, c.waiting...)
-		r.retracted++
 		c.Stats.Retractions++
 		return true
 	}
@@ -322,7 +321,6 @@ func (c *Core) Retract() int {
 	for i := n - 1; i >= 0; i-- {
 		r := c.running[i]
 		c.release(r)
-		r.retracted++
 		c.waiting = append([]*request{r}, c.waiting...)
 	}
 	c.running = nil
@@ -463,7 +461,6 @@ func (c *Core) finish(r *request, fr *ioschema.FinishReason) Event {
 }
 
 func (c *Core) finishEvent(r *request, fr *ioschema.FinishReason) Event {
-	r.finish = fr
 	ev := Event{Rid: r.Rid, Finished: true, FinishReason: fr}
 	c.fillCounts(r, &ev)
 	return ev

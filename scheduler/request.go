@@ -49,8 +49,6 @@ type request struct {
 	counts     map[int32]int32 // output token counts, for penalties
 	inputLP    []float32
 	inputDone  bool
-	finish     *ioschema.FinishReason
-	retracted  int
 }
 
 func (r *request) tokens() []int32 {

@@ -139,6 +139,15 @@ func (m *Manager) warm(ctx context.Context, ids []int32) error {
 	return m.wait(ctx, st)
 }
 
+// start expands a request and submits its prompts.
+func (m *Manager) start(ctx context.Context, in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
+	prompts, batch, err := m.expand(in)
+	if err != nil {
+		return nil, false, err
+	}
+	return prompts, batch, m.submit(ctx, prompts)
+}
+
 // wait blocks until the request is done; if ctx ends first (the client went
 // away) the request is aborted so its KV is freed.
 func (m *Manager) wait(ctx context.Context, st *reqState) error {
@@ -166,11 +175,8 @@ func (m *Manager) cancel(st *reqState) {
 // Generate runs a GenerateReqInput to completion and returns /generate's
 // response: one object, or a list for batches and n > 1.
 func (m *Manager) Generate(ctx context.Context, in *ioschema.GenerateReqInput) (any, error) {
-	prompts, batch, err := m.expand(in)
+	prompts, batch, err := m.start(ctx, in)
 	if err != nil {
-		return nil, err
-	}
-	if err := m.submit(ctx, prompts); err != nil {
 		return nil, err
 	}
 	results := make([]any, len(prompts))

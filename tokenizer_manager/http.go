@@ -202,10 +202,7 @@ func (m *Manager) generate(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, out)
 		return
 	}
-	prompts, batch, err := m.expand(&in)
-	if err == nil {
-		err = m.submit(r.Context(), prompts)
-	}
+	prompts, batch, err := m.start(r.Context(), &in)
 	if err != nil {
 		writeError(w, err)
 		return

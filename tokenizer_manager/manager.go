@@ -40,7 +40,6 @@ type Manager struct {
 	log       *zap.Logger
 	Tokenizer *tokenizer.Tokenizer // nil when the model has no tokenizer
 	TokConfig *tokenizer.Config
-	GenConfig *model.GenerationConfig
 	ModelCfg  *model.Config
 	chat      *chatTemplate
 	metrics   *metrics
@@ -67,9 +66,6 @@ func New(cfg Config, log *zap.Logger) (*Manager, error) {
 	}
 	var err error
 	if m.ModelCfg, err = model.LoadConfig(cfg.ModelDir); err != nil {
-		return nil, err
-	}
-	if m.GenConfig, err = model.LoadGenerationConfig(cfg.ModelDir); err != nil {
 		return nil, err
 	}
 	if m.TokConfig, err = tokenizer.LoadConfig(cfg.ModelDir); err != nil {

@@ -94,10 +94,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 		in.ReturnLogprob, in.TopLogprobsNum = true, *req.Logprobs
 	}
 	id, created := "cmpl-"+newRid(), time.Now().Unix()
-	prompts, _, err := m.expand(in)
-	if err == nil {
-		err = m.submit(r.Context(), prompts)
-	}
+	prompts, _, err := m.start(r.Context(), in)
 	if err != nil {
 		writeError(w, err)
 		return
@@ -225,10 +222,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		in.ReturnLogprob, in.TopLogprobsNum = true, req.TopLogprobs
 	}
 	id, created := "chatcmpl-"+newRid(), time.Now().Unix()
-	prompts, _, err := m.expand(in)
-	if err == nil {
-		err = m.submit(r.Context(), prompts)
-	}
+	prompts, _, err := m.start(r.Context(), in)
 	if err != nil {
 		writeError(w, err)
 		return

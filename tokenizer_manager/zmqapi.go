@@ -117,10 +117,7 @@ func (m *Manager) externalGenerate(ctx context.Context, in *ioschema.GenerateReq
 	if len(in.Rid.Items) > 0 {
 		firstRid = in.Rid.Items[0]
 	}
-	prompts, _, err := m.expand(in)
-	if err == nil {
-		err = m.submit(ctx, prompts)
-	}
+	prompts, _, err := m.start(ctx, in)
 	if err != nil {
 		send(&ioschema.ErrorOutput{Rid: firstRid, Request: in.TypeName(), Message: err.Error()})
 		return

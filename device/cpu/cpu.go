@@ -4,14 +4,12 @@
 package cpu
 
 import (
-	"encoding/binary"
 	"fmt"
 	"math"
 	"runtime"
 	"sync"
 	"unsafe"
 
-	"github.com/x448/float16"
 	"gonum.org/v1/gonum/blas"
 	"gonum.org/v1/gonum/blas/blas32"
 
@@ -60,13 +58,7 @@ func (d *Device) Close() error { return d.mem.Close() }
 
 // Alloc implements device.Device.
 func (d *Device) Alloc(tag memory.Tag, dtype device.DType, shape ...int) (device.Tensor, error) {
-	t := device.Tensor{DType: dtype, Shape: append([]int(nil), shape...)}
-	ptr, err := d.mem.Alloc(tag, max(t.Bytes(), 1))
-	if err != nil {
-		return device.Tensor{}, err
-	}
-	t.Ptr = ptr
-	return t, nil
+	return device.AllocIn(d.mem, tag, dtype, shape...)
 }
 
 // Free implements device.Device.
@@ -111,19 +103,7 @@ func (d *Device) Upload(dst device.Tensor, src []byte, srcType device.DType) err
 	if dst.DType != device.F32 {
 		return fmt.Errorf("cpu: cannot hold %s", dst.DType)
 	}
-	out := F32(dst)
-	switch srcType {
-	case device.F32:
-		copy(memory.HostBytes(dst.Ptr, dst.Bytes()), src)
-	case device.BF16:
-		for i := range out {
-			out[i] = math.Float32frombits(uint32(binary.LittleEndian.Uint16(src[2*i:])) << 16)
-		}
-	case device.F16:
-		for i := range out {
-			out[i] = float16.Frombits(binary.LittleEndian.Uint16(src[2*i:])).Float32()
-		}
-	default:
+	if !device.DecodeFloats(F32(dst), src, srcType) {
 		return fmt.Errorf("upload to %v from %s", dst, srcType)
 	}
 	return nil
