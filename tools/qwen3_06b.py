@@ -15,6 +15,8 @@ transformers (bf16) on it. Run on the GPU machine:
    logprobs of random prompts and greedy continuations with the
    top-1/top-2 gap of each step; and the same with eager attention, whose
    distance from sdpa is the noise floor of two bf16 implementations.
+   Teacher-forced float32 logprobs on the same weights measure how far each
+   bf16 implementation (transformers' and ebb's) is from the exact answer.
 3. `ebb generate --device cuda` on the same prompts (prompt logprobs from
    position 0, greedy continuation), in its own process after torch has
    released the GPU.
@@ -62,8 +64,8 @@ def make_model(path, ebb, seed):
 
 
 @torch.no_grad()
-def reference(path, prompts, new_tokens, attn="sdpa"):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn)
+def reference(path, prompts, new_tokens, attn="sdpa", dtype=torch.bfloat16):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map="cuda", attn_implementation=attn)
     model.eval()
     out = []
     for p in prompts:
@@ -113,11 +115,16 @@ def main():
     prompts = [[rng.randrange(0, 150000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     ref = reference(args.dir, prompts, args.new_tokens)
     eager = reference(args.dir, prompts, args.new_tokens, "eager")
+    # float32 on the same bf16 weights: the closest thing to the exact answer, against which
+    # ebb and transformers, both bf16, can each be measured.
+    exact = reference(args.dir, prompts, 0, dtype=torch.float32)
     floor = [abs(a - b) for r, e in zip(ref, eager) for a, b in zip(r["prompt_logprobs"], e["prompt_logprobs"])]
     got = run_ebb(args.ebb, args.dir, prompts, args.new_tokens)
-    diffs, agree, report = [], [], []
-    for r, g in zip(ref, got):
+    diffs, agree, report, ebb_exact = [], [], [], []
+    tf_exact = [abs(a - b) for r, e in zip(ref, exact) for a, b in zip(r["prompt_logprobs"], e["prompt_logprobs"])]
+    for r, g, e in zip(ref, got, exact):
         ebb_lp = [x[0] for x in g["meta_info"]["input_token_logprobs"]][1:]
+        ebb_exact += [abs(a - b) for a, b in zip(ebb_lp, e["prompt_logprobs"])]
         d = [abs(a - b) for a, b in zip(ebb_lp, r["prompt_logprobs"])]
         diffs += d
         n = 0
@@ -130,11 +137,14 @@ def main():
               + (f" (transformers' top-2 gap there: {gap:.3f})" if gap is not None else ""), flush=True)
     summary = {"mean_abs_logprob_diff": sum(diffs) / len(diffs), "max_abs_logprob_diff": max(diffs),
                "transformers_eager_vs_sdpa_mean": sum(floor) / len(floor),
+               "ebb_vs_fp32_mean": sum(ebb_exact) / len(ebb_exact),
+               "transformers_bf16_vs_fp32_mean": sum(tf_exact) / len(tf_exact),
                "greedy_agree_tokens": agree, "prompts": report, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens}
     print(f"mean |dlogprob| over {len(diffs)} prompt tokens: {summary['mean_abs_logprob_diff']:.4f} "
           f"(max {summary['max_abs_logprob_diff']:.3f}); greedy agreement {agree}; "
-          f"transformers eager vs sdpa: {summary['transformers_eager_vs_sdpa_mean']:.4f}")
+          f"transformers eager vs sdpa: {summary['transformers_eager_vs_sdpa_mean']:.4f}; against float32: "
+          f"ebb {summary['ebb_vs_fp32_mean']:.4f}, transformers bf16 {summary['transformers_bf16_vs_fp32_mean']:.4f}")
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
 
