@@ -2,14 +2,13 @@ package detokenizer
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"time"
 
 	zmq "github.com/pebbe/zmq4"
 	"go.uber.org/zap"
 
 	"ebb/ioschema"
+	"ebb/ipc"
 	"ebb/tokenizer"
 )
 
@@ -50,9 +49,6 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger, ready func()) error {
 			return err
 		}
 	}
-	if err := in.SetRcvtimeo(200 * time.Millisecond); err != nil {
-		return err
-	}
 	if err := in.Bind(cfg.InputEndpoint); err != nil {
 		return fmt.Errorf("bind %s: %w", cfg.InputEndpoint, err)
 	}
@@ -61,23 +57,16 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger, ready func()) error {
 	}
 	ready()
 	d := New(tok)
-	for ctx.Err() == nil {
-		b, err := in.RecvBytes(0)
-		if err != nil {
-			if errors.Is(zmq.AsErrno(err), zmq.Errno(11)) { // EAGAIN: receive timeout, check ctx
-				continue
-			}
-			return fmt.Errorf("receive: %w", err)
-		}
+	return ipc.ReceiveEach(ctx, in, func(b []byte) error {
 		m, err := ioschema.Decode(b)
 		if err != nil {
 			log.Error("dropping undecodable batch", zap.Error(err))
-			continue
+			return nil
 		}
 		batch, ok := m.(*ioschema.BatchTokenIDOutput)
 		if !ok {
 			log.Error("unexpected message", zap.String("type", m.TypeName()))
-			continue
+			return nil
 		}
 		enc, err := ioschema.Encode(d.Process(batch))
 		if err != nil {
@@ -86,6 +75,6 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger, ready func()) error {
 		if _, err := out.SendBytes(enc, 0); err != nil {
 			return fmt.Errorf("send: %w", err)
 		}
-	}
-	return nil
+		return nil
+	})
 }

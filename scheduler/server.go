@@ -13,6 +13,7 @@ import (
 
 	"ebb/engine"
 	"ebb/ioschema"
+	"ebb/ipc"
 	"ebb/memory"
 )
 
@@ -95,31 +96,21 @@ func receive(ctx context.Context, sock *zmq.Socket, inbox chan<- ioschema.Messag
 	if err := sock.SetLinger(0); err != nil {
 		return err
 	}
-	if err := sock.SetRcvtimeo(100 * time.Millisecond); err != nil {
-		return err
-	}
-	for ctx.Err() == nil {
-		b, err := sock.RecvBytes(0)
-		if err != nil {
-			if zmq.AsErrno(err) == zmq.Errno(11) { // EAGAIN
-				continue
-			}
-			if ctx.Err() != nil || zmq.AsErrno(err) == zmq.ETERM {
-				return nil
-			}
-			return fmt.Errorf("scheduler receive: %w", err)
-		}
+	err := ipc.ReceiveEach(ctx, sock, func(b []byte) error {
 		m, err := ioschema.Decode(b)
 		if err != nil {
 			log.Warn("bad request", zap.Error(err))
 			outbox <- outgoing{toTokenizer, &ioschema.ErrorOutput{Rid: ioschema.RidOf(b), Message: err.Error()}}
-			continue
+			return nil
 		}
 		select {
 		case inbox <- m:
 		case <-ctx.Done():
-			return nil
 		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("scheduler: %w", err)
 	}
 	return nil
 }

@@ -165,6 +165,22 @@ func (m *Manager) wait(ctx context.Context, st *reqState) error {
 	}
 }
 
+// waitAll waits for every prompt in order; when one fails or the client goes
+// away, the rest are aborted so that their KV is freed too.
+func (m *Manager) waitAll(ctx context.Context, prompts []*prompt) ([]snapshot, error) {
+	snaps := make([]snapshot, len(prompts))
+	for i, p := range prompts {
+		if err := m.wait(ctx, p.state); err != nil {
+			for _, q := range prompts[i+1:] {
+				m.cancel(q.state)
+			}
+			return nil, err
+		}
+		snaps[i] = p.state.snapshot()
+	}
+	return snaps, nil
+}
+
 // cancel aborts a request whose client is gone and forgets it.
 func (m *Manager) cancel(st *reqState) {
 	m.Abort(st.rid, false)
@@ -179,18 +195,16 @@ func (m *Manager) Generate(ctx context.Context, in *ioschema.GenerateReqInput) (
 	if err != nil {
 		return nil, err
 	}
-	results := make([]any, len(prompts))
-	for i, p := range prompts {
-		if err := m.wait(ctx, p.state); err != nil {
-			for _, q := range prompts[i+1:] {
-				m.cancel(q.state)
-			}
-			if ctx.Err() == nil {
-				err = badRequest{err}
-			}
-			return nil, err
+	snaps, err := m.waitAll(ctx, prompts)
+	if err != nil {
+		if ctx.Err() == nil {
+			err = badRequest{err}
 		}
-		results[i] = m.generateResult(p.state.snapshot(), in.ReturnTextInLogprobs)
+		return nil, err
+	}
+	results := make([]any, len(snaps))
+	for i, s := range snaps {
+		results[i] = m.generateResult(s, in.ReturnTextInLogprobs)
 	}
 	if batch {
 		return results, nil

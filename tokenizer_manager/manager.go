@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"ebb/ioschema"
+	"ebb/ipc"
 	"ebb/model"
 	"ebb/tokenizer"
 )
@@ -191,28 +192,15 @@ func (m *Manager) receiveLoop(ctx context.Context, sock *zmq.Socket) error {
 	if err := sock.SetLinger(0); err != nil {
 		return err
 	}
-	if err := sock.SetRcvtimeo(100 * time.Millisecond); err != nil {
-		return err
-	}
-	for ctx.Err() == nil {
-		b, err := sock.RecvBytes(0)
-		if err != nil {
-			if zmq.AsErrno(err) == zmq.Errno(11) {
-				continue
-			}
-			if ctx.Err() != nil {
-				return nil
-			}
-			return fmt.Errorf("receive: %w", err)
-		}
+	return ipc.ReceiveEach(ctx, sock, func(b []byte) error {
 		msg, err := ioschema.Decode(b)
 		if err != nil {
 			m.log.Error("dropping undecodable output", zap.Error(err))
-			continue
+			return nil
 		}
 		m.do(func(t *table) { m.route(t, msg) })
-	}
-	return nil
+		return nil
+	})
 }
 
 // route delivers an output to the request or control call it answers.

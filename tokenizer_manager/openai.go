@@ -64,6 +64,35 @@ func usage(snaps []snapshot) map[string]any {
 		"prompt_tokens_details": map[string]any{"cached_tokens": cached}}
 }
 
+// openAIReply is what every response and stream chunk of one OpenAI request
+// shares.
+type openAIReply struct {
+	id, object, model string
+	created           int64
+}
+
+func (m *Manager) newOpenAIReply(idPrefix, object string) *openAIReply {
+	return &openAIReply{id: idPrefix + newRid(), object: object, model: m.modelName(), created: time.Now().Unix()}
+}
+
+func (r *openAIReply) body(choices []any) map[string]any {
+	return map[string]any{"id": r.id, "object": r.object, "created": r.created, "model": r.model, "choices": choices}
+}
+
+func (r *openAIReply) withUsage(choices []any, snaps []snapshot) map[string]any {
+	b := r.body(choices)
+	b["usage"] = usage(snaps)
+	return b
+}
+
+// finishStream sends the usage chunk when the client asked for it, then [DONE].
+func (o *openAISampling) finishStream(stream *sse, reply *openAIReply, final []snapshot) {
+	if o.StreamOptions != nil && o.StreamOptions.IncludeUsage {
+		stream.send(reply.withUsage([]any{}, final))
+	}
+	stream.done()
+}
+
 type completionRequest struct {
 	openAISampling
 	Prompt   json.RawMessage `json:"prompt"`
@@ -93,7 +122,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 	if req.Logprobs != nil {
 		in.ReturnLogprob, in.TopLogprobsNum = true, *req.Logprobs
 	}
-	id, created := "cmpl-"+newRid(), time.Now().Unix()
+	reply := m.newOpenAIReply("cmpl-", "text_completion")
 	prompts, _, err := m.start(r.Context(), in)
 	if err != nil {
 		writeError(w, err)
@@ -128,31 +157,25 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 			if !s.Done {
 				c["finish_reason"] = nil
 			}
-			return sse.send(map[string]any{"id": id, "object": "text_completion", "created": created, "model": m.modelName(), "choices": []any{c}})
+			return sse.send(reply.body([]any{c}))
 		})
-		if req.StreamOptions != nil && req.StreamOptions.IncludeUsage {
-			sse.send(map[string]any{"id": id, "object": "text_completion", "created": created, "model": m.modelName(), "choices": []any{}, "usage": usage(final)})
-		}
-		sse.done()
+		req.finishStream(sse, reply, final)
 		return
 	}
-	var choices []any
-	var snaps []snapshot
-	for i, p := range prompts {
-		if err := m.wait(r.Context(), p.state); err != nil {
-			writeError(w, badRequest{err})
-			return
-		}
-		s := p.state.snapshot()
-		snaps = append(snaps, s)
+	snaps, err := m.waitAll(r.Context(), prompts)
+	if err != nil {
+		writeError(w, badRequest{err})
+		return
+	}
+	choices := make([]any, len(snaps))
+	for i, s := range snaps {
 		text := s.Text
 		if req.Echo && m.Tokenizer != nil {
-			text = m.Tokenizer.Decode(p.tokenized.InputIDs, true) + text
+			text = m.Tokenizer.Decode(prompts[i].tokenized.InputIDs, true) + text
 		}
-		choices = append(choices, choice(i, s, text))
+		choices[i] = choice(i, s, text)
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": "text_completion", "created": created,
-		"model": m.modelName(), "choices": choices, "usage": usage(snaps)})
+	writeJSON(w, http.StatusOK, reply.withUsage(choices, snaps))
 }
 
 func (m *Manager) tokenText(id int32) string {
@@ -221,7 +244,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	if req.Logprobs {
 		in.ReturnLogprob, in.TopLogprobsNum = true, req.TopLogprobs
 	}
-	id, created := "chatcmpl-"+newRid(), time.Now().Unix()
+	reply := m.newOpenAIReply("chatcmpl-", "chat.completion")
 	prompts, _, err := m.start(r.Context(), in)
 	if err != nil {
 		writeError(w, err)
@@ -232,9 +255,8 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		sent := make([]int, len(prompts))
 		started := make([]bool, len(prompts))
 		final := make([]snapshot, len(prompts))
-		chunk := func(c map[string]any) bool {
-			return sse.send(map[string]any{"id": id, "object": "chat.completion.chunk", "created": created, "model": m.modelName(), "choices": []any{c}})
-		}
+		reply.object = "chat.completion.chunk"
+		chunk := func(c map[string]any) bool { return sse.send(reply.body([]any{c})) }
 		m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
 			final[i] = s
 			if s.Err != nil {
@@ -257,30 +279,24 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 			}
 			return true
 		})
-		if req.StreamOptions != nil && req.StreamOptions.IncludeUsage {
-			sse.send(map[string]any{"id": id, "object": "chat.completion.chunk", "created": created, "model": m.modelName(), "choices": []any{}, "usage": usage(final)})
-		}
-		sse.done()
+		req.finishStream(sse, reply, final)
 		return
 	}
-	var choices []any
-	var snaps []snapshot
-	for i, p := range prompts {
-		if err := m.wait(r.Context(), p.state); err != nil {
-			writeError(w, badRequest{err})
-			return
-		}
-		s := p.state.snapshot()
-		snaps = append(snaps, s)
+	snaps, err := m.waitAll(r.Context(), prompts)
+	if err != nil {
+		writeError(w, badRequest{err})
+		return
+	}
+	choices := make([]any, len(snaps))
+	for i, s := range snaps {
 		c := map[string]any{"index": i, "message": map[string]any{"role": "assistant", "content": s.Text},
 			"logprobs": nil, "finish_reason": finishString(s.Finish)}
 		if req.Logprobs {
 			c["logprobs"] = m.chatLogprobs(s)
 		}
-		choices = append(choices, c)
+		choices[i] = c
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": "chat.completion", "created": created,
-		"model": m.modelName(), "choices": choices, "usage": usage(snaps)})
+	writeJSON(w, http.StatusOK, reply.withUsage(choices, snaps))
 }
 
 // chatLogprobs is the chat completions logprobs object.
