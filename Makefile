@@ -3,7 +3,7 @@
 
 GO       ?= go
 BIN      := bin/ebb
-MODEL    ?= .cache/tiny-qwen3
+MODEL    ?= assets/default-model
 PORT     ?= 30000
 # go-nvml's headers mark some NVML calls deprecated; the warnings are noise.
 export CGO_CFLAGS ?= -O2 -Wno-deprecated-declarations
@@ -18,11 +18,9 @@ deps:
 build: deps
 	$(GO) build -o $(BIN) ./cmd/ebb
 
-$(MODEL)/config.json: | build
-	./$(BIN) tiny-model $(MODEL) --arch qwen3
-
-run: build $(MODEL)/config.json
-	@echo "ebb: the model in $(MODEL) has RANDOM weights: its text is gibberish by design."
+# The default model is a 15M-parameter Qwen3 trained on Go's source tree
+# (tools/train_default_model.py): it writes Go.
+run: build
 	./$(BIN) serve --model $(MODEL) --port $(PORT)
 
 vet:

@@ -198,3 +198,55 @@ func compareGolden(t *testing.T, what string, wantIDs []int32, wantLP, gaps []fl
 	}
 	_ = slices.Equal[[]int32]
 }
+
+// defaultModelDir is ebb's trained default model (tools/train_default_model.py).
+const defaultModelDir = "../assets/default-model"
+
+// loadDefaultModelGolden reads the transformers reference of the default
+// model and checks that the committed weights are the ones it was made from.
+func loadDefaultModelGolden(t *testing.T) golden {
+	t.Helper()
+	data, err := os.ReadFile("../testdata/goldens/default-model.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var g struct {
+		golden
+		PromptTexts []string `json:"prompt_texts"`
+	}
+	if err := json.Unmarshal(data, &g); err != nil {
+		t.Fatal(err)
+	}
+	sum, err := fileSHA256(filepath.Join(defaultModelDir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum != g.WeightsSHA256 {
+		t.Fatalf("default model weights (sha256 %s) are not the ones the golden was made from (%s)", sum, g.WeightsSHA256)
+	}
+	e := openCPU(t, defaultModelDir)
+	for i, text := range g.PromptTexts {
+		if got := e.Tokenizer.Encode(text, false); !slices.Equal(got, g.Cases[i].InputIDs) {
+			t.Fatalf("prompt %q encodes as %v, transformers' tokenizer %v", text, got, g.Cases[i].InputIDs)
+		}
+	}
+	return g.golden
+}
+
+// TestDefaultModelGoldensCPU: the trained default model (real, peaked
+// distributions, unlike the random tiny models) generates token-exact with
+// transformers in float32, and its prompt logprobs agree within 1e-3.
+func TestDefaultModelGoldensCPU(t *testing.T) {
+	g := loadDefaultModelGolden(t)
+	e := openCPU(t, defaultModelDir)
+	outs := runGolden(t, e, g)
+	for i, c := range g.Cases {
+		compareGolden(t, fmt.Sprintf("prompt of %d", len(c.InputIDs)), c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
+			outs[i].OutputIDs, outs[i].OutputLogprobs, logprobTol)
+		for j, want := range c.PromptLogprobs {
+			if d := math.Abs(float64(outs[i].InputLogprobs[j+1]) - want); d > logprobTol {
+				t.Fatalf("prompt %d token %d: logprob %v, transformers %v", i, j+1, outs[i].InputLogprobs[j+1], want)
+			}
+		}
+	}
+}

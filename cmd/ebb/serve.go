@@ -51,7 +51,7 @@ func serveCmd() *cobra.Command {
 					fmt.Fprintf(os.Stderr, " (external ZMQ API: %s)", zmqEndpoint)
 				}
 				fmt.Fprintf(os.Stderr, "\nTry:\n  curl -s http://%s/generate -H 'Content-Type: application/json' \\\n"+
-					"    -d '{\"text\": \"The capital of France is\", \"sampling_params\": {\"max_new_tokens\": 16, \"temperature\": 0}}'\n\n", addr)
+					"    -d '{\"text\": \"package main\\n\\nimport (\\n\", \"sampling_params\": {\"max_new_tokens\": 32, \"temperature\": 0}}'\n\n", addr)
 			}
 			return launcher.Run(ctx, cfg, log)
 		},
