@@ -14,6 +14,7 @@ require (
 	github.com/x448/float16 v0.8.4
 	go.uber.org/zap v1.28.0
 	golang.org/x/sys v0.49.0
+	golang.org/x/term v0.44.0
 	golang.org/x/text v0.42.0
 	gonum.org/v1/gonum v0.16.0
 	gonum.org/v1/plot v0.15.2
@@ -47,6 +48,5 @@ require (
 	go.uber.org/multierr v1.10.0 // indirect
 	golang.org/x/exp v0.0.0-20241009180824-f66d83c29e7c // indirect
 	golang.org/x/image v0.25.0 // indirect
-	golang.org/x/term v0.44.0 // indirect
 	google.golang.org/protobuf v1.36.12 // indirect
 )

@@ -10,8 +10,6 @@ import (
 	"sort"
 	"time"
 
-	"github.com/schollz/progressbar/v3"
-
 	"ebb/device"
 	"ebb/engine"
 	"ebb/ioschema"
@@ -93,11 +91,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 				return res, err
 			}
 		}
-		var bar *progressbar.ProgressBar
-		if cfg.Progress != nil {
-			bar = progressbar.NewOptions(cfg.OutputLen, progressbar.OptionSetWriter(cfg.Progress),
-				progressbar.OptionSetDescription(fmt.Sprintf("batch %d", b)), progressbar.OptionClearOnFinish())
-		}
+		bar := newProgress(cfg.Progress, cfg.OutputLen+1, fmt.Sprintf("batch %d steps", b))
 		graphBefore := e.Runner.Stats.GraphSteps
 		prof, _ := e.Dev.(device.Profiler)
 		profile := prof != nil && cfg.ProfileStep >= 0 && label == fmt.Sprintf("b%d", cfg.BatchSizes[0])
@@ -119,9 +113,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 				}
 			}
 			steps = append(steps, float64(time.Since(t0).Microseconds())/1000)
-			if bar != nil {
-				bar.Add(1)
-			}
+			bar.Add(1)
 		}
 		res.TotalMs = float64(time.Since(start).Microseconds()) / 1000
 		res.GraphDecodeSteps = e.Runner.Stats.GraphSteps - graphBefore

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -17,8 +18,6 @@ import (
 	"strings"
 	"syscall"
 	"time"
-
-	"github.com/schollz/progressbar/v3"
 
 	"ebb/cuda"
 	"ebb/engine"
@@ -89,7 +88,7 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 		}
 		cfg.Executable = exe
 	}
-	trainerBase, err := runTrainer(cfg.Executable)
+	trainerBase, err := runTrainer(cfg.Executable, nil)
 	if err != nil {
 		return nil, fmt.Errorf("trainer probe: %w", err)
 	}
@@ -124,10 +123,7 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 	}
 	probe := [][]int32{randomIDs(64), randomIDs(17), randomIDs(100)}
 	var probeRef [][]int32
-	var bar *progressbar.ProgressBar
-	if cfg.Progress != nil {
-		bar = progressbar.NewOptions(cfg.Cycles, progressbar.OptionSetWriter(cfg.Progress), progressbar.OptionSetDescription("rl cycles"))
-	}
+	bar := newProgress(cfg.Progress, cfg.Cycles, "rl cycles")
 	for c := 0; c < cfg.Cycles; c++ {
 		rec := CycleRecord{Cycle: c, ReleaseMs: map[string]float64{}, ResumeMs: map[string]float64{}}
 		rollout := make([][]int32, cfg.BatchSize)
@@ -176,7 +172,7 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 		rec.AfterReleaseMiB = read(c, "released").ServerMiB
 		rec.ResidualMiB = rec.AfterReleaseMiB - rep.BareContextMiB
 		rec.ReclaimPct = 100 * (rec.BeforeReleaseMiB - rec.AfterReleaseMiB) / (rec.BeforeReleaseMiB - rep.BareContextMiB)
-		tr, err := runTrainer(cfg.Executable)
+		tr, err := runTrainer(cfg.Executable, func() { read(c, "trainer holds the GPU") })
 		if err != nil {
 			return rep, fmt.Errorf("cycle %d trainer: %w", c, err)
 		}
@@ -226,9 +222,7 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 			rec.RegionReservedBytes += t.Reserved
 		}
 		rep.Cycles = append(rep.Cycles, rec)
-		if bar != nil {
-			bar.Add(1)
-		}
+		bar.Add(1)
 	}
 	summarize(rep)
 	if cfg.PlotPath != "" {
@@ -295,18 +289,33 @@ func summarize(rep *RLCycleReport) {
 }
 
 // runTrainer runs `ebb __trainer`, a process of its own that fills the
-// GPU and reports what it got.
-func runTrainer(exe string) (*cuda.TrainerReport, error) {
+// GPU and reports what it got; holding runs while it holds the memory.
+func runTrainer(exe string, holding func()) (*cuda.TrainerReport, error) {
 	cmd := exec.Command(exe, "__trainer")
 	cmd.Stderr = os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	out, err := cmd.Output()
+	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, err
 	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	line, readErr := bufio.NewReader(stdout).ReadBytes('\n')
+	if readErr == nil && holding != nil {
+		holding()
+	}
+	stdin.Close() // the trainer frees its memory and exits
+	if err := cmd.Wait(); err != nil {
+		return nil, err
+	}
 	var r cuda.TrainerReport
-	if err := json.Unmarshal(out, &r); err != nil {
-		return nil, fmt.Errorf("trainer output %q: %w", out, err)
+	if err := json.Unmarshal(line, &r); err != nil {
+		return nil, fmt.Errorf("trainer output %q: %w", line, err)
 	}
 	return &r, nil
 }

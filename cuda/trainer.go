@@ -14,8 +14,9 @@ type TrainerReport struct {
 
 // FillAsTrainer stands in for a trainer sharing the GPU: it takes all the
 // device memory it can (1 GiB pieces, then 64 MiB, then 2 MiB), writes it,
-// and gives it back.
-func FillAsTrainer() (*TrainerReport, error) {
+// calls hold (while the memory is held: a caller can measure it), and
+// gives it back.
+func FillAsTrainer(hold func(*TrainerReport)) (*TrainerReport, error) {
 	ctx, err := Open(0)
 	if err != nil {
 		return nil, err
@@ -68,5 +69,11 @@ func FillAsTrainer() (*TrainerReport, error) {
 			rep.AllocatedBytes += size
 		}
 	}
-	return rep, ctx.Synchronize()
+	if err := ctx.Synchronize(); err != nil {
+		return nil, err
+	}
+	if hold != nil {
+		hold(rep)
+	}
+	return rep, nil
 }

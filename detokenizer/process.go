@@ -14,7 +14,8 @@ import (
 
 // Config is what the detokenizer process needs.
 type Config struct {
-	ModelDir string
+	// TokenizerDir holds tokenizer.json.
+	TokenizerDir string
 	// InputEndpoint is bound (PULL) for the scheduler's batches;
 	// OutputEndpoint is connected (PUSH) to the tokenizer manager.
 	InputEndpoint, OutputEndpoint string
@@ -25,7 +26,7 @@ type Config struct {
 func Run(ctx context.Context, cfg Config, log *zap.Logger, ready func()) error {
 	var tok *tokenizer.Tokenizer
 	var err error
-	if tok, err = tokenizer.Load(cfg.ModelDir); err != nil {
+	if tok, err = tokenizer.Load(cfg.TokenizerDir); err != nil {
 		log.Warn("no tokenizer: outputs carry token ids and empty text", zap.Error(err))
 		tok = nil
 	}

@@ -21,9 +21,16 @@ import (
 
 // Config are the engine's start-up settings (SGLang's server args).
 type Config struct {
-	ModelDir           string
+	ModelDir string
+	// TokenizerDir holds tokenizer.json and tokenizer_config.json when they
+	// are not next to the weights (--tokenizer-path).
+	TokenizerDir       string
 	Device             string // cpu, cuda, auto
-	GPU                int
+	GPU                int    // the first GPU (--base-gpu-id)
+	TPSize, DPSize     int    // tensor- and data-parallel sizes (--tp-size, --dp-size)
+	DType              string // auto or bfloat16 (--dtype)
+	RandomSeed         *uint64
+	DisableRadixCache  bool
 	ContextLength      int
 	MaxRunningRequests int
 	ChunkedPrefillSize int
@@ -55,6 +62,20 @@ func (c *Config) Defaults() {
 	if c.MaxTopLogprobs <= 0 {
 		c.MaxTopLogprobs = 20
 	}
+	if c.TokenizerDir == "" {
+		c.TokenizerDir = c.ModelDir
+	}
+	c.TPSize, c.DPSize = max(c.TPSize, 1), max(c.DPSize, 1)
+}
+
+// CheckDType accepts SGLang's --dtype values ebb runs: auto and bfloat16
+// (the GPU computes in bf16; the CPU reference in float32 either way).
+func CheckDType(dtype string) error {
+	switch dtype {
+	case "", "auto", "bfloat16", "bf16":
+		return nil
+	}
+	return fmt.Errorf("--dtype %s is not supported: ebb runs models in bfloat16 (use auto or bfloat16)", dtype)
 }
 
 // Engine is a loaded model ready to schedule.
@@ -75,6 +96,9 @@ func Open(cfg Config) (*Engine, error) {
 	if st, err := os.Stat(cfg.ModelDir); err != nil || !st.IsDir() {
 		return nil, fmt.Errorf("model directory %q: not found", cfg.ModelDir)
 	}
+	if err := CheckDType(cfg.DType); err != nil {
+		return nil, err
+	}
 	mcfg, err := model.LoadConfig(cfg.ModelDir)
 	if err != nil {
 		return nil, err
@@ -83,11 +107,11 @@ func Open(cfg Config) (*Engine, error) {
 	if e.GenConfig, err = model.LoadGenerationConfig(cfg.ModelDir); err != nil {
 		return nil, err
 	}
-	if e.TokConfig, err = tokenizer.LoadConfig(cfg.ModelDir); err != nil {
+	if e.TokConfig, err = tokenizer.LoadConfig(cfg.TokenizerDir); err != nil {
 		return nil, err
 	}
-	if _, err := os.Stat(filepath.Join(cfg.ModelDir, "tokenizer.json")); err == nil {
-		if e.Tokenizer, err = tokenizer.Load(cfg.ModelDir); err != nil {
+	if _, err := os.Stat(filepath.Join(cfg.TokenizerDir, "tokenizer.json")); err == nil {
+		if e.Tokenizer, err = tokenizer.Load(cfg.TokenizerDir); err != nil {
 			return nil, err
 		}
 	}

@@ -56,8 +56,9 @@ var (
 )
 
 type envelope struct {
-	Type string `msgpack:"type"`
-	Rid  Value  `msgpack:"rid"`
+	Type   string `msgpack:"type"`
+	Rid    Value  `msgpack:"rid"`
+	APIKey Value  `msgpack:"api_key"` // ebb: the server's --api-key, on the external socket
 }
 
 // Value holds any msgpack value. msgpack/v5 panics when a key of an
@@ -159,16 +160,30 @@ func ApplyDefaults(m Message) {
 // RidOf extracts "rid" from a message that may not decode as a whole, so
 // that an error reply can still echo it. Non-string rids are formatted.
 func RidOf(b []byte) string {
-	defer func() { _ = recover() }()
-	if validate(b) != nil {
-		return ""
-	}
-	var env envelope
-	if msgpack.Unmarshal(b, &env) != nil || env.Rid.V == nil {
+	env := envelopeOf(b)
+	if env.Rid.V == nil {
 		return ""
 	}
 	if s, ok := env.Rid.V.(string); ok {
 		return s
 	}
 	return fmt.Sprint(env.Rid.V)
+}
+
+// APIKeyOf extracts "api_key" ("" when absent or not a string).
+func APIKeyOf(b []byte) string {
+	s, _ := envelopeOf(b).APIKey.V.(string)
+	return s
+}
+
+func envelopeOf(b []byte) (env envelope) {
+	defer func() {
+		if recover() != nil {
+			env = envelope{}
+		}
+	}()
+	if validate(b) != nil || msgpack.Unmarshal(b, &env) != nil {
+		return envelope{}
+	}
+	return env
 }

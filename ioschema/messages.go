@@ -440,6 +440,12 @@ type GetMemoryStatsReqOutput struct {
 	NVMLTotalBytes     int64             `msgpack:"nvml_device_total_bytes" json:"nvml_device_total_bytes"`
 	DriverFreeBytes    int64             `msgpack:"driver_free_bytes" json:"driver_free_bytes"`
 	WeightsStale       bool              `msgpack:"weights_stale" json:"weights_stale"`
+	// ReleasedTags are the regions released now; GenerationBlocked says
+	// why requests cannot run ("" when they can) and WaitingRequests how
+	// many wait for it (ebb).
+	ReleasedTags      []string `msgpack:"released_tags" json:"released_tags"`
+	GenerationBlocked string   `msgpack:"generation_blocked" json:"generation_blocked"`
+	WaitingRequests   int      `msgpack:"waiting_requests" json:"waiting_requests"`
 }
 
 // TypeName implements Message.

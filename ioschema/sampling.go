@@ -24,7 +24,7 @@ type SamplingParams struct {
 	SkipSpecialTokens          *bool      `msgpack:"skip_special_tokens" json:"skip_special_tokens,omitempty"`
 	SpacesBetweenSpecialTokens *bool      `msgpack:"spaces_between_special_tokens" json:"spaces_between_special_tokens,omitempty"`
 	NoStopTrim                 bool       `msgpack:"no_stop_trim" json:"no_stop_trim,omitempty"`
-	N                          int        `msgpack:"n" json:"n,omitempty"`
+	N                          *int       `msgpack:"n" json:"n,omitempty"`
 	SamplingSeed               *uint64    `msgpack:"sampling_seed" json:"sampling_seed,omitempty"`
 	JSONSchema                 *string    `msgpack:"json_schema" json:"json_schema,omitempty"`
 	Regex                      *string    `msgpack:"regex" json:"regex,omitempty"`
@@ -63,6 +63,14 @@ type Resolved struct {
 
 // DefaultMaxNewTokens is SGLang's default.
 const DefaultMaxNewTokens = 128
+
+// Copies is n: how many completions to sample from the prompt (default 1).
+func (p *SamplingParams) Copies() int {
+	if p.N == nil {
+		return 1
+	}
+	return *p.N
+}
 
 // Resolve applies model defaults d (may be nil), then SGLang's, and
 // validates the values.
@@ -114,8 +122,8 @@ func (p *SamplingParams) Resolve(d *GenerationDefaults) (Resolved, error) {
 	if r.RepetitionPenalty <= 0 || r.RepetitionPenalty > 2 {
 		errs = append(errs, fmt.Errorf("repetition_penalty must be in (0, 2], got %v", r.RepetitionPenalty))
 	}
-	if p.N < 0 {
-		errs = append(errs, fmt.Errorf("n must be at least 1, got %d", p.N))
+	if p.N != nil && *p.N < 1 {
+		errs = append(errs, fmt.Errorf("n must be at least 1, got %d", *p.N))
 	}
 	for _, c := range []struct {
 		name string

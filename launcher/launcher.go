@@ -38,6 +38,8 @@ type Config struct {
 	ZMQEndpoint string // external API; "" for the default, "none" to disable
 	ModelName   string
 	LogLevel    string
+	APIKey      string // --api-key
+	SkipWarmup  bool   // --skip-server-warmup
 	// Executable is the ebb binary the children run (default: this one).
 	Executable string
 	// Ready, if set, is called with the HTTP address once serving.
@@ -78,6 +80,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
+	cfg.Engine.Defaults()
 	ep := func(name string) string { return "ipc://" + filepath.Join(dir, name) }
 	zmqEndpoint := cfg.ZMQEndpoint
 	switch zmqEndpoint {
@@ -89,7 +92,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	cc := ChildConfig{
 		Scheduler: scheduler.ProcessConfig{Engine: cfg.Engine, InputEndpoint: ep("scheduler"),
 			DetokenizerEndpoint: ep("detokenizer"), TokenizerEndpoint: ep("tokenizer")},
-		Detokenizer: detokenizer.Config{ModelDir: cfg.Engine.ModelDir, InputEndpoint: ep("detokenizer"), OutputEndpoint: ep("tokenizer")},
+		Detokenizer: detokenizer.Config{TokenizerDir: cfg.Engine.TokenizerDir, InputEndpoint: ep("detokenizer"), OutputEndpoint: ep("tokenizer")},
 		LogLevel:    cfg.LogLevel,
 	}
 	b, err := json.Marshal(cc)
@@ -110,8 +113,9 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		}
 		children = append(children, c)
 	}
-	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, ModelName: cfg.ModelName, SchedulerEndpoint: ep("scheduler"),
-		InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint}, log.Named("tokenizer_manager"))
+	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, TokenizerDir: cfg.Engine.TokenizerDir, ModelName: cfg.ModelName,
+		SchedulerEndpoint: ep("scheduler"), InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
+		DisableRadixCache: cfg.Engine.DisableRadixCache}, log.Named("tokenizer_manager"))
 	if err != nil {
 		return err
 	}
@@ -121,25 +125,46 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	defer m.Close()
 	addr := net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))
 	httpErr := make(chan error, 1)
-	go func() {
-		httpErr <- m.Serve(ctx, addr, func(a string) {
-			log.Info("serving", zap.String("http", "http://"+a), zap.String("zmq", zmqEndpoint))
-			if cfg.Ready != nil {
-				cfg.Ready(a, zmqEndpoint)
-			}
-		})
-	}()
+	listening := make(chan string, 1)
+	go func() { httpErr <- m.Serve(ctx, addr, func(a string) { listening <- a }) }()
+	exited := firstExit(children)
+	warmedUp := make(chan error, 1)
 	var failure error
-	select {
-	case <-ctx.Done():
-	case err := <-httpErr:
-		failure = fmt.Errorf("http server: %w", err)
-	case err := <-m.Errors():
-		failure = fmt.Errorf("tokenizer manager: %w", err)
-	case failure = <-firstExit(children):
+	for failure == nil && ctx.Err() == nil {
+		select {
+		case <-ctx.Done():
+		case err := <-httpErr:
+			failure = fmt.Errorf("http server: %w", err)
+		case err := <-m.Errors():
+			failure = fmt.Errorf("tokenizer manager: %w", err)
+		case failure = <-exited:
+		case a := <-listening:
+			go func() { warmedUp <- warmupThenReady(ctx, cfg, m, a, zmqEndpoint, log) }()
+		case failure = <-warmedUp:
+		}
 	}
 	cancel()
 	return failure
+}
+
+// warmupThenReady runs SGLang's start-up generation (unless skipped), so
+// that a server that cannot generate fails at start, then announces it.
+func warmupThenReady(ctx context.Context, cfg Config, m *tm.Manager, addr, zmqEndpoint string, log *zap.Logger) error {
+	if !cfg.SkipWarmup {
+		start := time.Now()
+		if err := m.Warmup(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("warm-up generation failed: %w", err)
+		}
+		log.Info("warm-up generation done", zap.Duration("took", time.Since(start)))
+	}
+	log.Info("serving", zap.String("http", "http://"+addr), zap.String("zmq", zmqEndpoint))
+	if cfg.Ready != nil {
+		cfg.Ready(addr, zmqEndpoint)
+	}
+	return nil
 }
 
 // firstExit reports the first child to end, as an error.

@@ -344,19 +344,27 @@ func zmqCall(t *testing.T, sock *zmq.Socket, payload []byte) map[string]any {
 	return m
 }
 
-func TestExternalSocketRejectsBadInputAndKeepsServing(t *testing.T) {
-	s := startServer(t)
+// dealer connects a DEALER socket to the server's external API.
+func (s *server) dealer(t *testing.T) *zmq.Socket {
+	t.Helper()
 	sock, err := zmq.NewSocket(zmq.DEALER)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer sock.Close()
+	t.Cleanup(func() { sock.Close() })
 	sock.SetLinger(0)
 	sock.SetRcvtimeo(30 * time.Second)
 	if err := sock.Connect(s.zmq); err != nil {
 		t.Fatal(err)
 	}
-	enc := func(v any) []byte { b, _ := msgpack.Marshal(v); return b }
+	return sock
+}
+
+func enc(v any) []byte { b, _ := msgpack.Marshal(v); return b }
+
+func TestExternalSocketRejectsBadInputAndKeepsServing(t *testing.T) {
+	s := startServer(t)
+	sock := s.dealer(t)
 	bad := []struct {
 		name    string
 		payload []byte

@@ -28,26 +28,6 @@ const (
 // AllTags lists every tag in release order; resume runs in reverse.
 var AllTags = []Tag{KVCache, CUDAGraph, Weights, Workspace}
 
-// ParseTags validates tag names; none means every tag.
-func ParseTags(names []string) ([]Tag, error) {
-	if len(names) == 0 {
-		return AllTags, nil
-	}
-	var tags []Tag
-	seen := map[Tag]bool{}
-	for _, n := range names {
-		t := Tag(n)
-		if !t.Valid() {
-			return nil, fmt.Errorf("unknown memory tag %q (known: weights, kv_cache, cuda_graph, workspace)", n)
-		}
-		if !seen[t] {
-			seen[t] = true
-			tags = append(tags, t)
-		}
-	}
-	return tags, nil
-}
-
 // Valid reports whether t is one of the known tags.
 func (t Tag) Valid() bool {
 	for _, k := range AllTags {

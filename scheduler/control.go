@@ -101,22 +101,73 @@ func (s *Server) continueGeneration(r *ioschema.ContinueGenerationReqInput, res 
 	return out
 }
 
-// userTags are the tags a request names; none means every region the
-// device has. The workspace follows cuda_graph (nothing runs without the
-// graphs' buffers, and both hold scratch only).
-func (s *Server) userTags(names []string) ([]memory.Tag, error) {
-	tags, err := memory.ParseTags(names)
-	if err != nil {
-		return nil, err
-	}
+// callerTags are the tags SGLang's callers name; workspace is ebb's own
+// and follows them (see tagsFor).
+var callerTags = []memory.Tag{memory.KVCache, memory.CUDAGraph, memory.Weights}
+
+// tagsFor turns the tags a request names (none: all) into the regions to
+// release or resume, and reports the named ones this device or
+// configuration does not have (cuda_graph on the CPU or with
+// --disable-cuda-graph) as absent rather than as errors. The workspace is
+// never the caller's business: it goes when nothing that uses it stays
+// (cuda_graph released, or every other region), and it comes back with
+// whatever is resumed.
+func (s *Server) tagsFor(names []string, resume bool) ([]memory.Tag, memory.Outcomes, error) {
 	mem := s.e.Dev.Memory()
-	if len(names) == 0 {
-		tags = slices.DeleteFunc(tags, func(t memory.Tag) bool { return mem.Region(t) == nil })
+	named := callerTags
+	if len(names) > 0 {
+		named = nil
+		for _, n := range names {
+			t := memory.Tag(n)
+			if !t.Valid() {
+				return nil, nil, fmt.Errorf("unknown memory tag %q (tags: weights, kv_cache, cuda_graph)", n)
+			}
+			if !slices.Contains(named, t) {
+				named = append(named, t)
+			}
+		}
 	}
-	if slices.Contains(names, string(memory.CUDAGraph)) && !slices.Contains(tags, memory.Workspace) {
+	var tags []memory.Tag
+	var absent memory.Outcomes
+	for _, t := range named {
+		if mem.Region(t) == nil {
+			absent = append(absent, memory.Outcome{Tag: t, State: "absent",
+				Note: fmt.Sprintf("%s has no %s region: nothing to do", s.e.Dev.Name(), t)})
+			continue
+		}
+		if t != memory.Workspace {
+			tags = append(tags, t)
+		}
+	}
+	ws := mem.Region(memory.Workspace)
+	if ws == nil {
+		return tags, absent, nil
+	}
+	switch {
+	case resume:
+		if ws.State() == memory.Released && (len(tags) > 0 || slices.Contains(named, memory.Workspace)) {
+			tags = append([]memory.Tag{memory.Workspace}, tags...)
+		}
+	case ws.State() != memory.Released && (slices.Contains(named, memory.Workspace) || s.releasesAllUsers(tags)):
 		tags = append(tags, memory.Workspace)
 	}
-	return tags, nil
+	return tags, absent, nil
+}
+
+// releasesAllUsers reports whether releasing tags leaves nothing that runs
+// on the workspace: cuda_graph goes (nothing can run without it), or every
+// other region ends up released.
+func (s *Server) releasesAllUsers(tags []memory.Tag) bool {
+	if slices.Contains(tags, memory.CUDAGraph) {
+		return true
+	}
+	mem := s.e.Dev.Memory()
+	for _, t := range callerTags {
+		if mem.Region(t) != nil && !slices.Contains(tags, t) && mem.State(t) != memory.Released {
+			return false
+		}
+	}
+	return true
 }
 
 func outcomesResult(res ioschema.Result, out memory.Outcomes, verb string) ioschema.MemoryResult {
@@ -129,7 +180,7 @@ func outcomesResult(res ioschema.Result, out memory.Outcomes, verb string) iosch
 }
 
 func (s *Server) release(r *ioschema.ReleaseMemoryOccupationReqInput, res ioschema.Result) ioschema.Message {
-	tags, err := s.userTags(r.Tags)
+	tags, absent, err := s.tagsFor(r.Tags, false)
 	if err != nil {
 		res.Success, res.Message = false, err.Error()
 		return &ioschema.ReleaseMemoryOccupationReqOutput{MemoryResult: ioschema.MemoryResult{Result: res}}
@@ -144,7 +195,7 @@ func (s *Server) release(r *ioschema.ReleaseMemoryOccupationReqInput, res iosche
 			return &ioschema.ReleaseMemoryOccupationReqOutput{MemoryResult: ioschema.MemoryResult{Result: res}}
 		}
 	}
-	out := s.e.Dev.Memory().Release(tags)
+	out := append(s.e.Dev.Memory().Release(tags), absent...)
 	if hook, ok := s.e.Dev.(device.ResumeHook); ok {
 		if err := hook.AfterRelease(succeeded(out)); err != nil {
 			res.Success, res.Message = false, "after release: "+err.Error()
@@ -159,7 +210,7 @@ func (s *Server) release(r *ioschema.ReleaseMemoryOccupationReqInput, res iosche
 func succeeded(out memory.Outcomes) []memory.Tag {
 	var tags []memory.Tag
 	for _, o := range out {
-		if o.Err == nil {
+		if o.Err == nil && o.State != "absent" {
 			tags = append(tags, o.Tag)
 		}
 	}
@@ -167,12 +218,12 @@ func succeeded(out memory.Outcomes) []memory.Tag {
 }
 
 func (s *Server) resume(r *ioschema.ResumeMemoryOccupationReqInput, res ioschema.Result) ioschema.Message {
-	tags, err := s.userTags(r.Tags)
+	tags, absent, err := s.tagsFor(r.Tags, true)
 	if err != nil {
 		res.Success, res.Message = false, err.Error()
 		return &ioschema.ResumeMemoryOccupationReqOutput{MemoryResult: ioschema.MemoryResult{Result: res}}
 	}
-	out := s.e.Dev.Memory().Resume(tags)
+	out := append(s.e.Dev.Memory().Resume(tags), absent...)
 	if hook, ok := s.e.Dev.(device.ResumeHook); ok {
 		if err := hook.AfterResume(succeeded(out)); err != nil {
 			res.Success, res.Message = false, "after resume: "+err.Error()
@@ -265,7 +316,11 @@ func (s *Server) weightsByName(r *ioschema.GetWeightsByNameReqInput, res ioschem
 func (s *Server) memoryStats(res ioschema.Result) ioschema.Message {
 	mem := s.e.Dev.Memory()
 	out := &ioschema.GetMemoryStatsReqOutput{Result: res, Tags: mem.Stats(), NVMLProcessBytes: -1,
-		WeightsStale: mem.State(memory.Weights) == memory.Stale}
+		WeightsStale: mem.State(memory.Weights) == memory.Stale, ReleasedTags: s.releasedTags(),
+		GenerationBlocked: s.blockedReason()}
+	if waiting, running := s.core.Counts(); !s.canRun() {
+		out.WaitingRequests = waiting + running
+	}
 	if r := mem.Region(memory.Workspace); r != nil {
 		st := r.Stats()
 		out.WorkspaceReserved, out.WorkspaceAllocated = st.Reserved, st.Allocated

@@ -25,6 +25,12 @@ type Options struct {
 	EOS []int32
 	// Tokenizer is optional; it is needed for stop strings.
 	Tokenizer *tokenizer.Tokenizer
+	// RandomSeed makes the draws of requests without a sampling_seed
+	// reproducible (--random-seed); nil seeds from the system.
+	RandomSeed *uint64
+	// DisableRadixCache stops prefix sharing: a request's KV is freed when
+	// it finishes and nothing is matched at admission.
+	DisableRadixCache bool
 }
 
 // Core is the scheduling state machine, free of I/O: Add requests, call Step
@@ -67,10 +73,14 @@ func NewCore(run *runner.Runner, opts Options) (*Core, error) {
 	if opts.ChunkedPrefillSize <= 0 || opts.ChunkedPrefillSize+opts.MaxRunningRequests > lim.MaxTokens {
 		opts.ChunkedPrefillSize = max(1, lim.MaxTokens-opts.MaxRunningRequests)
 	}
+	seed1, seed2 := rand.Uint64(), rand.Uint64()
+	if opts.RandomSeed != nil {
+		seed1, seed2 = *opts.RandomSeed, *opts.RandomSeed^0x9e3779b97f4a7c15
+	}
 	return &Core{
 		opts: opts, run: run, ctxLen: run.Model.ContextLen(), vocab: run.Model.Config.Vocab,
 		pool: newKVPool(slots), cache: NewRadixCache(), byRid: map[string]*request{},
-		rng: rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64())),
+		rng: rand.New(rand.NewPCG(seed1, seed2)),
 	}, nil
 }
 
@@ -280,8 +290,12 @@ func (c *Core) admit(r *request) {
 	if r.wantsInputLogprobs() {
 		limit = min(limit, max(r.LogprobStartLen-1, 0))
 	}
-	slots, node := c.cache.Match(toks[:limit])
-	c.cache.Lock(node)
+	var slots []int32
+	var node *radixNode
+	if !c.opts.DisableRadixCache {
+		slots, node = c.cache.Match(toks[:limit])
+		c.cache.Lock(node)
+	}
 	r.node, r.nodeTokens = node, len(slots)
 	r.slots = append([]int32(nil), slots...)
 	if !r.admitted {
@@ -293,7 +307,9 @@ func (c *Core) admit(r *request) {
 }
 
 func (c *Core) unadmit(r *request) {
-	c.cache.Unlock(r.node)
+	if r.node != nil {
+		c.cache.Unlock(r.node)
+	}
 	r.node, r.nodeTokens, r.slots = nil, 0, nil
 }
 
@@ -331,6 +347,10 @@ func (c *Core) Retract() int {
 // release hands r's KV to the radix cache and unlocks its prefix.
 func (c *Core) release(r *request) {
 	fill := len(r.slots)
+	if c.opts.DisableRadixCache {
+		c.pool.release(r.slots)
+		fill = 0
+	}
 	if fill > 0 {
 		matched := c.cache.Insert(r.tokens()[:fill], r.slots)
 		if matched > r.nodeTokens {
@@ -346,6 +366,9 @@ func (c *Core) release(r *request) {
 // cacheUnfinished shares r's computed prompt KV with later requests while r
 // keeps running: its slots become the cache's, locked by r.
 func (c *Core) cacheUnfinished(r *request) {
+	if c.opts.DisableRadixCache {
+		return
+	}
 	fill := len(r.slots)
 	toks := r.tokens()[:fill]
 	matched := c.cache.Insert(toks, r.slots)

@@ -29,6 +29,8 @@ func NewCoreFor(e *engine.Engine) (*Core, error) {
 		ChunkedPrefillSize: e.Config.ChunkedPrefillSize,
 		EOS:                e.EOS,
 		Tokenizer:          e.Tokenizer,
+		RandomSeed:         e.Config.RandomSeed,
+		DisableRadixCache:  e.Config.DisableRadixCache,
 	})
 }
 

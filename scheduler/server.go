@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"strings"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
@@ -163,7 +164,8 @@ type Server struct {
 	// weightVersion is reported with every output.
 	weightVersion string
 	lastCheck     time.Time
-	InvariantErr  error // the last failed idle check, if any
+	InvariantErr  error  // the last failed idle check, if any
+	blockedNoted  string // the blocker last logged while requests waited
 }
 
 type reqFlags struct {
@@ -187,11 +189,57 @@ func (s *Server) Core() *Core { return s.core }
 // back and the weights not stale.
 func (s *Server) canRun() bool { return !s.paused && s.e.Dev.Memory().AllResident() }
 
+// releasedTags lists the regions that are released now.
+func (s *Server) releasedTags() []string {
+	var tags []string
+	for _, st := range s.e.Dev.Memory().Stats() {
+		if st.State == memory.Released.String() {
+			tags = append(tags, string(st.Tag))
+		}
+	}
+	return tags
+}
+
+// blockedReason says why generation cannot run now ("" when it can).
+func (s *Server) blockedReason() string {
+	var why []string
+	if s.paused {
+		why = append(why, "generation is paused (continue_generation resumes it)")
+	}
+	if tags := s.releasedTags(); len(tags) > 0 {
+		why = append(why, "memory is released: "+strings.Join(tags, ", ")+" (resume_memory_occupation brings it back)")
+	}
+	if s.e.Dev.Memory().State(memory.Weights) == memory.Stale {
+		why = append(why, "the weights are stale (update the weights)")
+	}
+	return strings.Join(why, "; ")
+}
+
+// noteBlocked logs, once per distinct reason, that queued requests wait.
+func (s *Server) noteBlocked() {
+	if s.core.Idle() || s.canRun() {
+		s.blockedNoted = ""
+		return
+	}
+	why := s.blockedReason()
+	if why == s.blockedNoted {
+		return
+	}
+	s.blockedNoted = why
+	waiting, running := s.core.Counts()
+	log := s.log.Warn
+	if !strings.Contains(why, "released") && !strings.Contains(why, "stale") {
+		log = s.log.Info // a pause is what the caller asked for
+	}
+	log("requests wait", zap.Int("waiting", waiting), zap.Int("running", running), zap.String("reason", why))
+}
+
 // Loop serves until ctx ends or a socket goroutine fails.
 func (s *Server) Loop(ctx context.Context, inbox <-chan ioschema.Message, errs <-chan error, interval time.Duration) error {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	for {
+		s.noteBlocked()
 		busy := s.canRun() && !s.core.Idle()
 		if busy {
 			// Take whatever has arrived, then step.
@@ -342,10 +390,12 @@ func (s *Server) Info() map[string]any {
 		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
 		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,
 		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,
-		"kv_cached_tokens": cached, "kv_used_tokens": private, "cpu_backup": e.Config.CPUBackup,
+		"kv_cached_tokens": cached, "kv_used_tokens": private, "kv_evictable_tokens": s.core.cache.Evictable(), "cpu_backup": e.Config.CPUBackup,
 		"generated_tokens": s.core.Stats.GeneratedTokens, "prompt_tokens": s.core.Stats.PromptTokens,
 		"cached_prompt_tokens": s.core.Stats.CachedTokens, "graph_steps": e.Runner.Stats.GraphSteps,
 		"eager_steps": e.Runner.Stats.EagerSteps, "invariants_ok": s.InvariantErr == nil,
+		"generation_blocked": s.blockedReason(), "released_tags": s.releasedTags(),
+		"weights_stale": e.Dev.Memory().State(memory.Weights) == memory.Stale,
 		"scheduler_pid": os.Getpid(),
 	}
 }

@@ -1,8 +1,10 @@
 package tokenizermanager
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"strings"
 
 	"github.com/nikolalohinski/gonja/v2"
@@ -83,7 +85,10 @@ func (c *chatTemplate) render(messages []ChatMessage, tools []any, kwargs map[st
 			mm["reasoning_content"] = m.ReasoningContent
 		}
 		if len(m.ToolCalls) > 0 {
-			mm["tool_calls"] = m.ToolCalls
+			mm["tool_calls"] = templateToolCalls(m.ToolCalls)
+		}
+		if m.ToolCallID != "" {
+			mm["tool_call_id"] = m.ToolCallID
 		}
 		if m.Name != "" {
 			mm["name"] = m.Name
@@ -105,4 +110,33 @@ func (c *chatTemplate) render(messages []ChatMessage, tools []any, kwargs map[st
 		return "", fmt.Errorf("chat template: %w", err)
 	}
 	return out, nil
+}
+
+// templateToolCalls gives templates the arguments of earlier calls as
+// objects: OpenAI sends them as JSON text, and templates (Llama 3's) write
+// them with tojson, which would quote the text again. SGLang does the same.
+func templateToolCalls(calls []any) []any {
+	out := make([]any, len(calls))
+	for i, c := range calls {
+		out[i] = c
+		call, ok := c.(map[string]any)
+		if !ok {
+			continue
+		}
+		fn, ok := call["function"].(map[string]any)
+		if !ok {
+			continue
+		}
+		if args, ok := fn["arguments"].(string); ok {
+			var v any
+			if json.Unmarshal([]byte(args), &v) == nil {
+				fn2 := maps.Clone(fn)
+				fn2["arguments"] = v
+				call2 := maps.Clone(call)
+				call2["function"] = fn2
+				out[i] = call2
+			}
+		}
+	}
+	return out
 }

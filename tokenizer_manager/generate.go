@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"ebb/ioschema"
 )
@@ -66,7 +67,10 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 		if err != nil {
 			return nil, false, badRequest{err}
 		}
-		n := max(sp.N, 1)
+		n := sp.Copies()
+		if n < 1 {
+			return nil, false, badf("n must be at least 1, got %d", n)
+		}
 		if n > 1 {
 			batch = true
 		}
@@ -80,7 +84,7 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 				r = fmt.Sprintf("%s-%d", rid, j)
 			}
 			sp := sp
-			sp.N = 1
+			sp.N = nil
 			t := &ioschema.TokenizedGenerateReqInput{Rid: r, InputText: texts[i], InputIDs: ids, SamplingParams: sp,
 				ReturnLogprob: in.ReturnLogprob, LogprobStartLen: start, TopLogprobsNum: in.TopLogprobsNum, Stream: in.Stream}
 			out = append(out, &prompt{tokenized: t, state: newReqState(r, in.ReturnLogprob, in.TopLogprobsNum)})
@@ -96,7 +100,7 @@ func (m *Manager) submit(ctx context.Context, prompts []*prompt) error {
 	warmed := map[string]bool{}
 	for _, p := range prompts {
 		key := fmt.Sprint(p.tokenized.InputIDs)
-		if len(p.tokenized.InputIDs) > 1 && countSame(prompts, key) > 1 && !warmed[key] {
+		if !m.cfg.DisableRadixCache && len(p.tokenized.InputIDs) > 1 && countSame(prompts, key) > 1 && !warmed[key] {
 			warmed[key] = true
 			if err := m.warm(ctx, p.tokenized.InputIDs); err != nil {
 				return err
@@ -210,4 +214,21 @@ func (m *Manager) Generate(ctx context.Context, in *ioschema.GenerateReqInput) (
 		return results, nil
 	}
 	return results[0], nil
+}
+
+// Warmup generates a few tokens from a short prompt, as SGLang does at
+// start, so kernels, graphs and the whole pipeline have run once.
+func (m *Manager) Warmup(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	four, zero := 4, 0.0
+	ids := []int32{0, 1, 2, 3}
+	for i := range ids {
+		ids[i] = int32(i) % int32(m.ModelCfg.Vocab)
+	}
+	in := &ioschema.GenerateReqInput{InputIDs: ioschema.InputIDBatch{Items: [][]int32{ids}},
+		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{{MaxNewTokens: &four, Temperature: &zero}}},
+		Rid:            ioschema.Rids{Items: []string{"warmup-" + newRid()}}}
+	_, err := m.Generate(ctx, in)
+	return err
 }

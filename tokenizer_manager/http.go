@@ -2,6 +2,7 @@ package tokenizermanager
 
 import (
 	"context"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -9,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -49,7 +51,24 @@ func (m *Manager) Handler() http.Handler {
 		mux.HandleFunc("GET "+path, h)
 	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(m.metrics.reg, promhttp.HandlerOpts{}))
-	return mux
+	return m.authorize(mux)
+}
+
+// authorize requires --api-key as SGLang does: a Bearer token on every
+// request but CORS preflights, /health* and /metrics; 401 otherwise.
+func (m *Manager) authorize(next http.Handler) http.Handler {
+	if m.cfg.APIKey == "" {
+		return next
+	}
+	want := []byte("Bearer " + m.cfg.APIKey)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		open := r.Method == http.MethodOptions || strings.HasPrefix(r.URL.Path, "/health") || strings.HasPrefix(r.URL.Path, "/metrics")
+		if !open && subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), want) != 1 {
+			writeJSON(w, http.StatusUnauthorized, map[string]any{"error": "Unauthorized"})
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -171,17 +190,33 @@ func (m *Manager) models(w http.ResponseWriter, _ *http.Request) {
 	}}})
 }
 
-// healthGenerate checks that a one-token generation completes.
+// healthGenerate checks that a one-token generation completes; while
+// generation cannot run (paused, memory released, stale weights) it says
+// why at once instead of waiting.
 func (m *Manager) healthGenerate(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 20*time.Second)
 	defer cancel()
+	unavailable := func(msg string) {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"error": map[string]any{"message": msg, "code": http.StatusServiceUnavailable}})
+	}
+	reply, err := m.Control(ctx, &ioschema.GetServerInfoReqInput{})
+	if err != nil {
+		unavailable(err.Error())
+		return
+	}
+	if info, ok := reply.(*ioschema.GetServerInfoReqOutput); ok {
+		if why, _ := info.Info["generation_blocked"].(string); why != "" {
+			unavailable("generation is blocked: " + why)
+			return
+		}
+	}
 	one := 1
 	zero := 0.0
 	in := &ioschema.GenerateReqInput{InputIDs: ioschema.InputIDBatch{Items: [][]int32{{0}}},
 		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{{MaxNewTokens: &one, Temperature: &zero}}},
 		Rid:            ioschema.Rids{Items: []string{"health-" + newRid()}}}
 	if _, err := m.Generate(ctx, in); err != nil {
-		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"error": map[string]any{"message": err.Error()}})
+		unavailable(err.Error())
 		return
 	}
 	w.WriteHeader(http.StatusOK)

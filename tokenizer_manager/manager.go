@@ -23,8 +23,16 @@ import (
 
 // Config is what the tokenizer manager needs.
 type Config struct {
-	ModelDir  string
-	ModelName string // served model name (/v1/models); default: the directory
+	ModelDir     string
+	TokenizerDir string // default: ModelDir
+	ModelName    string // served model name (/v1/models); default: the directory
+	// APIKey, when set, is required on every HTTP endpoint but /health* and
+	// /metrics (Authorization: Bearer KEY, as SGLang's --api-key) and as
+	// "api_key" on every message of the external ZMQ socket.
+	APIKey string
+	// DisableRadixCache: copies of one prompt (n > 1) cannot share a
+	// prefilled prefix, so none is prepared for them.
+	DisableRadixCache bool
 	// SchedulerEndpoint is connected (PUSH); InputEndpoint is bound (PULL)
 	// for the detokenizer's text and the scheduler's replies.
 	SchedulerEndpoint, InputEndpoint string
@@ -65,14 +73,17 @@ func New(cfg Config, log *zap.Logger) (*Manager, error) {
 	if m.cfg.ControlTimeout <= 0 {
 		m.cfg.ControlTimeout = 30 * time.Minute
 	}
+	if m.cfg.TokenizerDir == "" {
+		m.cfg.TokenizerDir = cfg.ModelDir
+	}
 	var err error
 	if m.ModelCfg, err = model.LoadConfig(cfg.ModelDir); err != nil {
 		return nil, err
 	}
-	if m.TokConfig, err = tokenizer.LoadConfig(cfg.ModelDir); err != nil {
+	if m.TokConfig, err = tokenizer.LoadConfig(m.cfg.TokenizerDir); err != nil {
 		return nil, err
 	}
-	if tok, err := tokenizer.Load(cfg.ModelDir); err == nil {
+	if tok, err := tokenizer.Load(m.cfg.TokenizerDir); err == nil {
 		m.Tokenizer = tok
 	} else {
 		log.Warn("no tokenizer: only input_ids requests are served", zap.Error(err))

@@ -2,6 +2,7 @@ package tokenizermanager
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -9,58 +10,145 @@ import (
 	"ebb/ioschema"
 )
 
-// metrics are exported on /metrics under the ebb: prefix (SGLang's names
-// use sglang:).
+// metrics are exported on /metrics twice: under SGLang's names and types
+// (sglang:..., labelled by model_name as SGLang's collectors are), so an
+// existing SGLang Grafana dashboard works unchanged, and under ebb:.
 type metrics struct {
-	reg        *prometheus.Registry
-	prompt     prometheus.Counter
-	generation prometheus.Counter
-	cached     prometheus.Counter
-	requests   *prometheus.CounterVec
-	ttft       prometheus.Histogram
-	e2e        prometheus.Histogram
+	reg *prometheus.Registry
+	// per request, observed as outputs arrive
+	prompt, generation, cached *prometheus.CounterVec
+	requests                   *prometheus.CounterVec
+	ttft, itl, e2e             *prometheus.HistogramVec
+	model                      string
+	// ebb's own names of the same counts (kept for existing scrapers)
+	ebbPrompt, ebbGeneration, ebbCached prometheus.Counter
 }
 
+var (
+	ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 15, 20, 25, 30}
+	itlBuckets  = []float64{0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8}
+	e2eBuckets  = []float64{0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200, 250, 300, 350, 500, 1000}
+)
+
 func newMetrics(m *Manager) *metrics {
-	mt := &metrics{reg: prometheus.NewRegistry()}
-	mt.prompt = prometheus.NewCounter(prometheus.CounterOpts{Name: "ebb:prompt_tokens_total", Help: "Prompt tokens processed."})
-	mt.generation = prometheus.NewCounter(prometheus.CounterOpts{Name: "ebb:generation_tokens_total", Help: "Tokens generated."})
-	mt.cached = prometheus.NewCounter(prometheus.CounterOpts{Name: "ebb:cached_tokens_total", Help: "Prompt tokens served from the prefix cache."})
-	mt.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ebb:num_requests_total", Help: "Finished requests by finish reason."}, []string{"finish_reason"})
-	buckets := []float64{0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60}
-	mt.ttft = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "ebb:time_to_first_token_seconds", Help: "Time to first token.", Buckets: buckets})
-	mt.e2e = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "ebb:e2e_request_latency_seconds", Help: "End-to-end request latency.", Buckets: buckets})
-	mt.reg.MustRegister(mt.prompt, mt.generation, mt.cached, mt.requests, mt.ttft, mt.e2e, &schedulerCollector{m: m})
+	mt := &metrics{reg: prometheus.NewRegistry(), model: m.modelName()}
+	counter := func(name, help string, labels ...string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, append([]string{"model_name"}, labels...))
+	}
+	histogram := func(name, help string, buckets []float64) *prometheus.HistogramVec {
+		return prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: name, Help: help, Buckets: buckets}, []string{"model_name"})
+	}
+	mt.prompt = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
+	mt.generation = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
+	mt.cached = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
+	mt.requests = counter("sglang:num_requests_total", "Number of requests processed.", "finish_reason")
+	mt.ttft = histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttftBuckets)
+	mt.itl = histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itlBuckets)
+	mt.e2e = histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", e2eBuckets)
+	mt.ebbPrompt = prometheus.NewCounter(prometheus.CounterOpts{Name: "ebb:prompt_tokens_total", Help: "Prompt tokens processed."})
+	mt.ebbGeneration = prometheus.NewCounter(prometheus.CounterOpts{Name: "ebb:generation_tokens_total", Help: "Tokens generated."})
+	mt.ebbCached = prometheus.NewCounter(prometheus.CounterOpts{Name: "ebb:cached_tokens_total", Help: "Prompt tokens served from the prefix cache."})
+	mt.reg.MustRegister(mt.prompt, mt.generation, mt.cached, mt.requests, mt.ttft, mt.itl, mt.e2e,
+		mt.ebbPrompt, mt.ebbGeneration, mt.ebbCached, &schedulerCollector{m: m, model: mt.model})
 	return mt
 }
 
-func (mt *metrics) firstToken(r *reqState) { mt.ttft.Observe(time.Since(r.created).Seconds()) }
+func (mt *metrics) firstToken(r *reqState) {
+	mt.ttft.WithLabelValues(mt.model).Observe(time.Since(r.created).Seconds())
+}
+
+// tokens observes the inter-token latency of n tokens that arrived after gap.
+func (mt *metrics) tokens(gap time.Duration, n int) {
+	h := mt.itl.WithLabelValues(mt.model)
+	for i := 0; i < n; i++ {
+		h.Observe(gap.Seconds() / float64(n))
+	}
+}
 
 func (mt *metrics) finished(r *reqState) {
 	s := r.snapshot()
-	mt.prompt.Add(float64(s.PromptTokens))
-	mt.generation.Add(float64(s.Completion))
-	mt.cached.Add(float64(s.Cached))
+	mt.prompt.WithLabelValues(mt.model).Add(float64(s.PromptTokens))
+	mt.generation.WithLabelValues(mt.model).Add(float64(s.Completion))
+	mt.cached.WithLabelValues(mt.model).Add(float64(s.Cached))
+	mt.ebbPrompt.Add(float64(s.PromptTokens))
+	mt.ebbGeneration.Add(float64(s.Completion))
+	mt.ebbCached.Add(float64(s.Cached))
 	reason := "error"
 	if s.Finish != nil {
 		reason = s.Finish.Type
 	}
-	mt.requests.WithLabelValues(reason).Inc()
-	mt.e2e.Observe(s.Latency.Seconds())
+	mt.requests.WithLabelValues(mt.model, reason).Inc()
+	mt.e2e.WithLabelValues(mt.model).Observe(s.Latency.Seconds())
 }
 
 // schedulerCollector asks the scheduler for its gauges at scrape time.
-type schedulerCollector struct{ m *Manager }
+type schedulerCollector struct {
+	m     *Manager
+	model string
 
-var gauges = map[string]string{
-	"num_running_reqs": "Requests running.", "num_waiting_reqs": "Requests queued.",
-	"kv_used_tokens": "KV slots held by running requests.", "kv_cached_tokens": "KV slots in the prefix cache.",
-	"kv_free_tokens": "Free KV slots.", "max_total_num_tokens": "KV cache size in tokens.",
+	mu                sync.Mutex
+	lastScrape        time.Time
+	lastGenerated     float64
+	lastThroughputTPS float64
+}
+
+// gauge is one scheduler figure under SGLang's name (nil sglang for none)
+// and ebb's.
+type gauge struct {
+	sglang, ebb, help string
+	value             func(info map[string]any) (float64, bool)
+}
+
+func infoField(name string) func(map[string]any) (float64, bool) {
+	return func(info map[string]any) (float64, bool) { return toFloat(info[name]) }
+}
+
+var gauges = []gauge{
+	{"sglang:num_running_reqs", "ebb:num_running_reqs", "The number of running requests.", infoField("num_running_reqs")},
+	{"sglang:num_queue_reqs", "ebb:num_waiting_reqs", "The number of requests in the waiting queue.", infoField("num_waiting_reqs")},
+	{"sglang:num_used_tokens", "ebb:kv_used_tokens", "The number of used tokens.", usedTokens},
+	{"sglang:token_usage", "", "The token usage.", func(info map[string]any) (float64, bool) {
+		used, ok1 := usedTokens(info)
+		total, ok2 := toFloat(info["max_total_num_tokens"])
+		return used / max(total, 1), ok1 && ok2
+	}},
+	{"sglang:cache_hit_rate", "", "The prefix cache hit rate.", func(info map[string]any) (float64, bool) {
+		cached, ok1 := toFloat(info["cached_prompt_tokens"])
+		prompt, ok2 := toFloat(info["prompt_tokens"])
+		return cached / max(prompt, 1), ok1 && ok2
+	}},
+	{"", "ebb:kv_cached_tokens", "KV slots in the prefix cache.", infoField("kv_cached_tokens")},
+	{"", "ebb:kv_free_tokens", "Free KV slots.", infoField("kv_free_tokens")},
+	{"", "ebb:max_total_num_tokens", "KV cache size in tokens.", infoField("max_total_num_tokens")},
+}
+
+// usedTokens is SGLang's num_used_tokens: the KV that is neither free nor
+// evictable cache.
+func usedTokens(info map[string]any) (float64, bool) {
+	total, ok1 := toFloat(info["max_total_num_tokens"])
+	free, ok2 := toFloat(info["kv_free_tokens"])
+	evictable, ok3 := toFloat(info["kv_evictable_tokens"])
+	return total - free - evictable, ok1 && ok2 && ok3
+}
+
+var sglangLabels = []string{"model_name", "engine_type", "tp_rank", "pp_rank"}
+
+func (c *schedulerCollector) descs() []*prometheus.Desc {
+	var out []*prometheus.Desc
+	for _, g := range gauges {
+		if g.sglang != "" {
+			out = append(out, prometheus.NewDesc(g.sglang, g.help, sglangLabels, nil))
+		}
+		if g.ebb != "" {
+			out = append(out, prometheus.NewDesc(g.ebb, g.help, nil, nil))
+		}
+	}
+	return append(out, prometheus.NewDesc("sglang:gen_throughput", "The generation throughput (token/s).", sglangLabels, nil))
 }
 
 func (c *schedulerCollector) Describe(ch chan<- *prometheus.Desc) {
-	for name, help := range gauges {
-		ch <- prometheus.NewDesc("ebb:"+name, help, nil, nil)
+	for _, d := range c.descs() {
+		ch <- d
 	}
 }
 
@@ -72,11 +160,37 @@ func (c *schedulerCollector) Collect(ch chan<- prometheus.Metric) {
 	if err != nil || !ok {
 		return
 	}
-	for name, help := range gauges {
-		if v, ok := toFloat(info.Info[name]); ok {
-			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc("ebb:"+name, help, nil, nil), prometheus.GaugeValue, v)
+	labels := []string{c.model, "unified", "0", "0"}
+	for _, g := range gauges {
+		v, ok := g.value(info.Info)
+		if !ok {
+			continue
+		}
+		if g.sglang != "" {
+			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(g.sglang, g.help, sglangLabels, nil), prometheus.GaugeValue, v, labels...)
+		}
+		if g.ebb != "" {
+			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(g.ebb, g.help, nil, nil), prometheus.GaugeValue, v)
 		}
 	}
+	if generated, ok := toFloat(info.Info["generated_tokens"]); ok {
+		ch <- prometheus.MustNewConstMetric(prometheus.NewDesc("sglang:gen_throughput", "The generation throughput (token/s).", sglangLabels, nil),
+			prometheus.GaugeValue, c.throughput(generated), labels...)
+	}
+}
+
+// throughput is the generation rate since the previous scrape.
+func (c *schedulerCollector) throughput(generated float64) float64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := time.Now()
+	if !c.lastScrape.IsZero() {
+		if dt := now.Sub(c.lastScrape).Seconds(); dt > 0.05 {
+			c.lastThroughputTPS = (generated - c.lastGenerated) / dt
+		}
+	}
+	c.lastScrape, c.lastGenerated = now, generated
+	return c.lastThroughputTPS
 }
 
 func toFloat(v any) (float64, bool) {

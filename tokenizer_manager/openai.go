@@ -2,7 +2,10 @@ package tokenizermanager
 
 import (
 	"encoding/json"
+	"fmt"
+	"io"
 	"net/http"
+	"strings"
 	"time"
 
 	"ebb/ioschema"
@@ -17,7 +20,7 @@ type openAISampling struct {
 	TopP          *float64 `json:"top_p"`
 	TopK          *int     `json:"top_k"`
 	MinP          *float64 `json:"min_p"`
-	N             int      `json:"n"`
+	N             *int     `json:"n"`
 	Stream        bool     `json:"stream"`
 	StreamOptions *struct {
 		IncludeUsage bool `json:"include_usage"`
@@ -103,7 +106,7 @@ type completionRequest struct {
 // completions serves /v1/completions.
 func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 	var req completionRequest
-	if err := decodeBody(r, &req); err != nil {
+	if err := decodeStrict(r, &req, completionParams); err != nil {
 		writeError(w, err)
 		return
 	}
@@ -212,14 +215,65 @@ type chatRequest struct {
 	MaxCompletionTokens *int           `json:"max_completion_tokens"`
 	Logprobs            bool           `json:"logprobs"`
 	TopLogprobs         int            `json:"top_logprobs"`
-	Tools               []any          `json:"tools"`
+	Tools               []chatTool     `json:"tools"`
+	ToolChoice          *string        `json:"tool_choice"`
+	ParallelToolCalls   *bool          `json:"parallel_tool_calls"`
 	ChatTemplateKwargs  map[string]any `json:"chat_template_kwargs"`
+}
+
+// chatTool is an OpenAI tool: a function the model may call.
+type chatTool struct {
+	Type     string `json:"type"`
+	Function struct {
+		Name        string `json:"name"`
+		Description string `json:"description,omitempty"`
+		Parameters  any    `json:"parameters,omitempty"`
+		Strict      *bool  `json:"strict,omitempty"`
+	} `json:"function"`
+}
+
+// templateTools are the tools as the chat template sees them (SGLang
+// passes each tool's function object), or nil when tools are off.
+func (req *chatRequest) templateTools() ([]any, error) {
+	if len(req.Tools) == 0 || (req.ToolChoice != nil && *req.ToolChoice == "none") {
+		return nil, nil
+	}
+	out := make([]any, len(req.Tools))
+	for i, t := range req.Tools {
+		if t.Type != "function" || t.Function.Name == "" {
+			return nil, fmt.Errorf("tools[%d] must be {\"type\": \"function\", \"function\": {\"name\": ...}}", i)
+		}
+		f := map[string]any{"name": t.Function.Name}
+		if t.Function.Description != "" {
+			f["description"] = t.Function.Description
+		}
+		if t.Function.Parameters != nil {
+			f["parameters"] = t.Function.Parameters
+		}
+		out[i] = f
+	}
+	return out, nil
+}
+
+// decodeStrict reads a JSON body after checking its parameters.
+func decodeStrict(r *http.Request, v any, accepted map[string]paramRule) error {
+	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<20))
+	if err != nil {
+		return badf("read body: %v", err)
+	}
+	if err := checkParams(body, accepted); err != nil {
+		return err
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		return badf("invalid JSON body: %v", err)
+	}
+	return nil
 }
 
 // chatCompletions serves /v1/chat/completions with the model's template.
 func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	var req chatRequest
-	if err := decodeBody(r, &req); err != nil {
+	if err := decodeStrict(r, &req, chatParams); err != nil {
 		writeError(w, err)
 		return
 	}
@@ -227,7 +281,22 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		writeError(w, badf("the model has no chat template or tokenizer"))
 		return
 	}
-	text, err := m.chat.render(req.Messages, req.Tools, req.ChatTemplateKwargs)
+	tools, err := req.templateTools()
+	if err != nil {
+		writeError(w, badRequest{err})
+		return
+	}
+	var format toolFormat
+	if tools != nil {
+		if format = toolFormatFor(m.TokConfig.ChatTemplate); format == 0 {
+			writeError(w, badf("the model's chat template has no tool-call syntax ebb can parse (Qwen's <tool_call> or Llama 3's JSON)"))
+			return
+		}
+		// The calls are text to parse: keep every token in it, as SGLang does.
+		keep := false
+		req.SkipSpecialTokens = &keep
+	}
+	text, err := m.chat.render(req.Messages, tools, req.ChatTemplateKwargs)
 	if err != nil {
 		writeError(w, badRequest{err})
 		return
@@ -250,9 +319,11 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
+	parallel := req.ParallelToolCalls == nil || *req.ParallelToolCalls
 	if req.Stream {
 		sse := newSSE(w)
-		sent := make([]int, len(prompts))
+		streams := make([]*toolStream, len(prompts))
+		calls := make([]int, len(prompts))
 		started := make([]bool, len(prompts))
 		final := make([]snapshot, len(prompts))
 		reply.object = "chat.completion.chunk"
@@ -265,17 +336,31 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 			}
 			if !started[i] {
 				started[i] = true
+				streams[i] = newToolStream(format)
 				if !chunk(map[string]any{"index": i, "delta": map[string]any{"role": "assistant", "content": ""}, "finish_reason": nil}) {
 					return false
 				}
 			}
-			delta := s.Text[sent[i]:]
-			sent[i] = len(s.Text)
-			if delta != "" && !chunk(map[string]any{"index": i, "delta": map[string]any{"content": delta}, "finish_reason": nil}) {
+			content, newCalls := streams[i].Feed(s.Text)
+			if s.Done {
+				rest, last := streams[i].Finish(s.Text)
+				content, newCalls = content+rest, append(newCalls, last...)
+			}
+			if content != "" && !chunk(map[string]any{"index": i, "delta": map[string]any{"content": content}, "finish_reason": nil}) {
 				return false
 			}
+			for _, c := range newCalls {
+				if calls[i] > 0 && !parallel {
+					break
+				}
+				delta := map[string]any{"tool_calls": []any{c.openAI(calls[i])}}
+				calls[i]++
+				if !chunk(map[string]any{"index": i, "delta": delta, "finish_reason": nil}) {
+					return false
+				}
+			}
 			if s.Done {
-				return chunk(map[string]any{"index": i, "delta": map[string]any{}, "finish_reason": finishString(s.Finish)})
+				return chunk(map[string]any{"index": i, "delta": map[string]any{}, "finish_reason": chatFinish(s.Finish, calls[i])})
 			}
 			return true
 		})
@@ -289,14 +374,44 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	}
 	choices := make([]any, len(snaps))
 	for i, s := range snaps {
-		c := map[string]any{"index": i, "message": map[string]any{"role": "assistant", "content": s.Text},
-			"logprobs": nil, "finish_reason": finishString(s.Finish)}
+		msg := map[string]any{"role": "assistant", "content": s.Text}
+		ncalls := 0
+		if format != 0 {
+			content, calls := newToolStream(format).Finish(s.Text)
+			if len(calls) > 0 {
+				if !parallel {
+					calls = calls[:1]
+				}
+				list := make([]any, len(calls))
+				for j, c := range calls {
+					list[j] = c.openAI(j)
+				}
+				msg["tool_calls"], msg["content"] = list, nilIfEmpty(strings.TrimSpace(content))
+				ncalls = len(calls)
+			}
+		}
+		c := map[string]any{"index": i, "message": msg, "logprobs": nil, "finish_reason": chatFinish(s.Finish, ncalls)}
 		if req.Logprobs {
 			c["logprobs"] = m.chatLogprobs(s)
 		}
 		choices[i] = c
 	}
 	writeJSON(w, http.StatusOK, reply.withUsage(choices, snaps))
+}
+
+// chatFinish is "tool_calls" when the model stopped after calling tools.
+func chatFinish(fr *ioschema.FinishReason, calls int) any {
+	if calls > 0 && (fr == nil || fr.Type == "stop") {
+		return "tool_calls"
+	}
+	return finishString(fr)
+}
+
+func nilIfEmpty(s string) any {
+	if s == "" {
+		return nil
+	}
+	return s
 }
 
 // chatLogprobs is the chat completions logprobs object.

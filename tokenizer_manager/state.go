@@ -32,6 +32,7 @@ type reqState struct {
 	finish        *ioschema.FinishReason
 	weightVersion string
 	firstToken    time.Time
+	lastToken     time.Time
 	err           error
 	done          bool
 }
@@ -55,10 +56,14 @@ func (r *reqState) absorb(o *ioschema.BatchStrOutput, i int, m *Manager) {
 		r.text.WriteString(o.OutputStrs[i])
 	}
 	if i < len(o.OutputIDs) && len(o.OutputIDs[i]) > 0 {
+		now := time.Now()
 		if r.firstToken.IsZero() {
-			r.firstToken = time.Now()
+			r.firstToken = now
 			m.metrics.firstToken(r)
+		} else {
+			m.metrics.tokens(now.Sub(r.lastToken), len(o.OutputIDs[i]))
 		}
+		r.lastToken = now
 		r.outputIDs = append(r.outputIDs, o.OutputIDs[i]...)
 	}
 	if i < len(o.OutputTokenLogprobsVal) {

@@ -2,6 +2,7 @@ package tokenizermanager
 
 import (
 	"context"
+	"crypto/subtle"
 	"fmt"
 	"time"
 
@@ -84,6 +85,10 @@ func (m *Manager) serveExternal(ctx context.Context, env [][]byte, payload []byt
 		case replies <- routedReply{env, msg}:
 		case <-ctx.Done():
 		}
+	}
+	if m.cfg.APIKey != "" && subtle.ConstantTimeCompare([]byte(ioschema.APIKeyOf(payload)), []byte(m.cfg.APIKey)) != 1 {
+		send(&ioschema.ErrorOutput{Rid: ioschema.RidOf(payload), Message: `unauthorized: this server needs "api_key" (its --api-key) in every message`})
+		return
 	}
 	msg, err := ioschema.Decode(payload)
 	if err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -71,13 +72,14 @@ func trainerCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:    "__trainer",
 		Hidden: true,
-		Short:  "Stand in for a trainer: take all the GPU memory possible, write it, free it, report JSON",
+		Short:  "Stand in for a trainer: take all the GPU memory possible, write it, report JSON, wait for a line on stdin, free it",
 		RunE: func(*cobra.Command, []string) error {
-			rep, err := cuda.FillAsTrainer()
-			if err != nil {
-				return err
-			}
-			return json.NewEncoder(os.Stdout).Encode(rep)
+			_, err := cuda.FillAsTrainer(func(rep *cuda.TrainerReport) {
+				_ = json.NewEncoder(os.Stdout).Encode(rep)
+				// Hold the memory until the caller has measured it.
+				_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
+			})
+			return err
 		},
 	}
 }

@@ -1,24 +1,91 @@
 package main
 
 import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
 	"ebb/engine"
 )
 
 // addEngineFlags registers the model and memory flags shared by serve,
-// generate and bench (SGLang's names).
+// generate and bench, under SGLang's names (sglang.launch_server's).
 func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
-	f.StringVar(&cfg.ModelDir, "model", "", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+	f.StringVar(&cfg.ModelDir, "model-path", "", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+	f.StringVar(&cfg.ModelDir, "model", "", "same as --model-path")
+	f.StringVar(&cfg.TokenizerDir, "tokenizer-path", "", "directory of tokenizer.json and tokenizer_config.json (default: the model's)")
 	f.StringVar(&cfg.Device, "device", "auto", "cpu, cuda or auto (cuda when a GPU is usable)")
-	f.IntVar(&cfg.GPU, "gpu", 0, "GPU ordinal")
+	f.IntVar(&cfg.GPU, "base-gpu-id", 0, "the first GPU to use")
+	f.IntVar(&cfg.GPU, "gpu", 0, "same as --base-gpu-id")
+	_ = f.MarkHidden("gpu")
+	f.IntVar(&cfg.TPSize, "tp-size", 1, "tensor-parallel GPUs per engine")
+	f.IntVar(&cfg.DPSize, "dp-size", 1, "data-parallel engines")
+	f.StringVar(&cfg.DType, "dtype", "auto", "auto or bfloat16 (ebb runs bf16 on the GPU, float32 on the CPU)")
+	f.Var(&seedFlag{&cfg.RandomSeed}, "random-seed", "seed for the sampling of requests without a sampling_seed")
 	f.IntVar(&cfg.ContextLength, "context-length", 0, "maximum tokens per sequence (default: the model's max_position_embeddings)")
 	f.IntVar(&cfg.MaxTotalTokens, "max-total-tokens", 0, "KV cache size in tokens (default: from --mem-fraction-static)")
 	f.Float64Var(&cfg.MemFractionStatic, "mem-fraction-static", 0.85, "share of GPU memory for weights and KV cache")
 	f.BoolVar(&cfg.CPUBackup, "enable-weights-cpu-backup", false, "keep a pinned host copy of the weights so resume restores them")
 	f.IntVar(&cfg.MaxRunningRequests, "max-running-requests", 0, "most requests decoding at once (default 256)")
 	f.IntVar(&cfg.ChunkedPrefillSize, "chunked-prefill-size", 0, "most prompt tokens per step (default 8192)")
+	f.BoolVar(&cfg.DisableRadixCache, "disable-radix-cache", false, "do not share the KV of common prefixes between requests")
 	f.BoolVar(&cfg.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")
 	f.IntVar(&cfg.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
-	_ = f.SetAnnotation("model", "cobra_annotation_bash_completion_one_required_flag", []string{"true"})
+}
+
+// seedFlag is an optional uint64: unset leaves the pointer nil.
+type seedFlag struct{ p **uint64 }
+
+func (s *seedFlag) String() string {
+	if s.p == nil || *s.p == nil {
+		return ""
+	}
+	return strconv.FormatUint(**s.p, 10)
+}
+
+func (s *seedFlag) Set(v string) error {
+	n, err := strconv.ParseUint(v, 10, 64)
+	if err != nil {
+		return fmt.Errorf("%q is not a non-negative integer", v)
+	}
+	*s.p = &n
+	return nil
+}
+
+func (s *seedFlag) Type() string { return "uint" }
+
+// addServerFlags registers the flags of sglang.launch_server that concern
+// the server rather than the engine. --enable-memory-saver and
+// --trust-remote-code are accepted for compatibility: every ebb region can
+// be released (no saver to enable), and ebb runs no model code from the
+// model directory.
+func addServerFlags(f *pflag.FlagSet, s *serverFlags) {
+	f.StringVar(&s.apiKey, "api-key", "", "require this key: HTTP `Authorization: Bearer KEY` (not on /health*, /metrics) and \"api_key\" on the external ZMQ socket")
+	f.BoolVar(&s.skipWarmup, "skip-server-warmup", false, "serve without the warm-up generation at start")
+	f.BoolVar(&s.enableMetrics, "enable-metrics", false, "accepted: /metrics is always served")
+	f.BoolVar(&s.memorySaver, "enable-memory-saver", false, "accepted: ebb's memory is always releasable by tag")
+	f.BoolVar(&s.trustRemoteCode, "trust-remote-code", false, "accepted: ebb runs no code from the model directory")
+}
+
+type serverFlags struct {
+	apiKey                                                  string
+	skipWarmup, enableMetrics, memorySaver, trustRemoteCode bool
+}
+
+// unknownFlagHelp turns pflag's "unknown flag" into an error that names the
+// flag and says which SGLang flags ebb takes.
+func unknownFlagHelp(cmd *cobra.Command, err error) error {
+	if !strings.Contains(err.Error(), "unknown flag") && !strings.Contains(err.Error(), "unknown shorthand") {
+		return err
+	}
+	var names []string
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if !f.Hidden && f.Name != "help" {
+			names = append(names, "--"+f.Name)
+		}
+	})
+	return fmt.Errorf("%w: ebb %s does not take it (it takes %s)", err, cmd.Name(), strings.Join(names, " "))
 }

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"ebb/engine"
 	"ebb/launcher"
 )
 
@@ -34,8 +35,9 @@ func newLogger(level, name string) (*zap.Logger, error) {
 
 func serveCmd() *cobra.Command {
 	var cfg launcher.Config
+	var sf serverFlags
 	cmd := &cobra.Command{
-		Use:   "serve --model DIR [--host H] [--port P] [--zmq-endpoint E]",
+		Use:   "serve --model-path DIR [--host H] [--port P] [--zmq-endpoint E] [SGLang's launch_server flags]",
 		Short: "Serve a model: SGLang's HTTP API, OpenAI endpoints and the external ZMQ API",
 		RunE: func(*cobra.Command, []string) error {
 			log, err := newLogger(cfg.LogLevel, "ebb")
@@ -43,6 +45,13 @@ func serveCmd() *cobra.Command {
 				return err
 			}
 			defer log.Sync()
+			if cfg.Engine.ModelDir == "" {
+				return fmt.Errorf("give the model directory with --model-path")
+			}
+			if err := engine.CheckDType(cfg.Engine.DType); err != nil {
+				return err
+			}
+			cfg.APIKey, cfg.SkipWarmup = sf.apiKey, sf.skipWarmup
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
 			cfg.Ready = func(addr, zmqEndpoint string) {
@@ -63,6 +72,8 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.ZMQEndpoint, "zmq-endpoint", "", `external ZMQ ROUTER endpoint (default tcp://127.0.0.1:<port+1>; "none" disables)`)
 	f.StringVar(&cfg.ModelName, "served-model-name", "", "model name for the OpenAI endpoints (default: the directory name)")
 	f.StringVar(&cfg.LogLevel, "log-level", "info", "debug, info, warn or error")
+	addServerFlags(f, &sf)
+	cmd.SetFlagErrorFunc(unknownFlagHelp)
 	return cmd
 }
 

@@ -18,7 +18,8 @@ import zmq
 
 
 class Client:
-    def __init__(self, endpoint, timeout_ms=120000):
+    def __init__(self, endpoint, timeout_ms=120000, api_key=None):
+        self.api_key = api_key  # the server's --api-key, sent with every message
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -27,6 +28,8 @@ class Client:
 
     def send(self, msg_type, **fields):
         rid = fields.pop("rid", None) or uuid.uuid4().hex
+        if self.api_key:
+            fields["api_key"] = self.api_key
         self.sock.send(msgpack.packb({"type": msg_type, "rid": rid, **fields}))
         return rid
 
@@ -52,8 +55,9 @@ def main():
     ap.add_argument("--endpoint", default="tcp://127.0.0.1:30001")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--model-path", help="update_weights_from_disk from here (default: skip)")
+    ap.add_argument("--api-key", help="the server's --api-key, if it has one")
     args = ap.parse_args()
-    c = Client(args.endpoint)
+    c = Client(args.endpoint, api_key=args.api_key)
 
     # Rollouts: each prompt sampled group-size times (n); the copies share
     # the prompt's KV and come back as rids <rid>-0, <rid>-1, ...
