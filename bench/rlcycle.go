@@ -2,20 +2,15 @@ package bench
 
 import (
 	"bufio"
-	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"slices"
 	"sort"
 	"strconv"
-	"strings"
 	"syscall"
 	"time"
 
@@ -93,7 +88,8 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 		return nil, fmt.Errorf("trainer probe: %w", err)
 	}
 	rep := &RLCycleReport{BareContextMiB: mib(trainerBase.BareContextBytes), Summary: map[string]float64{}}
-	srv, err := startServe(cfg)
+	srv, err := startServe(cfg.Executable, cfg.Engine, "--max-running-requests", strconv.Itoa(max(cfg.BatchSize, 8)),
+		"--context-length", strconv.Itoa(max(cfg.Engine.ContextLength, cfg.InputLen+cfg.OutputLen+64)))
 	if err != nil {
 		return nil, err
 	}
@@ -318,105 +314,4 @@ func runTrainer(exe string, holding func()) (*cuda.TrainerReport, error) {
 		return nil, fmt.Errorf("trainer output %q: %w", line, err)
 	}
 	return &r, nil
-}
-
-// serveProc is the server under test.
-type serveProc struct {
-	cmd  *exec.Cmd
-	url  string
-	done chan error
-}
-
-func startServe(cfg RLCycleConfig) (*serveProc, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
-	e := cfg.Engine
-	args := []string{"serve", "--model", e.ModelDir, "--device", e.Device, "--port", strconv.Itoa(port), "--zmq-endpoint", "none",
-		"--mem-fraction-static", strconv.FormatFloat(e.MemFractionStatic, 'f', -1, 64), "--log-level", "warn",
-		"--max-running-requests", strconv.Itoa(max(cfg.BatchSize, 8)), "--context-length", strconv.Itoa(max(e.ContextLength, cfg.InputLen+cfg.OutputLen+64))}
-	if e.MaxTotalTokens > 0 {
-		args = append(args, "--max-total-tokens", strconv.Itoa(e.MaxTotalTokens))
-	}
-	if e.CPUBackup {
-		args = append(args, "--enable-weights-cpu-backup")
-	}
-	s := &serveProc{cmd: exec.Command(cfg.Executable, args...), url: fmt.Sprintf("http://127.0.0.1:%d", port), done: make(chan error, 1)}
-	s.cmd.Stderr = os.Stderr
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := s.cmd.Start(); err != nil {
-		return nil, err
-	}
-	go func() { s.done <- s.cmd.Wait() }()
-	deadline := time.Now().Add(10 * time.Minute)
-	for time.Now().Before(deadline) {
-		if resp, err := http.Get(s.url + "/health"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return s, nil
-			}
-		}
-		select {
-		case err := <-s.done:
-			return nil, fmt.Errorf("ebb serve exited: %v", err)
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
-	s.stop()
-	return nil, fmt.Errorf("ebb serve did not become healthy")
-}
-
-func (s *serveProc) stop() {
-	_ = s.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-s.done:
-	case <-time.After(20 * time.Second):
-		_ = s.cmd.Process.Kill()
-	}
-}
-
-func (s *serveProc) call(method, path string, body, out any) error {
-	var r io.Reader
-	if body != nil {
-		b, _ := json.Marshal(body)
-		r = bytes.NewReader(b)
-	}
-	req, err := http.NewRequestWithContext(context.Background(), method, s.url+path, r)
-	if err != nil {
-		return err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != 200 {
-		return fmt.Errorf("%s: %s: %s", path, resp.Status, strings.TrimSpace(string(b)))
-	}
-	if out != nil {
-		return json.Unmarshal(b, out)
-	}
-	return nil
-}
-
-func (s *serveProc) control(path string, body, out any) error { return s.call("POST", path, body, out) }
-
-// generate runs a batch through /generate and returns the output ids.
-func (s *serveProc) generate(prompts [][]int32, maxNew int, temperature float64) ([][]int32, error) {
-	var res []struct {
-		OutputIDs []int32 `json:"output_ids"`
-	}
-	body := map[string]any{"input_ids": prompts, "sampling_params": map[string]any{"max_new_tokens": maxNew, "temperature": temperature, "ignore_eos": true}}
-	if err := s.call("POST", "/generate", body, &res); err != nil {
-		return nil, err
-	}
-	out := make([][]int32, len(res))
-	for i, r := range res {
-		out[i] = r.OutputIDs
-	}
-	return out, nil
 }

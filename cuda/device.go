@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"time"
 	"unsafe"
 
 	"ebb/device"
@@ -41,7 +42,29 @@ var (
 	_ device.PinnedAllocator = (*Device)(nil)
 	_ device.ResumeHook      = (*Device)(nil)
 	_ device.MemoryReporter  = (*Device)(nil)
+	_ device.IPCImporter     = (*Device)(nil)
+	_ device.GroupJoiner     = (*Device)(nil)
 )
+
+// OpenIPCMemory implements device.IPCImporter.
+func (d *Device) OpenIPCMemory(handle [64]byte) (uintptr, error) { return d.ctx.OpenIPCMemory(handle) }
+
+// CloseIPCMemory implements device.IPCImporter.
+func (d *Device) CloseIPCMemory(ptr uintptr) error { return d.ctx.CloseIPCMemory(ptr) }
+
+// WaitIPCEvent implements device.IPCImporter.
+func (d *Device) WaitIPCEvent(handle [64]byte) error { return d.ctx.WaitIPCEvent(handle) }
+
+// SameDevice implements device.IPCImporter.
+func (d *Device) SameDevice(producer string) bool { return d.ctx.SameDevice(producer) }
+
+// JoinGroup implements device.GroupJoiner with an NCCL communicator.
+func (d *Device) JoinGroup(id [128]byte, nranks, rank int, timeout time.Duration) (device.Group, error) {
+	if d.err != nil {
+		return nil, d.Sync()
+	}
+	return d.ctx.NewComm(id, nranks, rank, timeout)
+}
 
 const (
 	gemvMaxRows     = 4 // MatMul with at most this many rows uses the gemv kernel (cuBLAS is faster from 8)
@@ -58,7 +81,7 @@ func init() {
 var kernelNames = []string{
 	"embedding", "rmsnorm", "add_rmsnorm", "add_bias", "add_bias_f32", "prepare_qkv", "silu_mul",
 	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "sample", "apply_penalties",
-	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "sample_part",
+	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32", "sample_part",
 	"gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
 }
 
@@ -302,6 +325,10 @@ func (d *Device) Convert(dst, src device.Tensor) {
 		d.launch("bf16_to_f32", gridFor(n), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n))
 	case dst.DType == device.BF16 && src.DType == device.F32:
 		d.launch("f32_to_bf16", gridFor(n), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n))
+	case dst.DType == device.BF16 && src.DType == device.F16:
+		d.launch("f16_to_bf16", gridFor(n), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n))
+	case dst.DType == device.F32 && src.DType == device.F16:
+		d.launch("f16_to_f32", gridFor(n), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n))
 	default:
 		d.fail(fmt.Errorf("convert %v to %v", src, dst))
 	}

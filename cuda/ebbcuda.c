@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define EBB_POINTER(name, sym, args, call) static int (*p_##name) args;
@@ -77,7 +78,19 @@ int ebb_load_cublas(char *err, int n) {
 int ebb_load_nccl(char *err, int n) {
 	static const char *const names[] = {"libnccl.so.2", "libnccl.so", NULL};
 	const char *lib = "libnccl";
-	void *h = open_first(names, err, n);
+	/* EBB_NCCL_LIBRARY picks a build, e.g. the one a trainer's PyTorch
+	   bundles, when the system's would not talk to it. */
+	const char *chosen = getenv("EBB_NCCL_LIBRARY");
+	void *h = NULL;
+	if (chosen && *chosen) {
+		h = dlopen(chosen, RTLD_NOW | RTLD_GLOBAL);
+		if (!h) {
+			snprintf(err, n, "EBB_NCCL_LIBRARY=%s could not be loaded (%s)", chosen, dlerror());
+			return -1;
+		}
+	} else {
+		h = open_first(names, err, n);
+	}
 	if (!h) return -1;
 	EBB_NCCL_FUNCS(EBB_RESOLVE)
 	p_ncclGetErrorString = (const char *(*)(int))dlsym(h, "ncclGetErrorString");
@@ -108,6 +121,32 @@ int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, 
 	if (nargs > 32) return 1; // CUDA_ERROR_INVALID_VALUE
 	for (int i = 0; i < nargs; i++) params[i] = &args[i];
 	return ebb_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL);
+}
+
+int ebb_nccl_broadcast(CUdeviceptr buf, size_t n, int dtype, int root, ncclComm_t c, CUstream s) {
+	return ebb_ncclBroadcast((const void *)buf, (void *)buf, n, dtype, root, c, s);
+}
+
+int ebb_nccl_all_reduce(CUdeviceptr send, CUdeviceptr recv, size_t n, int dtype, int op, ncclComm_t c, CUstream s) {
+	return ebb_ncclAllReduce((const void *)send, (void *)recv, n, dtype, op, c, s);
+}
+
+int ebb_nccl_all_gather(CUdeviceptr send, CUdeviceptr recv, size_t n, int dtype, ncclComm_t c, CUstream s) {
+	return ebb_ncclAllGather((const void *)send, (void *)recv, n, dtype, c, s);
+}
+
+int ebb_nccl_init_nonblocking(ncclComm_t *c, int n, const char *id, int rank) {
+	ebbNcclConfig cfg;
+	ncclUniqueId uid;
+	memset(&cfg, 0, sizeof cfg);
+	cfg.size = sizeof cfg;
+	cfg.magic = 0xcafebeef;
+	cfg.version = 21400; /* NCCL_VERSION(2, 14, 0) */
+	cfg.blocking = 0;
+	cfg.cgaClusterSize = cfg.minCTAs = cfg.maxCTAs = (int)0x80000000; /* NCCL_CONFIG_UNDEF_INT */
+	cfg.netName = NULL;
+	memcpy(uid.internal, id, sizeof uid.internal);
+	return ebb_ncclCommInitRankConfig(c, n, uid, rank, &cfg);
 }
 
 int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n) {

@@ -33,6 +33,8 @@ typedef struct {
 } CUmemAllocationProp;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char reserved[64]; } CUipcEventHandle;
+typedef struct { char bytes[16]; } CUuuid;
 
 typedef int nvrtcResult;
 typedef void *nvrtcProgram;
@@ -41,6 +43,18 @@ typedef void *cublasHandle_t;
 typedef int ncclResult_t;
 typedef void *ncclComm_t;
 typedef struct { char internal[128]; } ncclUniqueId;
+// ncclConfig_t as NCCL 2.14 introduced it; later versions read the fields
+// an older struct has (size, version) and default the rest.
+typedef struct {
+	size_t size;
+	unsigned int magic;
+	unsigned int version;
+	int blocking;
+	int cgaClusterSize;
+	int minCTAs;
+	int maxCTAs;
+	const char *netName;
+} ebbNcclConfig;
 
 // X(name, symbol, args, call)
 #define EBB_CU_FUNCS(X) \
@@ -93,6 +107,14 @@ typedef struct { char internal[128]; } ncclUniqueId;
 	X(cuGraphDestroy, "cuGraphDestroy", (CUgraph g), (g)) \
 	X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *p, CUipcMemHandle h, unsigned int f), (p, h, f)) \
 	X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr p), (p)) \
+	X(cuIpcGetMemHandle, "cuIpcGetMemHandle", (CUipcMemHandle *h, CUdeviceptr p), (h, p)) \
+	X(cuIpcOpenEventHandle, "cuIpcOpenEventHandle", (CUevent *e, CUipcEventHandle h), (e, h)) \
+	X(cuStreamWaitEvent, "cuStreamWaitEvent", (CUstream s, CUevent e, unsigned int f), (s, e, f)) \
+	X(cuStreamQuery, "cuStreamQuery", (CUstream s), (s)) \
+	X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *p, size_t n), (p, n)) \
+	X(cuMemFree, "cuMemFree_v2", (CUdeviceptr p), (p)) \
+	X(cuDeviceGetUuid, "cuDeviceGetUuid_v2", (CUuuid *u, CUdevice d), (u, d)) \
+	X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", (int *can, CUdevice d, CUdevice peer), (can, d, peer)) \
 	X(cuProfilerStart, "cuProfilerStart", (void), ()) \
 	X(cuCtxSetLimit, "cuCtxSetLimit", (int limit, size_t v), (limit, v)) \
 	X(cuCtxGetLimit, "cuCtxGetLimit", (size_t *v, int limit), (v, limit)) \
@@ -119,10 +141,16 @@ typedef struct { char internal[128]; } ncclUniqueId;
 	X(cublasGemmEx, "cublasGemmEx", (cublasHandle_t h, int ta, int tb, int m, int n, int k, const void *alpha, const void *A, int at, int lda, const void *B, int bt, int ldb, const void *beta, void *C, int ct, int ldc, int compute, int algo), (h, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc, compute, algo))
 
 #define EBB_NCCL_FUNCS(X) \
+	X(ncclGetVersion, "ncclGetVersion", (int *v), (v)) \
 	X(ncclGetUniqueId, "ncclGetUniqueId", (ncclUniqueId *id), (id)) \
 	X(ncclCommInitRank, "ncclCommInitRank", (ncclComm_t *c, int n, ncclUniqueId id, int r), (c, n, id, r)) \
+	X(ncclCommInitRankConfig, "ncclCommInitRankConfig", (ncclComm_t *c, int n, ncclUniqueId id, int r, ebbNcclConfig *cfg), (c, n, id, r, cfg)) \
+	X(ncclCommGetAsyncError, "ncclCommGetAsyncError", (ncclComm_t c, int *state), (c, state)) \
+	X(ncclCommAbort, "ncclCommAbort", (ncclComm_t c), (c)) \
 	X(ncclCommDestroy, "ncclCommDestroy", (ncclComm_t c), (c)) \
-	X(ncclBroadcast, "ncclBroadcast", (const void *s, void *r, size_t n, int dt, int root, ncclComm_t c, CUstream st), (s, r, n, dt, root, c, st))
+	X(ncclBroadcast, "ncclBroadcast", (const void *s, void *r, size_t n, int dt, int root, ncclComm_t c, CUstream st), (s, r, n, dt, root, c, st)) \
+	X(ncclAllReduce, "ncclAllReduce", (const void *s, void *r, size_t n, int dt, int op, ncclComm_t c, CUstream st), (s, r, n, dt, op, c, st)) \
+	X(ncclAllGather, "ncclAllGather", (const void *s, void *r, size_t n, int dt, ncclComm_t c, CUstream st), (s, r, n, dt, c, st))
 
 #define EBB_DECLARE(name, sym, args, call) int ebb_##name args;
 EBB_CU_FUNCS(EBB_DECLARE)
@@ -144,6 +172,14 @@ const char *ebb_nccl_error_string(int code);
 // ebb_launch passes nargs 8-byte kernel arguments packed in args.
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
 	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs);
+
+// NCCL calls with device pointers as integers.
+int ebb_nccl_broadcast(CUdeviceptr buf, size_t n, int dtype, int root, ncclComm_t c, CUstream s);
+int ebb_nccl_all_reduce(CUdeviceptr send, CUdeviceptr recv, size_t n, int dtype, int op, ncclComm_t c, CUstream s);
+int ebb_nccl_all_gather(CUdeviceptr send, CUdeviceptr recv, size_t n, int dtype, ncclComm_t c, CUstream s);
+// ebb_nccl_init_nonblocking starts a communicator that can be aborted while
+// it connects: NCCL_CONFIG with blocking = 0.
+int ebb_nccl_init_nonblocking(ncclComm_t *c, int n, const char *id, int rank);
 
 // Device pointers stay integers on the Go side; these cast them for cuBLAS.
 int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n);

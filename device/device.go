@@ -11,6 +11,7 @@ package device
 import (
 	"fmt"
 	"strings"
+	"time"
 
 	"ebb/memory"
 )
@@ -275,4 +276,32 @@ type MemoryReport struct {
 // MemoryReporter is implemented by devices that can read NVML.
 type MemoryReporter interface {
 	MemoryReport() (MemoryReport, error)
+}
+
+// IPCImporter is implemented by devices that can map memory another
+// process shares with them (CUDA IPC): how a trainer on the same GPU hands
+// over new weights without a copy through the host.
+type IPCImporter interface {
+	OpenIPCMemory(handle [64]byte) (uintptr, error)
+	CloseIPCMemory(ptr uintptr) error
+	WaitIPCEvent(handle [64]byte) error
+	// SameDevice reports whether a producer's device (an index or a UUID)
+	// can be this one.
+	SameDevice(producer string) bool
+}
+
+// Group is a collective communicator with other processes (NCCL).
+type Group interface {
+	// Broadcast queues t's broadcast from root into t.
+	Broadcast(t Tensor, root int, timeout time.Duration) error
+	// Synchronize waits for queued collectives, aborting the group when
+	// the timeout passes or a peer fails.
+	Synchronize(timeout time.Duration) error
+	Destroy() error
+}
+
+// GroupJoiner is implemented by devices that can join a group of
+// processes given its unique id (NCCL).
+type GroupJoiner interface {
+	JoinGroup(id [128]byte, nranks, rank int, timeout time.Duration) (Group, error)
 }

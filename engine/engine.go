@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"time"
 
 	"ebb/device"
 	"ebb/ioschema"
@@ -24,13 +25,15 @@ type Config struct {
 	ModelDir string
 	// TokenizerDir holds tokenizer.json and tokenizer_config.json when they
 	// are not next to the weights (--tokenizer-path).
-	TokenizerDir       string
-	Device             string // cpu, cuda, auto
-	GPU                int    // the first GPU (--base-gpu-id)
-	TPSize, DPSize     int    // tensor- and data-parallel sizes (--tp-size, --dp-size)
-	DType              string // auto or bfloat16 (--dtype)
-	RandomSeed         *uint64
-	DisableRadixCache  bool
+	TokenizerDir      string
+	Device            string // cpu, cuda, auto
+	GPU               int    // the first GPU (--base-gpu-id)
+	TPSize, DPSize    int    // tensor- and data-parallel sizes (--tp-size, --dp-size)
+	DType             string // auto or bfloat16 (--dtype)
+	RandomSeed        *uint64
+	DisableRadixCache bool
+	// DistTimeout bounds waiting on a trainer's process group (--dist-timeout).
+	DistTimeout        time.Duration
 	ContextLength      int
 	MaxRunningRequests int
 	ChunkedPrefillSize int

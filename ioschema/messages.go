@@ -29,6 +29,10 @@ func init() {
 		func() Message { return &InitWeightsUpdateGroupReqOutput{} },
 		func() Message { return &UpdateWeightsFromDistributedReqInput{} },
 		func() Message { return &UpdateWeightsFromDistributedReqOutput{} },
+		func() Message { return &DestroyWeightsUpdateGroupReqInput{} },
+		func() Message { return &DestroyWeightsUpdateGroupReqOutput{} },
+		func() Message { return &UpdateWeightVersionReqInput{} },
+		func() Message { return &UpdateWeightVersionReqOutput{} },
 		func() Message { return &GetWeightsByNameReqInput{} },
 		func() Message { return &GetWeightsByNameReqOutput{} },
 		func() Message { return &GetMemoryStatsReqInput{} },
@@ -322,22 +326,37 @@ type UpdateWeightFromDiskReqOutput struct {
 func (*UpdateWeightFromDiskReqOutput) TypeName() string { return "UpdateWeightFromDiskReqOutput" }
 
 // UpdateWeightsFromTensorReqInput carries weights from a trainer on the
-// same node. ebb does not implement it yet and answers with an error.
+// same node: per TP rank, ForkingPickler's pickle of the tensors (CUDA IPC
+// handles, or POSIX shared memory for CPU tensors), as SGLang's
+// MultiprocessingSerializer writes it.
 type UpdateWeightsFromTensorReqInput struct {
 	Control                `msgpack:",inline"`
-	SerializedNamedTensors []any   `msgpack:"serialized_named_tensors" json:"serialized_named_tensors"`
-	LoadFormat             *string `msgpack:"load_format" json:"load_format"`
-	FlushCache             *bool   `msgpack:"flush_cache" json:"flush_cache"`
-	AbortAllRequests       bool    `msgpack:"abort_all_requests" json:"abort_all_requests"`
-	WeightVersion          *string `msgpack:"weight_version" json:"weight_version"`
+	SerializedNamedTensors SerializedPayloads `msgpack:"serialized_named_tensors" json:"serialized_named_tensors"`
+	LoadFormat             *string            `msgpack:"load_format" json:"load_format"`
+	FlushCache             *bool              `msgpack:"flush_cache" json:"flush_cache"`
+	AbortAllRequests       bool               `msgpack:"abort_all_requests" json:"abort_all_requests"`
+	WeightVersion          *string            `msgpack:"weight_version" json:"weight_version"`
 }
 
 // TypeName implements Message.
 func (*UpdateWeightsFromTensorReqInput) TypeName() string { return "UpdateWeightsFromTensorReqInput" }
 
+func (u *UpdateWeightsFromTensorReqInput) applyDefaults() { u.FlushCache = defaultTrue(u.FlushCache) }
+
+func defaultTrue(b *bool) *bool {
+	if b == nil {
+		t := true
+		return &t
+	}
+	return b
+}
+
 // UpdateWeightsFromTensorReqOutput answers UpdateWeightsFromTensorReqInput.
 type UpdateWeightsFromTensorReqOutput struct {
 	Result `msgpack:",inline"`
+	// Tensors and Bytes count what was written (ebb).
+	Tensors int   `msgpack:"tensors" json:"tensors"`
+	Bytes   int64 `msgpack:"bytes" json:"bytes"`
 }
 
 // TypeName implements Message.
@@ -345,8 +364,9 @@ func (*UpdateWeightsFromTensorReqOutput) TypeName() string {
 	return "UpdateWeightsFromTensorReqOutput"
 }
 
-// InitWeightsUpdateGroupReqInput joins an NCCL group with the trainer. ebb
-// does not implement it yet and answers with an error.
+// InitWeightsUpdateGroupReqInput joins the trainer's process group (NCCL)
+// as rank rank_offset + TP rank; the trainer is rank 0 and hosts the
+// TCPStore at master_address:master_port.
 type InitWeightsUpdateGroupReqInput struct {
 	Control    `msgpack:",inline"`
 	MasterAddr string `msgpack:"master_address" json:"master_address"`
@@ -360,6 +380,18 @@ type InitWeightsUpdateGroupReqInput struct {
 // TypeName implements Message.
 func (*InitWeightsUpdateGroupReqInput) TypeName() string { return "InitWeightsUpdateGroupReqInput" }
 
+// DefaultWeightGroup is SGLang's default group_name.
+const DefaultWeightGroup = "weight_update_group"
+
+func (i *InitWeightsUpdateGroupReqInput) applyDefaults() {
+	if i.GroupName == "" {
+		i.GroupName = DefaultWeightGroup
+	}
+	if i.Backend == "" {
+		i.Backend = "nccl"
+	}
+}
+
 // InitWeightsUpdateGroupReqOutput answers InitWeightsUpdateGroupReqInput.
 type InitWeightsUpdateGroupReqOutput struct {
 	Result `msgpack:",inline"`
@@ -368,16 +400,47 @@ type InitWeightsUpdateGroupReqOutput struct {
 // TypeName implements Message.
 func (*InitWeightsUpdateGroupReqOutput) TypeName() string { return "InitWeightsUpdateGroupReqOutput" }
 
-// UpdateWeightsFromDistributedReqInput receives weights by NCCL broadcast.
-// ebb does not implement it yet and answers with an error.
+// DestroyWeightsUpdateGroupReqInput leaves a group made by
+// InitWeightsUpdateGroupReqInput.
+type DestroyWeightsUpdateGroupReqInput struct {
+	Control   `msgpack:",inline"`
+	GroupName string `msgpack:"group_name" json:"group_name"`
+}
+
+// TypeName implements Message.
+func (*DestroyWeightsUpdateGroupReqInput) TypeName() string {
+	return "DestroyWeightsUpdateGroupReqInput"
+}
+
+func (d *DestroyWeightsUpdateGroupReqInput) applyDefaults() {
+	if d.GroupName == "" {
+		d.GroupName = DefaultWeightGroup
+	}
+}
+
+// DestroyWeightsUpdateGroupReqOutput answers DestroyWeightsUpdateGroupReqInput.
+type DestroyWeightsUpdateGroupReqOutput struct {
+	Result `msgpack:",inline"`
+}
+
+// TypeName implements Message.
+func (*DestroyWeightsUpdateGroupReqOutput) TypeName() string {
+	return "DestroyWeightsUpdateGroupReqOutput"
+}
+
+// UpdateWeightsFromDistributedReqInput receives weights by NCCL broadcast
+// from rank 0, one broadcast per name in order (or one of the whole
+// flattened bucket with load_format "flattened_bucket").
 type UpdateWeightsFromDistributedReqInput struct {
-	Control       `msgpack:",inline"`
-	Names         []string `msgpack:"names" json:"names"`
-	DTypes        []string `msgpack:"dtypes" json:"dtypes"`
-	Shapes        [][]int  `msgpack:"shapes" json:"shapes"`
-	GroupName     string   `msgpack:"group_name" json:"group_name"`
-	FlushCache    *bool    `msgpack:"flush_cache" json:"flush_cache"`
-	WeightVersion *string  `msgpack:"weight_version" json:"weight_version"`
+	Control          `msgpack:",inline"`
+	Names            []string `msgpack:"names" json:"names"`
+	DTypes           []string `msgpack:"dtypes" json:"dtypes"`
+	Shapes           [][]int  `msgpack:"shapes" json:"shapes"`
+	GroupName        string   `msgpack:"group_name" json:"group_name"`
+	FlushCache       *bool    `msgpack:"flush_cache" json:"flush_cache"`
+	AbortAllRequests bool     `msgpack:"abort_all_requests" json:"abort_all_requests"`
+	WeightVersion    *string  `msgpack:"weight_version" json:"weight_version"`
+	LoadFormat       *string  `msgpack:"load_format" json:"load_format"`
 }
 
 // TypeName implements Message.
@@ -385,15 +448,43 @@ func (*UpdateWeightsFromDistributedReqInput) TypeName() string {
 	return "UpdateWeightsFromDistributedReqInput"
 }
 
+func (u *UpdateWeightsFromDistributedReqInput) applyDefaults() {
+	u.FlushCache = defaultTrue(u.FlushCache)
+	if u.GroupName == "" {
+		u.GroupName = DefaultWeightGroup
+	}
+}
+
 // UpdateWeightsFromDistributedReqOutput answers it.
 type UpdateWeightsFromDistributedReqOutput struct {
 	Result `msgpack:",inline"`
+	// Tensors and Bytes count what was received (ebb).
+	Tensors int   `msgpack:"tensors" json:"tensors"`
+	Bytes   int64 `msgpack:"bytes" json:"bytes"`
 }
 
 // TypeName implements Message.
 func (*UpdateWeightsFromDistributedReqOutput) TypeName() string {
 	return "UpdateWeightsFromDistributedReqOutput"
 }
+
+// UpdateWeightVersionReqInput sets the weight_version reported from now on.
+type UpdateWeightVersionReqInput struct {
+	Control          `msgpack:",inline"`
+	NewVersion       string `msgpack:"new_version" json:"new_version"`
+	AbortAllRequests bool   `msgpack:"abort_all_requests" json:"abort_all_requests"`
+}
+
+// TypeName implements Message.
+func (*UpdateWeightVersionReqInput) TypeName() string { return "UpdateWeightVersionReqInput" }
+
+// UpdateWeightVersionReqOutput answers UpdateWeightVersionReqInput.
+type UpdateWeightVersionReqOutput struct {
+	Result `msgpack:",inline"`
+}
+
+// TypeName implements Message.
+func (*UpdateWeightVersionReqOutput) TypeName() string { return "UpdateWeightVersionReqOutput" }
 
 // GetWeightsByNameReqInput reads back a parameter for verification.
 type GetWeightsByNameReqInput struct {

@@ -1,6 +1,7 @@
 package ioschema
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 
@@ -108,3 +109,59 @@ func (s *Int32s) DecodeMsgpack(dec *msgpack.Decoder) error {
 }
 
 func isBin(code byte) bool { return code == 0xc4 || code == 0xc5 || code == 0xc6 }
+
+// SerializedPayloads is serialized_named_tensors: one payload per TP rank,
+// each a base64 string (what SGLang's HTTP clients send) or raw bytes
+// (msgpack bin, from the external ZMQ socket). Decoding keeps the bytes.
+type SerializedPayloads [][]byte
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (s *SerializedPayloads) DecodeMsgpack(dec *msgpack.Decoder) error {
+	n, err := dec.DecodeArrayLen()
+	if err != nil {
+		return err
+	}
+	if n < 0 {
+		*s = nil
+		return nil
+	}
+	out := make([][]byte, n)
+	for i := range out {
+		code, err := dec.PeekCode()
+		if err != nil {
+			return err
+		}
+		if isBin(code) {
+			if out[i], err = dec.DecodeBytes(); err != nil {
+				return err
+			}
+			continue
+		}
+		str, err := dec.DecodeString()
+		if err != nil {
+			return fmt.Errorf("serialized_named_tensors[%d]: %w", i, err)
+		}
+		if out[i], err = base64.StdEncoding.DecodeString(str); err != nil {
+			return fmt.Errorf("serialized_named_tensors[%d]: not base64: %w", i, err)
+		}
+	}
+	*s = out
+	return nil
+}
+
+// UnmarshalJSON accepts a list of base64 strings.
+func (s *SerializedPayloads) UnmarshalJSON(b []byte) error {
+	var strs []string
+	if err := json.Unmarshal(b, &strs); err != nil {
+		return fmt.Errorf("serialized_named_tensors must be a list of base64 strings: %w", err)
+	}
+	out := make([][]byte, len(strs))
+	for i, str := range strs {
+		var err error
+		if out[i], err = base64.StdEncoding.DecodeString(str); err != nil {
+			return fmt.Errorf("serialized_named_tensors[%d]: not base64: %w", i, err)
+		}
+	}
+	*s = out
+	return nil
+}

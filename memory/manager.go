@@ -110,6 +110,20 @@ func (m *Manager) MarkResident(tag Tag) error {
 	return nil
 }
 
+// MarkStale records that a region's contents are no longer valid (a
+// weight update that failed halfway): they wait for a rewrite.
+func (m *Manager) MarkStale(tag Tag) error {
+	r := m.regions[tag]
+	if r == nil {
+		return fmt.Errorf("no region %q: %w", tag, ErrUnknownTag)
+	}
+	if r.state == Released {
+		return fmt.Errorf("%s: %w", tag, ErrReleased)
+	}
+	r.state = Stale
+	return nil
+}
+
 // EmptyCache unmaps the unused segments of tag's region.
 func (m *Manager) EmptyCache(tag Tag) (int64, error) {
 	r := m.regions[tag]

@@ -1,7 +1,6 @@
 package scheduler
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 
@@ -43,10 +42,16 @@ func (s *Server) control(m ioschema.Message, rid string) {
 		reply = s.memoryStats(res)
 	case *ioschema.GetServerInfoReqInput:
 		reply = &ioschema.GetServerInfoReqOutput{Result: res, Info: s.Info()}
-	case *ioschema.UpdateWeightsFromTensorReqInput, *ioschema.InitWeightsUpdateGroupReqInput,
-		*ioschema.UpdateWeightsFromDistributedReqInput:
-		s.fail(rid, m.TypeName(), fmt.Errorf("%s is not supported by ebb yet: use UpdateWeightFromDiskReqInput", m.TypeName()))
-		return
+	case *ioschema.UpdateWeightsFromTensorReqInput:
+		reply = s.updateFromTensor(r, res)
+	case *ioschema.InitWeightsUpdateGroupReqInput:
+		reply = s.initWeightsGroup(r, res)
+	case *ioschema.UpdateWeightsFromDistributedReqInput:
+		reply = s.updateFromDistributed(r, res)
+	case *ioschema.DestroyWeightsUpdateGroupReqInput:
+		reply = s.destroyWeightsGroup(r, res)
+	case *ioschema.UpdateWeightVersionReqInput:
+		reply = s.updateWeightVersion(r, res)
 	default:
 		s.fail(rid, m.TypeName(), fmt.Errorf("the scheduler does not handle %s", m.TypeName()))
 		return
@@ -244,16 +249,8 @@ func (s *Server) updateFromDisk(r *ioschema.UpdateWeightFromDiskReqInput, res io
 		return fail(fmt.Errorf("load_format %q is not supported (auto, safetensors)", *r.LoadFormat))
 	}
 	mem := s.e.Dev.Memory()
-	if mem.State(memory.Weights) == memory.Released {
-		return fail(errors.New("the weights are released: resume the weights tag first"))
-	}
-	if _, running := s.core.Counts(); running > 0 {
-		if !r.AbortAllRequests {
-			return fail(fmt.Errorf("%d requests hold KV computed with the current weights: pause generation or set abort_all_requests", running))
-		}
-	}
-	if r.AbortAllRequests {
-		s.emit(s.core.Abort("", true, "aborted for a weight update"))
+	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+		return fail(err)
 	}
 	set, err := safetensors.OpenDir(r.ModelPath)
 	if err != nil {
@@ -264,18 +261,10 @@ func (s *Server) updateFromDisk(r *ioschema.UpdateWeightFromDiskReqInput, res io
 		return fail(fmt.Errorf("%s does not match the model (weights unchanged): %w", r.ModelPath, err))
 	}
 	if err := s.e.Model.LoadCheckpoint(set); err != nil {
-		return fail(fmt.Errorf("loading %s: %w", r.ModelPath, err))
+		return fail(s.weightsIncomplete(fmt.Errorf("loading %s: %w", r.ModelPath, err)))
 	}
-	if err := mem.MarkResident(memory.Weights); err != nil {
+	if err := s.finishUpdate(r.FlushCache, r.WeightVersion); err != nil {
 		return fail(err)
-	}
-	if r.FlushCache == nil || *r.FlushCache {
-		if err := s.core.FlushCache(); err != nil {
-			return fail(fmt.Errorf("weights updated, but the cache could not be flushed: %w", err))
-		}
-	}
-	if r.WeightVersion != nil {
-		s.weightVersion = *r.WeightVersion
 	}
 	if r.TorchEmptyCache {
 		if _, err := mem.EmptyCache(memory.Workspace); err != nil {

@@ -166,6 +166,10 @@ type Server struct {
 	lastCheck     time.Time
 	InvariantErr  error  // the last failed idle check, if any
 	blockedNoted  string // the blocker last logged while requests waited
+	// weight updates from a trainer
+	tpRank      int
+	distTimeout time.Duration
+	groups      map[string]*weightGroup
 }
 
 type reqFlags struct {
@@ -179,7 +183,12 @@ func NewServer(e *engine.Engine, log *zap.Logger) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Server{e: e, core: core, log: log, flags: map[string]reqFlags{}, weightVersion: "default"}, nil
+	timeout := e.Config.DistTimeout
+	if timeout <= 0 {
+		timeout = 10 * time.Minute
+	}
+	return &Server{e: e, core: core, log: log, flags: map[string]reqFlags{}, weightVersion: "default",
+		distTimeout: timeout, groups: map[string]*weightGroup{}}, nil
 }
 
 // Core exposes the scheduling core (tests, benchmarks).

@@ -43,6 +43,8 @@ func (m *Manager) Handler() http.Handler {
 		"/update_weights_from_tensor":      func() ioschema.Message { return &ioschema.UpdateWeightsFromTensorReqInput{} },
 		"/init_weights_update_group":       func() ioschema.Message { return &ioschema.InitWeightsUpdateGroupReqInput{} },
 		"/update_weights_from_distributed": func() ioschema.Message { return &ioschema.UpdateWeightsFromDistributedReqInput{} },
+		"/destroy_weights_update_group":    func() ioschema.Message { return &ioschema.DestroyWeightsUpdateGroupReqInput{} },
+		"/update_weight_version":           func() ioschema.Message { return &ioschema.UpdateWeightVersionReqInput{} },
 		"/get_weights_by_name":             func() ioschema.Message { return &ioschema.GetWeightsByNameReqInput{} },
 		"/memory_stats":                    func() ioschema.Message { return &ioschema.GetMemoryStatsReqInput{} },
 	} {

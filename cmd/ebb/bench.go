@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"sort"
 	"strconv"
@@ -17,7 +18,7 @@ import (
 
 func benchCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "bench", Short: "Benchmarks: one-batch latency, offline throughput, serving, RL memory cycle"}
-	cmd.AddCommand(oneBatchCmd(), rlCycleCmd())
+	cmd.AddCommand(oneBatchCmd(), rlCycleCmd(), weightSyncCmd())
 	return cmd
 }
 
@@ -28,33 +29,7 @@ func rlCycleCmd() *cobra.Command {
 		Use:   "rl-cycle --model DIR --cycles N",
 		Short: "Rollout, release every tag, a trainer process fills the GPU, resume, update weights, continue; per cycle",
 		RunE: func(*cobra.Command, []string) error {
-			if !asJSON {
-				cfg.Progress = os.Stderr
-			}
-			rep, err := bench.RLCycle(cfg)
-			if err != nil {
-				return err
-			}
-			if asJSON {
-				enc := json.NewEncoder(os.Stdout)
-				enc.SetIndent("", " ")
-				return enc.Encode(rep)
-			}
-			fmt.Printf("%s, bare context %.0f MiB, device %.0f MiB\n", rep.Device, rep.BareContextMiB, rep.DeviceTotalMiB)
-			fmt.Printf("%5s %10s %11s %9s %11s %12s %12s %12s %6s\n", "cycle", "residual", "reclaim %", "rel ms", "trainer MiB", "res kv+g ms", "update ms", "after MiB", "probe")
-			for _, c := range rep.Cycles {
-				fmt.Printf("%5d %10.1f %11.2f %9.1f %11.0f %12.2f %12.1f %12.0f %6v\n", c.Cycle, c.ResidualMiB, c.ReclaimPct,
-					c.ReleaseCallMs, c.TrainerAllocatedMiB, c.ResumeRestCallMs, c.UpdateWeightsMs, c.AfterResumeMiB, c.ProbeMatches)
-			}
-			keys := make([]string, 0, len(rep.Summary))
-			for k := range rep.Summary {
-				keys = append(keys, k)
-			}
-			sort.Strings(keys)
-			for _, k := range keys {
-				fmt.Printf("%-40s %.3f\n", k, rep.Summary[k])
-			}
-			return nil
+			return printReport(asJSON, &cfg.Progress, func() (*bench.RLCycleReport, error) { return bench.RLCycle(cfg) }, printRLCycle)
 		},
 	}
 	f := cmd.Flags()
@@ -108,24 +83,7 @@ func oneBatchCmd() *cobra.Command {
 			if cfg.BatchSizes, err = parseInts(sizes); err != nil {
 				return fmt.Errorf("--batch-size: %w", err)
 			}
-			if !asJSON {
-				cfg.Progress = os.Stderr
-			}
-			res, err := bench.OneBatch(cfg)
-			if err != nil {
-				return err
-			}
-			if asJSON {
-				enc := json.NewEncoder(os.Stdout)
-				enc.SetIndent("", "  ")
-				return enc.Encode(res)
-			}
-			fmt.Printf("%6s %8s %12s %14s %14s %16s %14s\n", "batch", "in/out", "prefill ms", "decode ms/step", "decode p90 ms", "decode tok/s", "output tok/s")
-			for _, r := range res {
-				fmt.Printf("%6d %4d/%-4d %12.2f %14.3f %14.3f %16.0f %14.0f\n", r.BatchSize, r.InputLen, r.OutputLen,
-					r.PrefillMs, r.DecodeMedianMs, r.DecodeP90Ms, r.DecodeTokPerS, r.OutputTokPerS)
-			}
-			return nil
+			return printReport(asJSON, &cfg.Progress, func() ([]bench.OneBatchResult, error) { return bench.OneBatch(cfg) }, printOneBatch)
 		},
 	}
 	f := cmd.Flags()
@@ -136,4 +94,98 @@ func oneBatchCmd() *cobra.Command {
 	f.BoolVar(&asJSON, "json", false, "print JSON")
 	f.IntVar(&cfg.ProfileStep, "profile-step", -1, "profile one step of the first batch size (0 prefill, k the k-th decode) for ncu --profile-from-start off")
 	return cmd
+}
+
+func weightSyncCmd() *cobra.Command {
+	var cfg bench.WeightSyncConfig
+	var buckets string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "weight-sync --model DIR --path ipc|nccl [--new-weights DIR] [--bucket-mb 64,128,256,512]",
+		Short: "Weights from a trainer process (tools/weight_update_trainer.py): ms and GB/s per update and bucket size",
+		RunE: func(*cobra.Command, []string) error {
+			var err error
+			if cfg.BucketsMB, err = parseInts(buckets); err != nil {
+				return fmt.Errorf("--bucket-mb: %w", err)
+			}
+			return printReport(asJSON, &cfg.Progress, func() (*bench.WeightSyncReport, error) { return bench.WeightSync(cfg) }, printWeightSync)
+		},
+	}
+	f := cmd.Flags()
+	addEngineFlags(f, &cfg.Engine)
+	f.StringVar(&cfg.Path, "path", "ipc", "ipc (CUDA tensors), shm (CPU tensors) or nccl (broadcast from the trainer's GPU)")
+	f.StringVar(&cfg.NewWeights, "new-weights", "", "checkpoint the trainer sends (default: the served model's)")
+	f.StringVar(&buckets, "bucket-mb", "64,128,256,512", "bucket sizes in MiB")
+	f.StringVar(&cfg.Format, "format", "flattened", "list or flattened (SGLang's flattened_bucket)")
+	f.IntVar(&cfg.Repeats, "repeat", 10, "updates per bucket size")
+	f.StringVar(&cfg.Trainer, "trainer", "python3 tools/weight_update_trainer.py", "the trainer stand-in")
+	f.IntVar(&cfg.MasterPort, "master-port", 29555, "nccl: the trainer's TCPStore port (one per bucket size from here)")
+	f.BoolVar(&cfg.KillTrainer, "kill-trainer", false, "nccl: also kill a trainer mid-broadcast and report the server's state")
+	f.BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func firstLine(s string) string {
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		return s[:i]
+	}
+	return s
+}
+
+func printRLCycle(rep *bench.RLCycleReport) {
+	fmt.Printf("%s, bare context %.0f MiB, device %.0f MiB\n", rep.Device, rep.BareContextMiB, rep.DeviceTotalMiB)
+	fmt.Printf("%5s %10s %11s %9s %11s %12s %12s %12s %6s\n", "cycle", "residual", "reclaim %", "rel ms", "trainer MiB", "res kv+g ms", "update ms", "after MiB", "probe")
+	for _, c := range rep.Cycles {
+		fmt.Printf("%5d %10.1f %11.2f %9.1f %11.0f %12.2f %12.1f %12.0f %6v\n", c.Cycle, c.ResidualMiB, c.ReclaimPct,
+			c.ReleaseCallMs, c.TrainerAllocatedMiB, c.ResumeRestCallMs, c.UpdateWeightsMs, c.AfterResumeMiB, c.ProbeMatches)
+	}
+	keys := make([]string, 0, len(rep.Summary))
+	for k := range rep.Summary {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Printf("%-40s %.3f\n", k, rep.Summary[k])
+	}
+}
+
+func printOneBatch(res []bench.OneBatchResult) {
+	fmt.Printf("%6s %8s %12s %14s %14s %16s %14s\n", "batch", "in/out", "prefill ms", "decode ms/step", "decode p90 ms", "decode tok/s", "output tok/s")
+	for _, r := range res {
+		fmt.Printf("%6d %4d/%-4d %12.2f %14.3f %14.3f %16.0f %14.0f\n", r.BatchSize, r.InputLen, r.OutputLen,
+			r.PrefillMs, r.DecodeMedianMs, r.DecodeP90Ms, r.DecodeTokPerS, r.OutputTokPerS)
+	}
+}
+
+func printWeightSync(rep *bench.WeightSyncReport) {
+	fmt.Printf("path %s, format %s\n%10s %8s %10s %10s %10s %16s %16s\n", rep.Path, rep.Format, "bucket MiB", "updates",
+		"median ms", "min ms", "GB/s", "ebb regions MiB", "trainer MiB")
+	for _, b := range rep.Buckets {
+		fmt.Printf("%10d %8d %10.2f %10.2f %10.1f %7.0f -> %6.0f %7.0f -> %6.0f\n", b.BucketMB, b.Updates, b.MedianMs, b.MinMs, b.GBPerS,
+			float64(b.ServerRegionsBefore)/(1<<20), float64(b.ServerRegionsAfter)/(1<<20),
+			float64(b.TrainerReservedFirst)/(1<<20), float64(b.TrainerReservedLast)/(1<<20))
+	}
+	fmt.Printf("outputs equal a fresh server on the new weights: %v\n", rep.OutputsMatchFresh)
+	if rep.TrainerKilledReply != "" {
+		fmt.Printf("trainer killed mid-broadcast: %s\nserver: %s\n", firstLine(rep.TrainerKilledReply), rep.ServerAfterKill)
+	}
+}
+
+// printReport runs a benchmark and prints its result: JSON with --json,
+// otherwise progress on stderr while it runs and a table at the end.
+func printReport[T any](asJSON bool, progress *io.Writer, run func() (T, error), table func(T)) error {
+	if !asJSON {
+		*progress = os.Stderr
+	}
+	res, err := run()
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", " ")
+		return enc.Encode(res)
+	}
+	table(res)
+	return nil
 }

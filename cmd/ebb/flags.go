@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -34,7 +35,29 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.BoolVar(&cfg.DisableRadixCache, "disable-radix-cache", false, "do not share the KV of common prefixes between requests")
 	f.BoolVar(&cfg.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")
 	f.IntVar(&cfg.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
+	f.Var(&secondsFlag{&cfg.DistTimeout}, "dist-timeout", "seconds to wait on a trainer's process group (NCCL weight updates; default 600)")
 }
+
+// secondsFlag is a duration given in seconds, as SGLang's --dist-timeout.
+type secondsFlag struct{ d *time.Duration }
+
+func (s *secondsFlag) String() string {
+	if s.d == nil || *s.d == 0 {
+		return ""
+	}
+	return strconv.FormatFloat(s.d.Seconds(), 'f', -1, 64)
+}
+
+func (s *secondsFlag) Set(v string) error {
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || f <= 0 {
+		return fmt.Errorf("%q is not a positive number of seconds", v)
+	}
+	*s.d = time.Duration(f * float64(time.Second))
+	return nil
+}
+
+func (s *secondsFlag) Type() string { return "seconds" }
 
 // seedFlag is an optional uint64: unset leaves the pointer nil.
 type seedFlag struct{ p **uint64 }

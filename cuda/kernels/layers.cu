@@ -227,3 +227,14 @@ extern "C" __global__ void fill_f32(float *x, long long n, float v) { FOR_GRID(i
 extern "C" __global__ void f32_to_bf16(bf16 *out, const float *in, long long n) { FOR_GRID(i, n) out[i] = f2bf(in[i]); }
 
 extern "C" __global__ void bf16_to_f32(float *out, const bf16 *in, long long n) { FOR_GRID(i, n) out[i] = bf2f(in[i]); }
+
+// f16 sources (a trainer's float16 weights) convert through float32.
+__device__ __forceinline__ float h2f(unsigned short x) {
+	float f;
+	asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+	return f;
+}
+
+extern "C" __global__ void f16_to_bf16(bf16 *out, const unsigned short *in, long long n) { FOR_GRID(i, n) out[i] = f2bf(h2f(in[i])); }
+
+extern "C" __global__ void f16_to_f32(float *out, const unsigned short *in, long long n) { FOR_GRID(i, n) out[i] = h2f(in[i]); }

@@ -1,0 +1,219 @@
+package bench
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"ebb/engine"
+)
+
+// WeightSyncConfig is `ebb bench weight-sync`.
+type WeightSyncConfig struct {
+	Engine engine.Config
+	// Path is ipc (update_weights_from_tensor with CUDA tensors), shm (the
+	// same with CPU tensors) or nccl (update_weights_from_distributed).
+	Path string
+	// NewWeights is the checkpoint the trainer sends (same shapes as the
+	// served model); after the updates, greedy output must equal a fresh
+	// server's on it. Default: the served model's own weights.
+	NewWeights  string
+	BucketsMB   []int
+	Format      string // list or flattened
+	Repeats     int    // updates per bucket size
+	Trainer     string // the trainer stand-in command (tools/weight_update_trainer.py)
+	TrainerEnv  []string
+	Executable  string
+	Progress    io.Writer
+	MasterPort  int
+	KillTrainer bool // nccl: also kill a trainer mid-broadcast and check the server's answer
+}
+
+// WeightSyncBucket is one bucket size's figures.
+type WeightSyncBucket struct {
+	BucketMB              int       `json:"bucket_mb"`
+	Updates               int       `json:"updates"`
+	Bytes                 int64     `json:"bytes"`
+	MedianMs              float64   `json:"median_ms"`
+	MinMs                 float64   `json:"min_ms"`
+	GBPerS                float64   `json:"gb_per_s"`
+	TrainerReservedFirst  int64     `json:"trainer_reserved_first_bytes,omitempty"`
+	TrainerReservedLast   int64     `json:"trainer_reserved_last_bytes,omitempty"`
+	ServerRegionsBefore   int64     `json:"server_region_reserved_before_bytes"`
+	ServerRegionsAfter    int64     `json:"server_region_reserved_after_bytes"`
+	ServerNVMLBeforeBytes int64     `json:"server_nvml_before_bytes"`
+	ServerNVMLAfterBytes  int64     `json:"server_nvml_after_bytes"`
+	UpdatesMs             []float64 `json:"updates_ms"`
+}
+
+// WeightSyncReport is the benchmark's result.
+type WeightSyncReport struct {
+	Path               string             `json:"path"`
+	Format             string             `json:"format"`
+	Buckets            []WeightSyncBucket `json:"buckets"`
+	OutputsMatchFresh  bool               `json:"outputs_match_fresh_server"`
+	TrainerKilledReply string             `json:"trainer_killed_reply,omitempty"`
+	ServerAfterKill    string             `json:"server_after_kill,omitempty"`
+}
+
+// WeightSync serves a model, lets the trainer stand-in push weights over
+// the chosen path for each bucket size, and checks memory and outputs.
+func WeightSync(cfg WeightSyncConfig) (*WeightSyncReport, error) {
+	if cfg.Executable == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, err
+		}
+		cfg.Executable = exe
+	}
+	if cfg.NewWeights == "" {
+		cfg.NewWeights = cfg.Engine.ModelDir
+	}
+	if cfg.Repeats <= 0 {
+		cfg.Repeats = 10
+	}
+	srv, err := startServe(cfg.Executable, cfg.Engine)
+	if err != nil {
+		return nil, err
+	}
+	defer srv.stop()
+	rep := &WeightSyncReport{Path: cfg.Path, Format: cfg.Format}
+	bar := newProgress(cfg.Progress, len(cfg.BucketsMB), "weight-sync buckets")
+	for i, mb := range cfg.BucketsMB {
+		b := WeightSyncBucket{BucketMB: mb, Updates: cfg.Repeats}
+		b.ServerRegionsBefore, b.ServerNVMLBeforeBytes, err = serverMemory(srv)
+		if err != nil {
+			return rep, err
+		}
+		tr, err := runWeightTrainer(cfg, srv.url, mb, cfg.MasterPort+i, false)
+		if err != nil {
+			return rep, err
+		}
+		b.Bytes, b.UpdatesMs = tr.Bytes, tr.UpdatesMs
+		sorted := slices.Clone(tr.UpdatesMs)
+		slices.Sort(sorted)
+		b.MedianMs, b.MinMs = sorted[len(sorted)/2], sorted[0]
+		b.GBPerS = float64(b.Bytes) / (b.MedianMs / 1000) / 1e9
+		if n := len(tr.TrainerReserved); n > 0 {
+			b.TrainerReservedFirst, b.TrainerReservedLast = tr.TrainerReserved[0], tr.TrainerReserved[n-1]
+		}
+		if b.ServerRegionsAfter, b.ServerNVMLAfterBytes, err = serverMemory(srv); err != nil {
+			return rep, err
+		}
+		rep.Buckets = append(rep.Buckets, b)
+		bar.Add(1)
+	}
+	// The served model now holds NewWeights: compare with a fresh server.
+	probe := [][]int32{{11, 22, 33, 44, 55, 66, 77, 88}, {5, 4, 3, 2, 1}}
+	got, err := greedyEach(srv, probe)
+	if err != nil {
+		return rep, err
+	}
+	fresh := cfg.Engine
+	fresh.ModelDir = cfg.NewWeights
+	srv.stop()
+	ref, err := startServe(cfg.Executable, fresh)
+	if err != nil {
+		return rep, err
+	}
+	want, err := greedyEach(ref, probe)
+	ref.stop()
+	if err != nil {
+		return rep, err
+	}
+	rep.OutputsMatchFresh = equalIDs(got, want)
+	if cfg.KillTrainer && cfg.Path == "nccl" {
+		if err := killTrainerMidway(cfg, rep); err != nil {
+			return rep, err
+		}
+	}
+	return rep, nil
+}
+
+// killTrainerMidway starts a server, lets a trainer die mid-broadcast and
+// records what the server answered and whether it serves afterwards.
+func killTrainerMidway(cfg WeightSyncConfig, rep *WeightSyncReport) error {
+	srv, err := startServe(cfg.Executable, cfg.Engine)
+	if err != nil {
+		return err
+	}
+	defer srv.stop()
+	_, err = runWeightTrainer(cfg, srv.url, cfg.BucketsMB[0], cfg.MasterPort+100, true)
+	rep.TrainerKilledReply = fmt.Sprint(err)
+	// The scheduler answers again once the broadcast it was in has failed.
+	start := time.Now()
+	var info map[string]any
+	if err := srv.call("GET", "/server_info", nil, &info); err != nil {
+		rep.ServerAfterKill = "server_info failed: " + err.Error()
+		return nil
+	}
+	rep.ServerAfterKill = fmt.Sprintf("answered %.1f s after the trainer died; generation_blocked: %q",
+		time.Since(start).Seconds(), info["generation_blocked"])
+	return nil
+}
+
+func greedyEach(srv *serveProc, prompts [][]int32) ([][]int32, error) {
+	var out [][]int32
+	for _, p := range prompts {
+		ids, err := srv.generate([][]int32{p}, 24, 0)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, ids...)
+	}
+	return out, nil
+}
+
+// serverMemory reads the server's region reservations and NVML figure.
+func serverMemory(srv *serveProc) (regions, nvml int64, err error) {
+	var st struct {
+		Tags []struct {
+			Reserved int64 `json:"reserved_bytes"`
+		} `json:"tags"`
+		NVML int64 `json:"nvml_process_bytes"`
+	}
+	if err := srv.call("GET", "/memory_stats", nil, &st); err != nil {
+		return 0, 0, err
+	}
+	for _, t := range st.Tags {
+		regions += t.Reserved
+	}
+	return regions, st.NVML, nil
+}
+
+type trainerReport struct {
+	Bytes           int64     `json:"bytes"`
+	UpdatesMs       []float64 `json:"updates_ms"`
+	TrainerReserved []int64   `json:"trainer_reserved_bytes"`
+}
+
+// runWeightTrainer runs the trainer stand-in for one bucket size.
+func runWeightTrainer(cfg WeightSyncConfig, url string, mb, port int, kill bool) (*trainerReport, error) {
+	fields := strings.Fields(cfg.Trainer)
+	transport := cfg.Path
+	args := append(fields[1:], "--url", url, "--model", cfg.NewWeights, "--transport", transport, "--format", cfg.Format,
+		"--bucket-mb", strconv.Itoa(mb), "--repeat", strconv.Itoa(cfg.Repeats), "--master-port", strconv.Itoa(port))
+	if kill {
+		args = append(args, "--kill-after", "3", "--repeat", "1")
+	}
+	cmd := exec.Command(fields[0], args...)
+	cmd.Env = append(os.Environ(), cfg.TrainerEnv...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("trainer (%s): %v\n%s%s", strings.Join(args, " "), err, stdout.String(), stderr.String())
+	}
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	var tr trainerReport
+	if err := json.Unmarshal([]byte(lines[len(lines)-1]), &tr); err != nil {
+		return nil, fmt.Errorf("trainer report %q: %w", lines[len(lines)-1], err)
+	}
+	return &tr, nil
+}

@@ -1,0 +1,457 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"ebb/device"
+	"ebb/ioschema"
+	"ebb/memory"
+	"ebb/model"
+	"ebb/weightsync"
+)
+
+// The weight-update paths share their preconditions and their ending:
+// the weights must be mapped (resident or stale), requests holding KV
+// computed with the old weights must be paused or aborted, and after the
+// write the weights are resident, the prefix cache flushed when asked and
+// the version recorded.
+
+// beginUpdate checks that weights may be written now.
+func (s *Server) beginUpdate(abortAll bool) error {
+	if s.e.Dev.Memory().State(memory.Weights) == memory.Released {
+		return errors.New("the weights are released: resume the weights tag first")
+	}
+	if _, running := s.core.Counts(); running > 0 && !abortAll {
+		return fmt.Errorf("%d requests hold KV computed with the current weights: pause generation or set abort_all_requests", running)
+	}
+	if abortAll {
+		s.emit(s.core.Abort("", true, "aborted for a weight update"))
+	}
+	return nil
+}
+
+// finishUpdate records a complete write.
+func (s *Server) finishUpdate(flush *bool, version *string) error {
+	if err := s.e.Dev.Memory().MarkResident(memory.Weights); err != nil {
+		return err
+	}
+	if flush == nil || *flush {
+		if err := s.core.FlushCache(); err != nil {
+			return fmt.Errorf("weights updated, but the cache could not be flushed: %w", err)
+		}
+	}
+	if version != nil {
+		s.weightVersion = *version
+	}
+	return nil
+}
+
+// weightsIncomplete marks the weights stale after a write failed halfway:
+// generation is refused until an update succeeds.
+func (s *Server) weightsIncomplete(err error) error {
+	if e := s.e.Dev.Memory().MarkStale(memory.Weights); e != nil {
+		return errors.Join(err, e)
+	}
+	return fmt.Errorf("%w; the weights are incomplete: generation is refused until the next successful update", err)
+}
+
+// ignoredWeight names buffers trainers send that are not weights (as
+// SGLang's loaders skip them).
+func ignoredWeight(name string) bool {
+	return strings.Contains(name, "rotary_emb.inv_freq") || strings.Contains(name, "rotary_emb.cos_cached") ||
+		strings.Contains(name, "rotary_emb.sin_cached")
+}
+
+// weightWrite is one checkpoint tensor's place on the device.
+type weightWrite struct {
+	name  string
+	dst   device.Tensor
+	srcDT device.DType
+	src   *weightsync.Tensor // the tensor path's source
+}
+
+// plan finds name's target and checks the shape and dtype a sender gives.
+func (s *Server) plan(name string, shape []int, dtype device.DType) (model.Target, error) {
+	t, ok := s.e.Model.TargetByName(name)
+	if !ok {
+		return t, fmt.Errorf("no parameter named %q", name)
+	}
+	if !slices.Equal(shape, t.Shape) {
+		return t, fmt.Errorf("%s has shape %v, want %v", name, shape, t.Shape)
+	}
+	switch dtype {
+	case device.F32, device.BF16, device.F16:
+	default:
+		return t, fmt.Errorf("%s: dtype %s (float32, bfloat16 or float16)", name, dtype)
+	}
+	return t, nil
+}
+
+func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, res ioschema.Result) ioschema.Message {
+	out := &ioschema.UpdateWeightsFromTensorReqOutput{Result: res}
+	fail := func(err error) ioschema.Message {
+		out.Success, out.Message = false, err.Error()
+		s.log.Warn("update_weights_from_tensor failed", zap.Error(err))
+		return out
+	}
+	start := time.Now()
+	rank := s.tpRank
+	if rank >= len(r.SerializedNamedTensors) {
+		return fail(fmt.Errorf("serialized_named_tensors has %d payloads, none for TP rank %d", len(r.SerializedNamedTensors), rank))
+	}
+	format := ""
+	if r.LoadFormat != nil {
+		format = *r.LoadFormat
+	}
+	payload, decodeErr := weightsync.Decode(r.SerializedNamedTensors[rank], format, rank)
+	ipc, _ := s.e.Dev.(device.IPCImporter)
+	src := weightsync.NewSources(payload, ipc)
+	// Every reference the payload carries goes back to the trainer, after
+	// the device has finished reading, whatever happens here.
+	defer func() {
+		if err := errors.Join(s.e.Dev.Sync(), src.Release()); err != nil {
+			s.log.Warn("giving the trainer's tensors back", zap.Error(err))
+		}
+	}()
+	if decodeErr != nil {
+		return fail(fmt.Errorf("serialized_named_tensors[%d] (weights unchanged): %w", rank, decodeErr))
+	}
+	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+		return fail(err)
+	}
+	var writes []weightWrite
+	var errs []error
+	for _, nt := range payload.Tensors {
+		if ignoredWeight(nt.Name) {
+			continue
+		}
+		dt, err := nt.Tensor.DeviceDType()
+		if err == nil {
+			var t model.Target
+			if t, err = s.plan(nt.Name, nt.Tensor.Shape, dt); err == nil {
+				writes = append(writes, weightWrite{name: nt.Name, dst: t.Dst, srcDT: dt, src: nt.Tensor})
+			}
+		}
+		if err == nil && !nt.Tensor.Contiguous() {
+			err = fmt.Errorf("%s is not contiguous (stride %v): send .contiguous() tensors", nt.Name, nt.Tensor.Stride)
+		}
+		if err == nil {
+			err = src.Check(nt.Tensor)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", nt.Name, err))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fail(fmt.Errorf("weights unchanged: %w", err))
+	}
+	for _, w := range writes {
+		if err := s.writeTensor(w, src); err != nil {
+			return fail(s.weightsIncomplete(fmt.Errorf("%s: %w", w.name, err)))
+		}
+		out.Tensors++
+		out.Bytes += w.dst.Bytes()
+	}
+	if err := s.e.Dev.Sync(); err != nil {
+		return fail(s.weightsIncomplete(err))
+	}
+	if err := s.finishUpdate(r.FlushCache, r.WeightVersion); err != nil {
+		return fail(err)
+	}
+	out.Message = fmt.Sprintf("updated %d tensors (%s) in %v (version %s)", out.Tensors, memory.MiB(out.Bytes),
+		time.Since(start).Round(time.Microsecond), s.weightVersion)
+	s.log.Info("updated weights from tensors", zap.Int("tensors", out.Tensors), zap.String("bytes", memory.MiB(out.Bytes)),
+		zap.Duration("took", time.Since(start)), zap.String("weight_version", s.weightVersion))
+	return out
+}
+
+// writeTensor copies one shared tensor into its place, converting dtype.
+func (s *Server) writeTensor(w weightWrite, src *weightsync.Sources) error {
+	dev := s.e.Dev
+	if !w.src.Storage.CUDA() {
+		b, err := src.HostBytes(w.src)
+		if err != nil {
+			return err
+		}
+		return dev.Upload(w.dst, b, w.srcDT)
+	}
+	p, err := src.DevicePtr(w.src)
+	if err != nil {
+		return err
+	}
+	from := device.Tensor{Ptr: p, DType: w.srcDT, Shape: w.dst.Shape}
+	if w.srcDT == w.dst.DType {
+		dev.Copy(w.dst, from)
+	} else {
+		dev.Convert(w.dst, from)
+	}
+	return nil
+}
+
+// weightGroup is a process group joined with a trainer.
+type weightGroup struct {
+	name        string
+	store       *weightsync.TCPStore
+	rank, world int
+	comm        device.Group // made at the first update, when the trainer's first collective publishes the NCCL id
+}
+
+func (s *Server) initWeightsGroup(r *ioschema.InitWeightsUpdateGroupReqInput, res ioschema.Result) ioschema.Message {
+	out := &ioschema.InitWeightsUpdateGroupReqOutput{Result: res}
+	fail := func(err error) ioschema.Message {
+		out.Success, out.Message = false, "failed to initialize the weights update group: "+err.Error()
+		return out
+	}
+	if r.Backend != "nccl" {
+		return fail(fmt.Errorf("backend %q: ebb joins NCCL groups only", r.Backend))
+	}
+	if _, ok := s.e.Dev.(device.GroupJoiner); !ok {
+		return fail(fmt.Errorf("this server runs on %s: an NCCL group needs a GPU", s.e.Dev.Name()))
+	}
+	if _, exists := s.groups[r.GroupName]; exists {
+		return fail(fmt.Errorf("group %q exists: destroy it first", r.GroupName))
+	}
+	rank := r.RankOffset + s.tpRank
+	if r.WorldSize < 2 || rank < 1 || rank >= r.WorldSize {
+		return fail(fmt.Errorf("rank %d (rank_offset %d + TP rank %d) in a world of %d: the trainer is rank 0", rank, r.RankOffset, s.tpRank, r.WorldSize))
+	}
+	store, err := weightsync.JoinGroup(context.Background(), r.MasterAddr, r.MasterPort, s.distTimeout)
+	if err != nil {
+		return fail(err)
+	}
+	s.groups[r.GroupName] = &weightGroup{name: r.GroupName, store: store, rank: rank, world: r.WorldSize}
+	out.Message = fmt.Sprintf("joined group %q as rank %d of %d", r.GroupName, rank, r.WorldSize)
+	s.log.Info("joined a weights update group", zap.String("group", r.GroupName), zap.Int("rank", rank), zap.Int("world_size", r.WorldSize))
+	return out
+}
+
+func (s *Server) destroyWeightsGroup(r *ioschema.DestroyWeightsUpdateGroupReqInput, res ioschema.Result) ioschema.Message {
+	out := &ioschema.DestroyWeightsUpdateGroupReqOutput{Result: res}
+	g, ok := s.groups[r.GroupName]
+	if !ok {
+		out.Success, out.Message = false, fmt.Sprintf("the group %q does not exist", r.GroupName)
+		return out
+	}
+	if err := s.dropGroup(g); err != nil {
+		out.Success, out.Message = false, err.Error()
+		return out
+	}
+	out.Message = fmt.Sprintf("left group %q", r.GroupName)
+	return out
+}
+
+func (s *Server) dropGroup(g *weightGroup) error {
+	delete(s.groups, g.name)
+	var errs []error
+	if g.comm != nil {
+		errs = append(errs, g.comm.Destroy())
+	}
+	return errors.Join(append(errs, g.store.Close())...)
+}
+
+func (s *Server) updateFromDistributed(r *ioschema.UpdateWeightsFromDistributedReqInput, res ioschema.Result) ioschema.Message {
+	out := &ioschema.UpdateWeightsFromDistributedReqOutput{Result: res}
+	fail := func(err error) ioschema.Message {
+		out.Success, out.Message = false, err.Error()
+		s.log.Warn("update_weights_from_distributed failed", zap.Error(err))
+		return out
+	}
+	start := time.Now()
+	g, ok := s.groups[r.GroupName]
+	if !ok {
+		return fail(fmt.Errorf("no group %q: call init_weights_update_group first", r.GroupName))
+	}
+	if len(r.Names) != len(r.DTypes) || len(r.Names) != len(r.Shapes) {
+		return fail(fmt.Errorf("%d names, %d dtypes and %d shapes", len(r.Names), len(r.DTypes), len(r.Shapes)))
+	}
+	flattened := r.LoadFormat != nil && *r.LoadFormat == weightsync.FormatFlattened
+	if r.LoadFormat != nil && *r.LoadFormat != "" && !flattened {
+		return fail(fmt.Errorf("load_format %q is not supported (none or flattened_bucket)", *r.LoadFormat))
+	}
+	// Check everything before receiving: a refused update still takes the
+	// trainer's broadcasts (into scratch), so the group stays in step.
+	writes := make([]weightWrite, len(r.Names))
+	var errs []error
+	for i, name := range r.Names {
+		dt, err := device.ParseDType(r.DTypes[i])
+		if err == nil && ignoredWeight(name) {
+			writes[i] = weightWrite{name: name, srcDT: dt}
+			continue
+		}
+		var t model.Target
+		if err == nil {
+			t, err = s.plan(name, r.Shapes[i], dt)
+		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+		writes[i] = weightWrite{name: name, dst: t.Dst, srcDT: dt}
+	}
+	if flattened {
+		for i := range writes {
+			if writes[i].srcDT != writes[0].srcDT {
+				errs = append(errs, fmt.Errorf("a flattened bucket has one dtype: %s is %s, %s is %s",
+					r.Names[0], writes[0].srcDT, r.Names[i], writes[i].srcDT))
+				break
+			}
+		}
+	}
+	refused := errors.Join(errs...)
+	if refused == nil {
+		if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+			refused = err
+		}
+	}
+	if g.comm == nil {
+		id, err := g.store.NCCLUniqueID(context.Background(), g.name, s.distTimeout)
+		if err == nil {
+			g.comm, err = s.e.Dev.(device.GroupJoiner).JoinGroup(id, g.world, g.rank, s.distTimeout)
+		}
+		if err != nil {
+			_ = s.dropGroup(g)
+			return fail(fmt.Errorf("joining the trainer's NCCL communicator (the group is gone; init it again): %w", err))
+		}
+	}
+	n, bytes, err := s.receive(g, r.Shapes, writes, flattened, refused != nil)
+	if err != nil {
+		_ = s.dropGroup(g)
+		err = fmt.Errorf("receiving from group %q (the group is gone; init it again): %w", g.name, err)
+		if refused == nil {
+			err = s.weightsIncomplete(err)
+		}
+		return fail(err)
+	}
+	if refused != nil {
+		return fail(fmt.Errorf("weights unchanged (the broadcasts were received and dropped): %w", refused))
+	}
+	if err := s.finishUpdate(r.FlushCache, r.WeightVersion); err != nil {
+		return fail(err)
+	}
+	out.Tensors, out.Bytes = n, bytes
+	out.Message = fmt.Sprintf("received %d tensors (%s) in %v (version %s)", n, memory.MiB(bytes), time.Since(start).Round(time.Microsecond), s.weightVersion)
+	s.log.Info("updated weights from the trainer's group", zap.String("group", g.name), zap.Int("tensors", n),
+		zap.String("bytes", memory.MiB(bytes)), zap.Duration("took", time.Since(start)), zap.String("weight_version", s.weightVersion))
+	return out
+}
+
+// receive takes the trainer's broadcasts: straight into the weights when
+// the dtype matches, else through scratch memory and a conversion; a
+// flattened bucket is one broadcast into scratch, then copied out. With
+// discard, everything lands in scratch and nothing is written.
+func (s *Server) receive(g *weightGroup, shapes [][]int, writes []weightWrite, flattened, discard bool) (int, int64, error) {
+	dev := s.e.Dev
+	mem := dev.Memory()
+	wsBefore := int64(0)
+	if ws := mem.Region(memory.Workspace); ws != nil {
+		wsBefore = ws.Stats().Reserved
+	}
+	numel := func(shape []int) int {
+		n := 1
+		for _, d := range shape {
+			n *= d
+		}
+		return n
+	}
+	// One scratch buffer, as large as the largest broadcast that cannot go
+	// straight into the weights; the stream orders its reuse.
+	var need int64
+	for i, w := range writes {
+		n := int64(numel(shapes[i])) * int64(w.srcDT.Size())
+		switch {
+		case flattened:
+			need += n
+		case discard || !w.dst.Valid() || w.srcDT != w.dst.DType:
+			need = max(need, n)
+		}
+	}
+	var scratch device.Tensor
+	if need > 0 {
+		var err error
+		if scratch, err = dev.Alloc(memory.Workspace, device.I32, int((need+3)/4)); err != nil {
+			return 0, 0, fmt.Errorf("scratch for the broadcasts: %w", err)
+		}
+	}
+	defer func() {
+		dev.Free(memory.Workspace, scratch)
+		// Return what a large bucket added to the workspace: the arena keeps
+		// the size it was planned for.
+		if ws := mem.Region(memory.Workspace); ws != nil && ws.Stats().Reserved > wsBefore {
+			_, _ = mem.EmptyCache(memory.Workspace)
+		}
+	}()
+	temp := func(dt device.DType, n int) device.Tensor {
+		return device.Tensor{Ptr: scratch.Ptr, DType: dt, Shape: []int{n}}
+	}
+	var count int
+	var bytes int64
+	place := func(w weightWrite, from device.Tensor) {
+		if discard || !w.dst.Valid() {
+			return
+		}
+		from = from.View(w.dst.Shape...)
+		if from.DType == w.dst.DType {
+			dev.Copy(w.dst, from)
+		} else {
+			dev.Convert(w.dst, from)
+		}
+		count++
+		bytes += w.dst.Bytes()
+	}
+	if flattened {
+		total := 0
+		for _, sh := range shapes {
+			total += numel(sh)
+		}
+		if len(writes) == 0 {
+			return 0, 0, nil
+		}
+		buf := temp(writes[0].srcDT, total)
+		if err := g.comm.Broadcast(buf, 0, s.distTimeout); err != nil {
+			return 0, 0, err
+		}
+		off := 0
+		for i, w := range writes {
+			n := numel(shapes[i])
+			place(w, buf.Rows(off, off+n))
+			off += n
+		}
+	} else {
+		for i, w := range writes {
+			n := numel(shapes[i])
+			if !discard && w.dst.Valid() && w.srcDT == w.dst.DType {
+				if err := g.comm.Broadcast(w.dst, 0, s.distTimeout); err != nil {
+					return count, bytes, err
+				}
+				count++
+				bytes += w.dst.Bytes()
+				continue
+			}
+			buf := temp(w.srcDT, n)
+			if err := g.comm.Broadcast(buf, 0, s.distTimeout); err != nil {
+				return count, bytes, err
+			}
+			place(w, buf)
+		}
+	}
+	if err := g.comm.Synchronize(s.distTimeout); err != nil {
+		return count, bytes, err
+	}
+	return count, bytes, dev.Sync()
+}
+
+func (s *Server) updateWeightVersion(r *ioschema.UpdateWeightVersionReqInput, res ioschema.Result) ioschema.Message {
+	out := &ioschema.UpdateWeightVersionReqOutput{Result: res}
+	if r.AbortAllRequests {
+		s.emit(s.core.Abort("", true, "aborted for a weight version update"))
+	}
+	s.weightVersion = r.NewVersion
+	out.Message = "weight version set to " + r.NewVersion
+	return out
+}
