@@ -34,7 +34,8 @@ type OneBatchResult struct {
 	BatchSize        int     `json:"batch_size"`
 	InputLen         int     `json:"input_len"`
 	OutputLen        int     `json:"output_len"`
-	PrefillMs        float64 `json:"prefill_ms"`
+	PrefillMs        float64 `json:"prefill_ms"` // until every request has its first token
+	PrefillSteps     int     `json:"prefill_steps"`
 	PrefillTokPerS   float64 `json:"prefill_tokens_per_s"`
 	DecodeMedianMs   float64 `json:"decode_step_median_ms"`
 	DecodeP90Ms      float64 `json:"decode_step_p90_ms"`
@@ -44,8 +45,10 @@ type OneBatchResult struct {
 	GraphDecodeSteps int64   `json:"graph_decode_steps"`
 }
 
-// OneBatch prefills each batch in one step and decodes it to the end, timing
-// every step of the scheduler core (pack, upload, forward, sample, download).
+// OneBatch prefills each batch (in chunks of --chunked-prefill-size tokens,
+// as the server does) and decodes it to the end, timing every step of the
+// scheduler core (pack, upload, forward, sample, download). The prefill
+// time runs until every request has its first token.
 func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	maxB := 0
 	for _, b := range cfg.BatchSizes {
@@ -53,7 +56,6 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	}
 	ec := cfg.Engine
 	ec.MaxRunningRequests = maxB
-	ec.ChunkedPrefillSize = max(maxB*cfg.InputLen, 512)
 	if ec.MaxTotalTokens == 0 {
 		ec.MaxTotalTokens = maxB*(cfg.InputLen+cfg.OutputLen) + 1024
 	}
@@ -96,6 +98,8 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		prof, _ := e.Dev.(device.Profiler)
 		profile := prof != nil && cfg.ProfileStep >= 0 && label == fmt.Sprintf("b%d", cfg.BatchSizes[0])
 		var steps []float64
+		prefillSteps := 0
+		started := map[string]bool{}
 		start := time.Now()
 		for !core.Idle() {
 			if profile && len(steps) == cfg.ProfileStep {
@@ -104,8 +108,17 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 				}
 			}
 			t0 := time.Now()
-			if _, err := core.Step(); err != nil {
+			events, err := core.Step()
+			if err != nil {
 				return res, err
+			}
+			for _, ev := range events {
+				if len(ev.NewTokens) > 0 && !started[ev.Rid] {
+					started[ev.Rid] = true
+					if len(started) == b {
+						prefillSteps = len(steps) + 1
+					}
+				}
 			}
 			if profile && len(steps) == cfg.ProfileStep {
 				if err := prof.ProfilerStop(); err != nil {
@@ -120,9 +133,13 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		if len(steps) == 0 {
 			return res, fmt.Errorf("batch %d: no steps ran", b)
 		}
-		res.PrefillMs = steps[0]
+		prefillSteps = max(prefillSteps, 1)
+		for _, ms := range steps[:prefillSteps] {
+			res.PrefillMs += ms
+		}
+		res.PrefillSteps = prefillSteps
 		res.PrefillTokPerS = float64(b*cfg.InputLen) / (res.PrefillMs / 1000)
-		decode := append([]float64(nil), steps[1:]...)
+		decode := append([]float64(nil), steps[prefillSteps:]...)
 		sort.Float64s(decode)
 		if len(decode) > 0 {
 			res.DecodeMedianMs = decode[len(decode)/2]

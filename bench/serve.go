@@ -46,6 +46,24 @@ func startServe(exe string, e engine.Config, extra ...string) (*serveProc, error
 	if e.DistTimeout > 0 {
 		args = append(args, "--dist-timeout", strconv.FormatFloat(e.DistTimeout.Seconds(), 'f', -1, 64))
 	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"--max-running-requests", e.MaxRunningRequests}, {"--chunked-prefill-size", e.ChunkedPrefillSize},
+		{"--context-length", e.ContextLength}, {"--cuda-graph-max-bs", e.CUDAGraphMaxBS}} {
+		if f.v > 0 {
+			args = append(args, f.name, strconv.Itoa(f.v))
+		}
+	}
+	if e.DisableRadixCache {
+		args = append(args, "--disable-radix-cache")
+	}
+	if e.DisableOverlap {
+		args = append(args, "--disable-overlap-schedule")
+	}
+	if e.DisableCUDAGraph {
+		args = append(args, "--disable-cuda-graph")
+	}
 	if e.TPSize > 1 || e.DPSize > 1 {
 		args = append(args, "--tp-size", strconv.Itoa(e.TPSize), "--dp-size", strconv.Itoa(e.DPSize))
 	}

@@ -79,6 +79,16 @@ func WeightSync(cfg WeightSyncConfig) (*WeightSyncReport, error) {
 	if cfg.Repeats <= 0 {
 		cfg.Repeats = 10
 	}
+	if cfg.Path == "nccl" && os.Getenv("EBB_NCCL_LIBRARY") == "" {
+		// NCCL ranks must run one version: serve with the trainer's.
+		lib, err := trainerNCCL(cfg.Trainer)
+		if err != nil {
+			return nil, fmt.Errorf("finding the trainer's NCCL (set EBB_NCCL_LIBRARY): %w", err)
+		}
+		if err := os.Setenv("EBB_NCCL_LIBRARY", lib); err != nil {
+			return nil, err
+		}
+	}
 	srv, err := startServe(cfg.Executable, cfg.Engine)
 	if err != nil {
 		return nil, err
@@ -194,6 +204,22 @@ type trainerReport struct {
 	TrainerReserved []int64   `json:"trainer_reserved_bytes"`
 }
 
+// trainerNCCL asks the trainer's Python where its PyTorch's NCCL library is
+// (the nvidia-nccl wheel that PyTorch's CUDA builds load).
+func trainerNCCL(trainer string) (string, error) {
+	fields := strings.Fields(trainer)
+	if len(fields) == 0 {
+		return "", fmt.Errorf("no trainer command")
+	}
+	const probe = `import os, glob, torch, nvidia.nccl as n
+print(sorted(glob.glob(os.path.join(list(n.__path__)[0], "lib", "libnccl.so*")))[0])`
+	out, err := exec.Command(fields[0], "-c", probe).Output()
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", fields[0], err)
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
 // runWeightTrainer runs the trainer stand-in for one bucket size.
 func runWeightTrainer(cfg WeightSyncConfig, url string, mb, port int, kill bool) (*trainerReport, error) {
 	fields := strings.Fields(cfg.Trainer)
@@ -201,7 +227,8 @@ func runWeightTrainer(cfg WeightSyncConfig, url string, mb, port int, kill bool)
 	args := append(fields[1:], "--url", url, "--model", cfg.NewWeights, "--transport", transport, "--format", cfg.Format,
 		"--bucket-mb", strconv.Itoa(mb), "--repeat", strconv.Itoa(cfg.Repeats), "--master-port", strconv.Itoa(port))
 	if kill {
-		args = append(args, "--kill-after", "3", "--repeat", "1")
+		// One tensor at a time, so that it can die between two of them.
+		args = append(args, "--kill-after", "3", "--repeat", "1", "--format", "list")
 	}
 	cmd := exec.Command(fields[0], args...)
 	cmd.Env = append(os.Environ(), cfg.TrainerEnv...)

@@ -17,12 +17,61 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	hq := qkv.Dim(1) - 2*hk
 	g := hq / hk
 	if meta.MaxQLen == 1 {
+		if name, ok := decodeVecKernel(g, dim); ok {
+			d.attnDecode(name, 4, 32, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			return
+		}
 		if name, ok := decodeKernel(g, dim); ok {
-			d.attnDecode(name, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			d.attnDecode(name, 2, 32, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
 			return
 		}
 	}
+	if dim == 64 || dim == 128 {
+		d.attnPrefillMMA(out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+		return
+	}
 	d.attnPrefill(out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+}
+
+// decodeVecKernel picks attention_fast.cu's decode kernel: head sizes of
+// 32 to 256 lanes' worth of 16-byte loads, up to 8 query heads per kv head.
+func decodeVecKernel(g, dim int) (string, bool) {
+	mg := 1
+	for mg < g {
+		mg *= 2
+	}
+	switch {
+	case mg > 8:
+		return "", false
+	case dim == 32 || dim == 64 || dim == 128 || dim == 256:
+		return fmt.Sprintf("attn_decode_vec_d%d_g%d", dim, mg), true
+	}
+	return "", false
+}
+
+// prefillMMAShared is attn_prefill_mma's shared memory: a query tile and
+// two K and two V tiles of 64 rows.
+func prefillMMAShared(dim int) int { return (64 + 4*64) * dim * 2 }
+
+func (d *Device) attnPrefillMMA(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+	name := fmt.Sprintf("attn_prefill_mma_d%d", dim)
+	k, err := d.mod.Func(name)
+	if err != nil {
+		d.fail(err)
+		return
+	}
+	shared := prefillMMAShared(dim)
+	if shared > 48<<10 && !d.mmaShared[dim] {
+		if err := k.SetMaxDynamicShared(shared); err != nil {
+			d.fail(err)
+			return
+		}
+		d.mmaShared[dim] = true
+	}
+	tiles := (meta.MaxQLen + 63) / 64
+	d.fail(d.ctx.LaunchKernel(k, Dim3{uint32(tiles), uint32(hq), uint32(meta.NumSeqs)}, D1(128), shared,
+		P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr), P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr),
+		P(meta.KVIndices.Ptr), I(hq), I(hk), F(scale)))
 }
 
 // decodeKernel picks the instantiation whose register tiles fit g query
@@ -42,24 +91,28 @@ func decodeKernel(g, dim int) (string, bool) {
 	return fmt.Sprintf("attn_decode_g%d_d%d", mg, dl), true
 }
 
-func (d *Device) attnDecode(name string, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+// attnDecode launches a decode kernel over (sequence, kv head, split),
+// with enough splits for waves times the SMs' worth of blocks.
+func (d *Device) attnDecode(name string, waves, maxSplits int, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
 	k, err := d.mod.Func(name)
 	if err != nil {
 		d.fail(err)
 		return
 	}
 	b := meta.NumSeqs
-	// Enough blocks to fill the GPU twice over; the kernel uses fewer for a
-	// short sequence (at least 64 positions a split), and the partials and
-	// merge counters must fit their fixed buffers.
+	// Enough blocks to fill the GPU waves times over; the kernel uses fewer
+	// for a short sequence (at least 64 positions a split), and the
+	// partials and merge counters must fit their fixed buffers.
 	splits := 1
-	if blocks := b * hk; blocks < 2*d.ctx.SMs {
-		splits = min((2*d.ctx.SMs+blocks-1)/blocks, 32)
+	if blocks := b * hk; blocks < waves*d.ctx.SMs {
+		// Rounded down: a block more than the GPU holds at once would
+		// make a second wave that costs as much as the first.
+		splits = max(1, min(waves*d.ctx.SMs/blocks, maxSplits))
 		for splits > 1 && (int64(b*hq*splits)*int64(dim)*4 > d.partO.Bytes() || int64(b*hq*splits)*8 > d.partML.Bytes()) {
 			splits--
 		}
 	}
-	if int64(b*hk)*4 > d.counters.Bytes() {
+	if int64(b*hk+1)*4 > d.counters.Bytes() { // the last one is gemv_fused's
 		d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
 		return
 	}

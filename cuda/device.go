@@ -32,6 +32,8 @@ type Device struct {
 	pinned        []*pinned     // host staging buffers handed out by AllocPinned
 	savedStack    int64         // stack limit to restore on resume (0: not shrunk)
 	prefillShared int           // dynamic shared memory the prefill kernel is allowed
+	mmaShared     map[int]bool  // head sizes whose tensor-core prefill kernel was allowed its shared memory
+	fences        []*Event      // idle events for Fence
 }
 
 var (
@@ -40,10 +42,12 @@ var (
 	_ device.MemoryInfo      = (*Device)(nil)
 	_ device.Profiler        = (*Device)(nil)
 	_ device.PinnedAllocator = (*Device)(nil)
+	_ device.Streamer        = (*Device)(nil)
 	_ device.ResumeHook      = (*Device)(nil)
 	_ device.MemoryReporter  = (*Device)(nil)
 	_ device.IPCImporter     = (*Device)(nil)
 	_ device.GroupJoiner     = (*Device)(nil)
+	_ device.Fused           = (*Device)(nil)
 )
 
 // OpenIPCMemory implements device.IPCImporter.
@@ -63,7 +67,17 @@ func (d *Device) JoinGroup(id [128]byte, nranks, rank int, timeout time.Duration
 	if d.err != nil {
 		return nil, d.Sync()
 	}
-	return d.ctx.NewComm(id, nranks, rank, timeout)
+	c, err := d.ctx.NewComm(id, nranks, rank, timeout)
+	if err != nil {
+		// The commonest cause: NCCL refuses ranks of different versions,
+		// and a trainer's PyTorch ships its own.
+		if v, verr := NCCLVersion(); verr == nil {
+			err = fmt.Errorf("%w (ebb runs NCCL %d.%d.%d and every rank must run the same version: "+
+				"set EBB_NCCL_LIBRARY to the trainer's libnccl.so.2)", err, v/10000, v%10000/100, v%100)
+		}
+		return nil, err // not a nil *Comm in an interface
+	}
+	return c, nil
 }
 
 const (
@@ -79,10 +93,12 @@ func init() {
 }
 
 var kernelNames = []string{
-	"embedding", "rmsnorm", "add_rmsnorm", "add_bias", "add_bias_f32", "prepare_qkv", "silu_mul",
-	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "sample", "apply_penalties",
-	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32", "sample_part",
+	"embedding", "rmsnorm", "add_rmsnorm", "add_bias", "add_bias_f32", "prepare_qkv", "silu_mul", "silu_mul_v8",
+	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "apply_penalties", "resolve_tokens",
+	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
+	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
+	"gemv_fused_m1", "gemv_fused_m2", "gemv_fused_m3", "gemv_fused_m4",
 }
 
 // OpenDevice opens GPU ordinal: context, kernels, cuBLAS, and the cuda_graph
@@ -93,7 +109,7 @@ func OpenDevice(ordinal int) (*Device, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Device{ctx: ctx}
+	d := &Device{ctx: ctx, mmaShared: map[int]bool{}}
 	if err := d.init(); err != nil {
 		d.Close()
 		return nil, err
@@ -188,6 +204,9 @@ func (d *Device) Close() error {
 	}
 	for _, p := range d.pinned {
 		errs = append(errs, p.Free())
+	}
+	for _, ev := range d.fences {
+		errs = append(errs, ev.Destroy())
 	}
 	if d.mod != nil {
 		errs = append(errs, d.mod.Unload())
@@ -377,6 +396,57 @@ func (d *Device) AfterResume(tags []memory.Tag) error {
 	return d.ctx.MemsetD32(d.counters.Ptr, 0, int64(d.counters.Numel()))
 }
 
+// DownloadAsync implements device.Streamer.
+func (d *Device) DownloadAsync(src device.Tensor, dst []byte) error {
+	if int64(len(dst)) != src.Bytes() {
+		return fmt.Errorf("download %v into %d bytes", src, len(dst))
+	}
+	if d.err != nil {
+		return d.Sync()
+	}
+	return d.ctx.CopyDtoHAsync(dst, src.Ptr)
+}
+
+// Fence implements device.Streamer. Events are kept for reuse: a decode
+// step takes one, and creating them is not free.
+func (d *Device) Fence() (device.Fence, error) {
+	var ev *Event
+	if n := len(d.fences); n > 0 {
+		ev, d.fences = d.fences[n-1], d.fences[:n-1]
+	} else {
+		var err error
+		if ev, err = d.ctx.NewFence(); err != nil {
+			return nil, err
+		}
+	}
+	if err := d.ctx.Record(ev); err != nil {
+		return nil, err
+	}
+	return &fence{d: d, ev: ev}, nil
+}
+
+type fence struct {
+	d    *Device
+	ev   *Event
+	done bool
+	err  error
+}
+
+// Wait implements device.Fence. A launch error recorded on the device
+// since (sticky until the next Sync) is reported too.
+func (f *fence) Wait() error {
+	if f.done {
+		return f.err
+	}
+	f.done = true
+	f.err = f.ev.Synchronize()
+	if f.err == nil {
+		f.err, f.d.err = f.d.err, nil
+	}
+	f.d.fences = append(f.d.fences, f.ev)
+	return f.err
+}
+
 // AllocPinned implements device.PinnedAllocator; the memory is freed with
 // the device.
 func (d *Device) AllocPinned(n int) ([]byte, error) {
@@ -438,7 +508,8 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		if out.DType == device.F32 {
 			outF32 = 1
 		}
-		d.launch(fmt.Sprintf("gemv_m%d", m), D1((n+7)/8), D1(256), 0, P(out.Ptr), I(outF32), P(x.Ptr), P(w.Ptr), I(n), I(k))
+		wpo := d.gemvWarps(n, k)
+		d.launch(fmt.Sprintf("gemv_m%d", m), D1((n*wpo+7)/8), D1(256), 0, P(out.Ptr), I(outF32), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo))
 	} else {
 		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k))
 	}
@@ -450,6 +521,42 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		}
 		d.launch(name, gridFor(total), D1(256), 0, P(out.Ptr), P(bias.Ptr), uint64(total), I(n))
 	}
+}
+
+// gemvWarps is how many warps share one output column of a gemv: more for
+// a narrow matrix, until there are four blocks per SM, as long as every
+// lane still has a 16-byte chunk of K to load.
+func (d *Device) gemvWarps(n, k int) int {
+	wpo := 1
+	for wpo < 8 && n*wpo/8 < 4*d.ctx.SMs && k/8/(2*wpo) >= 32 {
+		wpo *= 2
+	}
+	return wpo
+}
+
+// MatMulAddRMSNorm implements device.Fused for up to gemvMaxRows rows.
+func (d *Device) MatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, normed, normW device.Tensor, eps float32) bool {
+	m, n, k := out.Dim(0), w.Dim(0), w.Dim(-1)
+	if m > gemvMaxRows || k%8 != 0 || n > 8*1024 || out.DType != device.BF16 || x.Ptr%16 != 0 || w.Ptr%16 != 0 {
+		return false
+	}
+	if silu && m > 2 {
+		// Every output forms its activations again from gate and up (read
+		// from L2 twice per row): past two rows that costs more than the
+		// separate silu_mul it saves.
+		return false
+	}
+	if d.err != nil {
+		return true
+	}
+	si := 0
+	if silu {
+		si = 1
+	}
+	wpo := d.gemvWarps(n, k)
+	d.launch(fmt.Sprintf("gemv_fused_m%d", m), D1((n*wpo+7)/8), D1(256), 0, P(out.Ptr), P(x.Ptr), P(w.Ptr), I(n), I(k), I(si), I(wpo),
+		P(residual.Ptr), P(normed.Ptr), P(normW.Ptr), F(eps), P(d.counters.Ptr+uintptr(d.counters.Bytes()-4)))
+	return true
 }
 
 // PrepareQKV implements device.Device.
@@ -472,12 +579,12 @@ func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCac
 
 // SiLUMul implements device.Device.
 func (d *Device) SiLUMul(out, gateUp device.Tensor) {
-	rows, inter := out.Dim(0), out.Dim(-1)
-	if rows > 65535 {
-		d.fail(fmt.Errorf("silu_mul: %d rows", rows))
+	total, inter := int64(out.Numel()), out.Dim(-1)
+	if inter%8 == 0 && out.Ptr%16 == 0 && gateUp.Ptr%16 == 0 {
+		d.launch("silu_mul_v8", gridFor(total/8), D1(256), 0, P(out.Ptr), P(gateUp.Ptr), I(inter/8), uint64(total/8))
 		return
 	}
-	d.launch("silu_mul", Dim3{uint32((inter + 255) / 256), uint32(rows), 1}, D1(256), 0, P(out.Ptr), P(gateUp.Ptr), I(inter))
+	d.launch("silu_mul", gridFor(total), D1(256), 0, P(out.Ptr), P(gateUp.Ptr), I(inter), uint64(total))
 }
 
 // GatherRows implements device.Device.
@@ -494,7 +601,10 @@ func (d *Device) ApplyPenalties(logits device.Tensor, a device.PenaltyArgs) {
 		P(a.Tokens.Ptr), P(a.Counts.Ptr), P(a.Bias.Ptr), P(a.Repetition.Ptr), P(a.Frequency.Ptr), P(a.Presence.Ptr))
 }
 
-// Sample implements device.Device.
+// Sample implements device.Device: a scan of each row in slices spread
+// over the GPU (the row's logsumexp and its greedy or Gumbel winner), then
+// one block per row that merges them and, for filtered rows, finds the
+// threshold and the winner among the kept tokens.
 func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 	ntop := 0
 	if a.TopIDs.Valid() {
@@ -504,20 +614,32 @@ func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 		d.fail(fmt.Errorf("sample: %d top logprobs (limit 64)", ntop))
 		return
 	}
-	// Split each row into slices reduced by a grid of blocks first, so a
-	// small batch still spreads the pass over the logits across the GPU.
+	var suffix string
+	switch logits.DType {
+	case device.F32:
+		suffix = "f32"
+	case device.BF16:
+		suffix = "bf16"
+	default:
+		d.fail(fmt.Errorf("sample: logits %v", logits))
+		return
+	}
 	rows, v := logits.Dim(0), logits.Dim(-1)
-	parts := min(32, max(1, 2*d.ctx.SMs/rows), (v+4095)/4096)
-	if int64(rows*parts*3*4) > d.samplePart.Bytes() {
-		parts = 0
+	parts := max(1, min(64, 4*d.ctx.SMs/rows, (v+2047)/2048))
+	for parts > 1 && int64(rows*parts*4*4) > d.samplePart.Bytes() {
+		parts--
 	}
-	if parts > 0 {
-		d.launch("sample_part", Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
-			P(a.Temperature.Ptr), P(d.samplePart.Ptr))
-	}
-	d.launch("sample", D1(rows), D1(1024), 0, P(logits.Ptr), I(v), P(a.Temperature.Ptr),
-		P(a.TopP.Ptr), P(a.TopK.Ptr), P(a.MinP.Ptr), P(a.Uniform.Ptr), P(a.IDs.Ptr), P(a.Logprobs.Ptr),
+	d.launch("sample_scan_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
+		P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
+	d.launch("sample_finish_"+suffix, D1(rows), D1(1024), 0, P(logits.Ptr), I(v), P(a.Temperature.Ptr),
+		P(a.TopP.Ptr), P(a.TopK.Ptr), P(a.MinP.Ptr), P(a.Keys.Ptr), P(a.IDs.Ptr), P(a.Logprobs.Ptr),
 		P(a.TopIDs.Ptr), P(a.TopLogprobs.Ptr), I(ntop), P(d.samplePart.Ptr), I(parts))
+}
+
+// ResolveTokens implements device.Device.
+func (d *Device) ResolveTokens(tokens, src, prev device.Tensor) {
+	n := tokens.Numel()
+	d.launch("resolve_tokens", D1((n+255)/256), D1(256), 0, P(tokens.Ptr), P(src.Ptr), P(prev.Ptr), I(n))
 }
 
 // TokenLogprobs implements device.Device.

@@ -191,7 +191,7 @@ func TestRMSNorms(t *testing.T) {
 
 func TestMatMul(t *testing.T) {
 	p := newPair(t)
-	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {3, 1024, 4096}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072}} {
+	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		bias := p.random(device.BF16, 0.5, s.n)
@@ -206,13 +206,65 @@ func TestMatMul(t *testing.T) {
 	}
 }
 
+// TestMatMulAddRMSNorm compares the fused decode kernel with the CPU's
+// separate SiLUMul, MatMul and AddRMSNorm, which define its result; twice
+// in a row, as the counter that elects the last block must reset itself.
+func TestMatMulAddRMSNorm(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct {
+		m, k, n int
+		silu    bool
+	}{{1, 1024, 1024, false}, {4, 2048, 1024, false}, {1, 3072, 1024, true}, {2, 384, 384, true}, {3, 4096, 4096, false}, {1, 1024, 1000, true}, {2, 1024, 301, false}} {
+		kin := s.k
+		if s.silu {
+			kin = 2 * s.k
+		}
+		x := p.random(device.BF16, 2, s.m, kin)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		normW := p.random(device.BF16, 0.3, s.n)
+		out := p.random(device.BF16, 1, s.m, s.n)
+		normed := p.random(device.BF16, 1, s.m, s.n)
+		act := p.random(device.BF16, 1, s.m, s.k)
+		for range 2 {
+			res := p.random(device.BF16, 3, s.m, s.n) // fresh: errors would compound
+			if !p.gpu.MatMulAddRMSNorm(out.g, x.g, w.g, s.silu, res.g, normed.g, normW.g, 1e-6) {
+				t.Fatalf("%+v: not fused", s)
+			}
+			in := x.c
+			if s.silu {
+				p.cpu.SiLUMul(act.c, x.c)
+				in = act.c
+			}
+			p.cpu.MatMul(out.c, in, w.c, device.Tensor{})
+			p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
+			// The CPU's silu_mul does not round silu(gate) to bf16 before
+			// the product as the GPU's does: its activations differ by
+			// an ulp, and K of them add up in out.
+			tol := 2e-2
+			if s.silu {
+				tol = 3e-2
+			}
+			p.close("fused out", out, tol, 2e-2)
+			p.close("fused residual", res, 3e-2, 1e-2)
+			p.close("fused normed", normed, 3e-2, 3e-2)
+		}
+	}
+	x := p.random(device.BF16, 1, 3, 2*256)
+	if p.gpu.MatMulAddRMSNorm(p.random(device.BF16, 1, 3, 64).g, x.g, p.random(device.BF16, 1, 64, 256).g, true,
+		p.random(device.BF16, 1, 3, 64).g, p.random(device.BF16, 1, 3, 64).g, p.random(device.BF16, 1, 64).g, 1e-6) {
+		t.Fatal("silu fused for 3 rows")
+	}
+}
+
 func TestSiLUMul(t *testing.T) {
 	p := newPair(t)
-	gu := p.random(device.BF16, 2, 9, 2*200)
-	out := p.random(device.BF16, 1, 9, 200)
-	p.gpu.SiLUMul(out.g, gu.g)
-	p.cpu.SiLUMul(out.c, gu.c)
-	p.close("silu_mul", out, 1e-2, 2e-2)
+	for _, inter := range []int{200, 203} { // vectorised, and not
+		gu := p.random(device.BF16, 2, 9, 2*inter)
+		out := p.random(device.BF16, 1, 9, inter)
+		p.gpu.SiLUMul(out.g, gu.g)
+		p.cpu.SiLUMul(out.c, gu.c)
+		p.close("silu_mul", out, 1e-2, 2e-2)
+	}
 }
 
 func ropeTables(p *pair, positions, half int) (cos, sin both) {
@@ -302,6 +354,14 @@ func TestAttention(t *testing.T) {
 		{"prefill-qwen3", 16, 8, 128, []int{5, 40, 1, 100}, []int{5, 100, 33, 100}},
 		{"prefill-g3-d48", 6, 2, 48, []int{17, 2}, []int{20, 70}},
 		{"prefill-g8-d16", 8, 1, 16, []int{70}, []int{200}},
+		// attention_fast.cu: vectorised decode and tensor-core prefill.
+		{"decode-default-model-g3-d64", 6, 2, 64, []int{1, 1, 1}, []int{1, 200, 4000}},
+		{"decode-tiny-d32", 4, 2, 32, []int{1, 1}, []int{3, 129}},
+		{"decode-g4-d128-long", 32, 8, 128, []int{1, 1}, []int{4096, 777}},
+		{"decode-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
+		{"prefill-mma-d128-ragged", 16, 8, 128, []int{1, 63, 64, 65, 130, 7}, []int{1, 63, 100, 65, 300, 500}},
+		{"prefill-mma-d64-g3", 6, 2, 64, []int{200, 33}, []int{200, 97}},
+		{"prefill-mma-d128-long", 16, 8, 128, []int{700}, []int{1000}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -324,9 +384,9 @@ func repeat(v, n int) []int {
 }
 
 // sampleArgs uploads per-row parameters to both devices.
-func sampleArgs(p *pair, temp, topP []float32, topK []int32, minP, uni []float32, ntop int) [2]device.SampleArgs {
+func sampleArgs(p *pair, temp, topP []float32, topK []int32, minP []float32, keys []int32, ntop int) [2]device.SampleArgs {
 	b := len(temp)
-	t, tp, tk, mp, u := p.floats(device.F32, temp, b), p.floats(device.F32, topP, b), p.ints(topK), p.floats(device.F32, minP, b), p.floats(device.F32, uni, b)
+	t, tp, tk, mp, u := p.floats(device.F32, temp, b), p.floats(device.F32, topP, b), p.ints(topK), p.floats(device.F32, minP, b), p.ints(keys)
 	ids, lps := p.ints(make([]int32, b)), p.floats(device.F32, make([]float32, b), b)
 	var out [2]device.SampleArgs
 	var tids, tlps both
@@ -334,7 +394,7 @@ func sampleArgs(p *pair, temp, topP []float32, topK []int32, minP, uni []float32
 		tids, tlps = p.ints(make([]int32, b*ntop), b, ntop), p.floats(device.F32, make([]float32, b*ntop), b, ntop)
 	}
 	for i, pick := range []func(both) device.Tensor{func(x both) device.Tensor { return x.g }, func(x both) device.Tensor { return x.c }} {
-		out[i] = device.SampleArgs{Temperature: pick(t), TopP: pick(tp), TopK: pick(tk), MinP: pick(mp), Uniform: pick(u),
+		out[i] = device.SampleArgs{Temperature: pick(t), TopP: pick(tp), TopK: pick(tk), MinP: pick(mp), Keys: pick(u),
 			IDs: pick(ids), Logprobs: pick(lps), TopIDs: pick(tids), TopLogprobs: pick(tlps)}
 	}
 	return out
@@ -350,12 +410,18 @@ func TestSample(t *testing.T) {
 	b := len(temp)
 	var mismatches int
 	for trial := 0; trial < 8; trial++ {
-		logits := p.random(device.F32, 3, b, v)
-		uni := make([]float32, b)
-		for i := range uni {
-			uni[i] = p.rng.Float32()
+		// Odd trials read bf16 logits, as decode graphs do.
+		dt := device.F32
+		if trial%2 == 1 {
+			dt = device.BF16
 		}
-		args := sampleArgs(p, temp, topP, topK, minP, uni, 5)
+		logits := p.random(dt, 3, b, v)
+		keys := make([]int32, 2*b)
+		for i := range keys {
+			keys[i] = int32(p.rng.Uint32())
+		}
+		uni := keys
+		args := sampleArgs(p, temp, topP, topK, minP, keys, 5)
 		p.gpu.Sample(logits.g, args[0])
 		p.cpu.Sample(logits.c, args[1])
 		p.sync()
@@ -365,7 +431,7 @@ func TestSample(t *testing.T) {
 		for r := range gi {
 			if gi[r] != ci[r] {
 				mismatches++
-				t.Logf("trial %d row %d (T=%v top_p=%v top_k=%d min_p=%v u=%v): gpu %d, cpu %d", trial, r, temp[r], topP[r], topK[r], minP[r], uni[r], gi[r], ci[r])
+				t.Logf("trial %d row %d (T=%v top_p=%v top_k=%d min_p=%v key=%x): gpu %d, cpu %d", trial, r, temp[r], topP[r], topK[r], minP[r], uni[2*r], gi[r], ci[r])
 			}
 		}
 		p.close("sampled logprobs", both{args[0].Logprobs, args[1].Logprobs}, 1e-4, 1e-5)
@@ -383,6 +449,22 @@ func TestSample(t *testing.T) {
 	// rounding of a boundary; anything more is a bug.
 	if mismatches > 1 {
 		t.Fatalf("%d of %d draws differ", mismatches, 8*b)
+	}
+}
+
+func TestResolveTokens(t *testing.T) {
+	p := newPair(t)
+	tokens := p.ints([]int32{5, 6, 7, 8})
+	src := p.ints([]int32{2, -1, 0, 3})
+	prev := p.ints([]int32{100, 101, 102, 103})
+	p.gpu.ResolveTokens(tokens.g, src.g, prev.g)
+	p.cpu.ResolveTokens(tokens.c, src.c, prev.c)
+	p.sync()
+	g, c := make([]int32, 4), make([]int32, 4)
+	p.gpu.DownloadI32(tokens.g, g)
+	p.cpu.DownloadI32(tokens.c, c)
+	if g[0] != 102 || g[1] != 6 || g[2] != 100 || g[3] != 103 || g != nil && c[0] != g[0] || c[1] != g[1] || c[2] != g[2] || c[3] != g[3] {
+		t.Fatalf("gpu %v cpu %v", g, c)
 	}
 }
 

@@ -274,6 +274,25 @@ func Elapsed(start, end *Event) (float32, error) {
 	return float32(ms), err
 }
 
+// NewFence creates an event without timing, to wait on.
+func (c *Context) NewFence() (*Event, error) {
+	ev := &Event{}
+	return ev, check("cuEventCreate", C.ebb_cuEventCreate(&ev.e, 2)) // CU_EVENT_DISABLE_TIMING
+}
+
+// Synchronize waits until the stream has passed the event.
+func (ev *Event) Synchronize() error {
+	return check("cuEventSynchronize", C.ebb_cuEventSynchronize(ev.e))
+}
+
+// CopyDtoHAsync queues a copy of device memory into page-locked dst.
+func (c *Context) CopyDtoHAsync(dst []byte, src uintptr) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	return check("cuMemcpyDtoHAsync", C.ebb_cuMemcpyDtoHAsync(unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst)), c.stream))
+}
+
 // Destroy frees the event.
 func (ev *Event) Destroy() error { return check("cuEventDestroy", C.ebb_cuEventDestroy(ev.e)) }
 

@@ -100,3 +100,35 @@ func DeviceUsage(index, pid int) (NVMLReading, error) {
 	reading, err := n.readFor(pid)
 	return reading, err
 }
+
+// PeakBandwidth is the memory's peak in bytes/s: two transfers per clock
+// (DDR) at the maximum memory clock across the bus width.
+func (n *NVML) PeakBandwidth() (float64, error) {
+	clk, r := n.dev.GetMaxClockInfo(nvml.CLOCK_MEM)
+	if r != nvml.SUCCESS {
+		return 0, fmt.Errorf("nvml memory clock: %s", nvml.ErrorString(r))
+	}
+	bits, r := n.dev.GetMemoryBusWidth()
+	if r != nvml.SUCCESS {
+		return 0, fmt.Errorf("nvml bus width: %s", nvml.ErrorString(r))
+	}
+	return 2 * float64(clk) * 1e6 * float64(bits) / 8, nil
+}
+
+// PeakBandwidthOf is PeakBandwidth for the GPU NVML numbers ordinal,
+// without a CUDA context (a benchmark client beside the server).
+func PeakBandwidthOf(ordinal int) (float64, error) {
+	nvmlOnce.Do(func() {
+		if r := nvml.Init(); r != nvml.SUCCESS {
+			nvmlErr = fmt.Errorf("nvml init: %s", nvml.ErrorString(r))
+		}
+	})
+	if nvmlErr != nil {
+		return 0, nvmlErr
+	}
+	d, r := nvml.DeviceGetHandleByIndex(ordinal)
+	if r != nvml.SUCCESS {
+		return 0, fmt.Errorf("nvml device %d: %s", ordinal, nvml.ErrorString(r))
+	}
+	return (&NVML{dev: d}).PeakBandwidth()
+}

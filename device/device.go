@@ -146,7 +146,7 @@ type SampleArgs struct {
 	TopP        Tensor // [B] float32, 1 disables
 	TopK        Tensor // [B] int32, <= 0 disables
 	MinP        Tensor // [B] float32, 0 disables
-	Uniform     Tensor // [B] float32 in [0,1): the draw for this step
+	Keys        Tensor // [2B] int32: each row's noise key (two 32-bit halves) for this step
 	// Outputs.
 	IDs      Tensor // [B] int32: sampled token
 	Logprobs Tensor // [B] float32: its log-probability
@@ -215,8 +215,12 @@ type Device interface {
 	GatherRows(out, x, rows Tensor)
 	// ApplyPenalties modifies logits [B,V] in place.
 	ApplyPenalties(logits Tensor, p PenaltyArgs)
-	// Sample draws one token per row of logits [B,V] (float32).
+	// Sample draws one token per row of logits [B,V] (float32, or the
+	// activation dtype).
 	Sample(logits Tensor, args SampleArgs)
+	// ResolveTokens sets tokens[i] = prev[src[i]] where src[i] >= 0: a step
+	// whose inputs are the previous step's outputs, still on the device.
+	ResolveTokens(tokens, src, prev Tensor)
 	// TokenLogprobs: out[i] = log_softmax(logits[i])[targets[i]].
 	TokenLogprobs(out, logits, targets Tensor)
 
@@ -255,6 +259,25 @@ type Profiler interface {
 // faster from page-locked memory. The memory lives as long as the device.
 type PinnedAllocator interface {
 	AllocPinned(n int) ([]byte, error)
+}
+
+// Streamer is implemented by devices whose work runs behind the host (a
+// CUDA stream): a step can be queued, its outputs copied back, and the
+// host go on with the next step's preparation before they arrive.
+type Streamer interface {
+	// DownloadAsync queues a copy of src into dst (page-locked memory from
+	// AllocPinned) after the work queued so far; dst is valid once a Fence
+	// recorded after it has been waited on.
+	DownloadAsync(src Tensor, dst []byte) error
+	// Fence marks the work queued so far.
+	Fence() (Fence, error)
+}
+
+// Fence is a point in a device's queue of work.
+type Fence interface {
+	// Wait blocks until the device has passed the fence and reports the
+	// first error of the work before it.
+	Wait() error
 }
 
 // ResumeHook is implemented by devices that keep state of their own in
@@ -304,4 +327,16 @@ type Group interface {
 // processes given its unique id (NCCL).
 type GroupJoiner interface {
 	JoinGroup(id [128]byte, nranks, rank int, timeout time.Duration) (Group, error)
+}
+
+// Fused is implemented by devices with fused kernels for the small batches
+// of decode steps. The model calls it where it would call MatMul then
+// AddRMSNorm (and SiLUMul before the MatMul when silu is set); a false
+// return means the device does not fuse these shapes, and the model runs
+// the separate operations, which define the result.
+type Fused interface {
+	// MatMulAddRMSNorm: out = in @ w^T, in being x, or silu(x[:, :K]) *
+	// x[:, K:] when silu; then residual += out and normed =
+	// rmsnorm(residual) * normW.
+	MatMulAddRMSNorm(out, x, w Tensor, silu bool, residual, normed, normW Tensor, eps float32) bool
 }

@@ -32,6 +32,9 @@ type Config struct {
 	DType             string // auto or bfloat16 (--dtype)
 	RandomSeed        *uint64
 	DisableRadixCache bool
+	// DisableOverlap waits for each step before building the next
+	// (--disable-overlap-schedule).
+	DisableOverlap bool
 	// DistTimeout bounds waiting on a trainer's process group (--dist-timeout).
 	DistTimeout        time.Duration
 	ContextLength      int

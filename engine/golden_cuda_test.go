@@ -3,10 +3,14 @@ package engine_test
 import (
 	"fmt"
 	"math"
+	"slices"
 	"testing"
 
 	"ebb/cuda"
 	"ebb/engine"
+	"ebb/ioschema"
+	"ebb/runner"
+	"ebb/scheduler"
 )
 
 // TestGoldensCUDA runs the golden prompts on the GPU in bf16, through
@@ -93,4 +97,51 @@ func TestGoldensCUDA(t *testing.T) {
 			t.Fatalf("mean |d| %.4f above %.4f", sum/float64(n), limit)
 		}
 	}
+}
+
+// TestOverlapCUDA: with overlapped scheduling, decode graphs read their
+// tokens from the previous graph's samples on the device; the outputs of
+// seeded sampling must equal those of step-by-step scheduling.
+func TestOverlapCUDA(t *testing.T) {
+	if err := cuda.Available(); err != nil {
+		t.Skip("no GPU:", err)
+	}
+	run := func(disable bool) ([]scheduler.Output, runner.Stats) {
+		e, err := engine.Open(engine.Config{ModelDir: defaultModelDir, Device: "cuda", MaxRunningRequests: 16,
+			MaxTotalTokens: 8192, CUDAGraphMaxBS: 16, DisableOverlap: disable})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer e.Close()
+		var reqs []scheduler.Request
+		for i := range 12 {
+			temp, seed, maxNew := 1.0, uint64(i+1), 20+7*i
+			params, err := (&ioschema.SamplingParams{Temperature: &temp, SamplingSeed: &seed, MaxNewTokens: &maxNew,
+				IgnoreEOS: i%3 != 0}).Resolve(e.Defaults())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids := make([]int32, 10+13*i)
+			for j := range ids {
+				ids[j] = int32((i*7919 + j*104729) % 4000)
+			}
+			reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: ids, Params: params, LogprobStartLen: -1})
+		}
+		outs, err := scheduler.Generate(e, reqs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return outs, e.Runner.Stats
+	}
+	want, _ := run(true)
+	got, stats := run(false)
+	if stats.ChainedSteps == 0 {
+		t.Fatalf("no step was chained on the device (%+v)", stats)
+	}
+	for i := range want {
+		if !slices.Equal(got[i].OutputIDs, want[i].OutputIDs) {
+			t.Errorf("request %d: overlapped %v\nsequential %v", i, got[i].OutputIDs, want[i].OutputIDs)
+		}
+	}
+	t.Logf("%d of %d graph steps chained on the device", stats.ChainedSteps, stats.GraphSteps)
 }

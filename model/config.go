@@ -300,3 +300,12 @@ func (c *Config) RopeTables(n int) (cos, sin []float32) {
 	}
 	return cos, sin
 }
+
+// DecodeWeightBytes is what one decode step reads of the weights in bf16:
+// every layer's projections and the lm_head (the embedding rows looked up
+// are negligible).
+func (c *Config) DecodeWeightBytes() int64 {
+	h, i := int64(c.Hidden), int64(c.Intermediate)
+	perLayer := h*int64(c.QKVRows()) + int64(c.Heads*c.HeadDim)*h + 3*h*i
+	return 2 * (int64(c.Layers)*perLayer + int64(c.Vocab)*h)
+}

@@ -124,10 +124,16 @@ type Inputs struct {
 	LogitRows device.Tensor // [R] int32: rows that need next-token logits
 }
 
-// ScratchBytes is the activation memory of a step with t tokens and r logit rows.
-func (m *Model) ScratchBytes(t, r int) int64 {
+// ScratchBytes is the activation memory of a step with t tokens and r
+// logit rows, float32 logits included (Forward).
+func (m *Model) ScratchBytes(t, r int) int64 { return m.scratchBytes(t, r, true) }
+
+// LogitsScratchBytes is ScratchBytes for ForwardLogits.
+func (m *Model) LogitsScratchBytes(t, r int) int64 { return m.scratchBytes(t, r, false) }
+
+func (m *Model) scratchBytes(t, r int, f32 bool) int64 {
 	var p device.ScratchPlan
-	m.scratchLayout(t, r, func(dt device.DType, shape ...int) device.Tensor {
+	m.scratchLayout(t, r, f32, func(dt device.DType, shape ...int) device.Tensor {
 		p.Add(dt, shape...)
 		return device.Tensor{}
 	})
@@ -138,9 +144,15 @@ type activations struct {
 	h, x, qkv, attn, gateUp, act, tmp, sel, rawLogits, logits device.Tensor
 }
 
-func (m *Model) scratchLayout(t, r int, take func(device.DType, ...int) device.Tensor) activations {
+func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, ...int) device.Tensor) activations {
 	c := m.Config
 	dt := m.dev.DType()
+	logits := func() device.Tensor {
+		if !f32Logits {
+			return device.Tensor{}
+		}
+		return take(device.F32, r, c.Vocab)
+	}
 	return activations{
 		h:         take(dt, t, c.Hidden),
 		x:         take(dt, t, c.Hidden),
@@ -151,7 +163,7 @@ func (m *Model) scratchLayout(t, r int, take func(device.DType, ...int) device.T
 		tmp:       take(dt, t, c.Hidden),
 		sel:       take(dt, r, c.Hidden),
 		rawLogits: take(dt, r, c.Vocab),
-		logits:    take(device.F32, r, c.Vocab),
+		logits:    logits(),
 	}
 }
 
@@ -159,37 +171,57 @@ func (m *Model) scratchLayout(t, r int, take func(device.DType, ...int) device.T
 // into the cache, and returns float32 logits [R, vocab] in scratch memory.
 // Errors surface at the device's next Sync.
 func (m *Model) Forward(in Inputs, s *device.Scratch) device.Tensor {
+	a := m.scratchLayout(in.Tokens.Numel(), in.LogitRows.Numel(), true, s.Take)
+	m.forward(in, a)
+	m.dev.Convert(a.logits, a.rawLogits)
+	return a.logits
+}
+
+// ForwardLogits is Forward without the float32 copy: logits in the
+// activation dtype, as the sampler reads them in decode graphs.
+func (m *Model) ForwardLogits(in Inputs, s *device.Scratch) device.Tensor {
+	a := m.scratchLayout(in.Tokens.Numel(), in.LogitRows.Numel(), false, s.Take)
+	m.forward(in, a)
+	return a.rawLogits
+}
+
+func (m *Model) forward(in Inputs, a activations) {
 	c, dev, w := m.Config, m.dev, &m.W
-	t, r := in.Tokens.Numel(), in.LogitRows.Numel()
-	a := m.scratchLayout(t, r, s.Take)
+	t := in.Tokens.Numel()
 	eps := float32(c.RMSNormEps)
 	scale := float32(1 / math.Sqrt(float64(c.HeadDim)))
 	flat := func(x device.Tensor) device.Tensor { return x.View(t, x.Numel()/t) }
 
+	fused, _ := dev.(device.Fused)
+	fuse := func(out, x, wt device.Tensor, silu bool, norm device.Tensor) bool {
+		return fused != nil && fused.MatMulAddRMSNorm(out, x, wt, silu, a.h, a.x, norm, eps)
+	}
 	dev.Embedding(a.h, w.Embed, in.Tokens)
+	dev.RMSNorm(a.x, a.h, w.Layers[0].InputNorm, eps)
 	for i, l := range w.Layers {
-		if i == 0 {
-			dev.RMSNorm(a.x, a.h, l.InputNorm, eps)
-		} else {
-			dev.AddRMSNorm(a.h, a.tmp, a.x, l.InputNorm, eps)
-		}
 		dev.MatMul(flat(a.qkv), a.x, l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
 		dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 		dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
-		dev.MatMul(a.tmp, flat(a.attn), l.O, l.OBias)
-		dev.AddRMSNorm(a.h, a.tmp, a.x, l.PostNorm, eps)
+		if l.OBias.Valid() || !fuse(a.tmp, flat(a.attn), l.O, false, l.PostNorm) {
+			dev.MatMul(a.tmp, flat(a.attn), l.O, l.OBias)
+			dev.AddRMSNorm(a.h, a.tmp, a.x, l.PostNorm, eps)
+		}
 		dev.MatMul(a.gateUp, a.x, l.GateUp, device.Tensor{})
-		dev.SiLUMul(a.act, a.gateUp)
-		dev.MatMul(a.tmp, a.act, l.Down, device.Tensor{})
+		next := w.Norm
+		if i+1 < len(w.Layers) {
+			next = w.Layers[i+1].InputNorm
+		}
+		if !fuse(a.tmp, a.gateUp, l.Down, true, next) {
+			dev.SiLUMul(a.act, a.gateUp)
+			dev.MatMul(a.tmp, a.act, l.Down, device.Tensor{})
+			dev.AddRMSNorm(a.h, a.tmp, a.x, next, eps)
+		}
 	}
-	dev.AddRMSNorm(a.h, a.tmp, a.x, w.Norm, eps)
 	dev.GatherRows(a.sel, a.x, in.LogitRows)
 	// Logits are computed in the activation dtype, as transformers does (a
 	// bf16 lm_head gives bf16 logits), so logprobs match the trainer's.
 	dev.MatMul(a.rawLogits, a.sel, w.LMHead, device.Tensor{})
-	dev.Convert(a.logits, a.rawLogits)
-	return a.logits
 }
 
 func f32Bytes(v []float32) []byte {

@@ -1,10 +1,10 @@
 package runner
 
 import (
-	"encoding/binary"
 	"fmt"
 	"math"
 	"sort"
+	"unsafe"
 
 	"ebb/device"
 	"ebb/memory"
@@ -27,27 +27,37 @@ type graphSet struct {
 	l       staticLayout
 	buf     device.Tensor // static inputs and outputs, 4-byte words
 	scratch device.Tensor // static activations, shared by every graph
-	host    []byte        // staging for buf (page-locked when the device offers it)
+	// Two sets of host staging (page-locked when the device offers it), so
+	// that the next step is packed while the last one's copy may still be
+	// queued; users[i] is the step that last used set i.
+	host  [2][]byte
+	outs  [2][]int32 // outputs copied back: ids, then logprobs, maxB each
+	users [2]*Pending
+	cur   int
+	words []int32 // host[cur] as 4-byte words (little-endian, as the device reads them)
 }
 
 // staticLayout places every field at a fixed word offset for the largest
-// batch; the KV indices come last so a step uploads only the prefix it uses.
+// batch. A step uploads the prefix up to its last KV index; the outputs
+// come after the KV indices, so that upload never overwrites the previous
+// step's sampled ids, which the next step may read (src).
 type staticLayout struct {
-	tokens, positions, slots, qptr, kvptr, rows, topK int // int32 fields
-	temp, topP, minP, uni                             int // float32 fields
-	outIDs, outLp                                     int // outputs, adjacent
-	kvidx, words                                      int
+	tokens, src, positions, slots, qptr, kvptr, rows, topK, keys int // int32 fields
+	temp, topP, minP                                             int // float32 fields
+	kvidx                                                        int
+	outIDs, outLp                                                int // outputs, adjacent
+	words                                                        int
 }
 
 func newStaticLayout(maxB, kvCap int) staticLayout {
 	var l staticLayout
 	n := 0
 	next := func(size int) int { off := n; n += size; return off }
-	l.tokens, l.positions, l.slots = next(maxB), next(maxB), next(maxB)
-	l.qptr, l.kvptr, l.rows, l.topK = next(maxB+1), next(maxB+1), next(maxB), next(maxB)
-	l.temp, l.topP, l.minP, l.uni = next(maxB), next(maxB), next(maxB), next(maxB)
-	l.outIDs, l.outLp = next(maxB), next(maxB)
+	l.tokens, l.src, l.positions, l.slots = next(maxB), next(maxB), next(maxB), next(maxB)
+	l.qptr, l.kvptr, l.rows, l.topK, l.keys = next(maxB+1), next(maxB+1), next(maxB), next(maxB), next(2*maxB)
+	l.temp, l.topP, l.minP = next(maxB), next(maxB), next(maxB)
 	l.kvidx = next(kvCap)
+	l.outIDs, l.outLp = next(maxB), next(maxB)
 	l.words = n
 	return l
 }
@@ -81,16 +91,20 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 	if g.buf, err = r.dev.Alloc(memory.CUDAGraph, device.I32, g.l.words); err != nil {
 		return fmt.Errorf("graph inputs: %w", err)
 	}
-	if g.scratch, err = r.dev.Alloc(memory.CUDAGraph, device.F32, int((r.Model.ScratchBytes(maxB, maxB)+3)/4)); err != nil {
+	if g.scratch, err = r.dev.Alloc(memory.CUDAGraph, device.F32, int((r.Model.LogitsScratchBytes(maxB, maxB)+3)/4)); err != nil {
 		return fmt.Errorf("graph activations: %w", err)
 	}
-	if p, ok := r.dev.(device.PinnedAllocator); ok {
-		if g.host, err = p.AllocPinned(4 * g.l.words); err != nil {
+	for i := range g.host {
+		if g.host[i], err = hostBuffer(r.dev, 4*g.l.words); err != nil {
 			return fmt.Errorf("graph staging: %w", err)
 		}
-	} else {
-		g.host = make([]byte, 4*g.l.words)
+		out, err := hostBuffer(r.dev, 8*maxB)
+		if err != nil {
+			return fmt.Errorf("graph outputs: %w", err)
+		}
+		g.outs[i] = unsafe.Slice((*int32)(unsafe.Pointer(&out[0])), 2*maxB)
 	}
+	g.use(0)
 	for _, b := range sizes {
 		// Valid dummy inputs: every row decodes token 0 into the pad slot.
 		g.packPadding(0, b, r.Model.PadSlot())
@@ -99,7 +113,8 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 		}
 		in, samp := g.views(b, r.Model.ContextLen())
 		run := func() {
-			logits := r.Model.Forward(in, device.NewScratch(g.scratch))
+			r.dev.ResolveTokens(in.Tokens, g.i32(g.l.src, b), g.i32(g.l.outIDs, maxB))
+			logits := r.Model.ForwardLogits(in, device.NewScratch(g.scratch))
 			r.dev.Sample(logits, samp)
 		}
 		run() // warm-up outside capture: loads kernels and cuBLAS heuristics
@@ -116,6 +131,25 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 	return nil
 }
 
+// hostBuffer is page-locked memory when the device offers it.
+func hostBuffer(dev device.Device, n int) ([]byte, error) {
+	if p, ok := dev.(device.PinnedAllocator); ok {
+		return p.AllocPinned(n)
+	}
+	return make([]byte, n), nil
+}
+
+// use makes staging set i current, once the step that last used it is done
+// with it (its upload may still be queued otherwise).
+func (g *graphSet) use(i int) {
+	if u := g.users[i]; u != nil {
+		_, _ = u.Wait() // its error belongs to its own caller
+		g.users[i] = nil
+	}
+	g.cur = i
+	g.words = unsafe.Slice((*int32)(unsafe.Pointer(&g.host[i][0])), g.l.words)
+}
+
 func (g *graphSet) i32(off, n int) device.Tensor {
 	return device.Tensor{Ptr: g.buf.Ptr + uintptr(4*off), DType: device.I32, Shape: []int{n}}
 }
@@ -124,13 +158,9 @@ func (g *graphSet) f32(off, n int) device.Tensor {
 	return device.Tensor{Ptr: g.buf.Ptr + uintptr(4*off), DType: device.F32, Shape: []int{n}}
 }
 
-func (g *graphSet) setI(off int, v int32) { binary.LittleEndian.PutUint32(g.host[4*off:], uint32(v)) }
-
-func (g *graphSet) setF(off int, v float32) {
-	binary.LittleEndian.PutUint32(g.host[4*off:], math.Float32bits(v))
-}
-
-func (g *graphSet) getI(off int) int32 { return int32(binary.LittleEndian.Uint32(g.host[4*off:])) }
+func (g *graphSet) setI(off int, v int32)   { g.words[off] = v }
+func (g *graphSet) setF(off int, v float32) { g.words[off] = int32(math.Float32bits(v)) }
+func (g *graphSet) getI(off int) int32      { return g.words[off] }
 
 // views builds the model inputs and sampling arguments of a batch of b over
 // the static buffer.
@@ -144,7 +174,7 @@ func (g *graphSet) views(b, ctxLen int) (model.Inputs, device.SampleArgs) {
 	}
 	samp := device.SampleArgs{
 		Temperature: g.f32(l.temp, b), TopP: g.f32(l.topP, b), TopK: g.i32(l.topK, b), MinP: g.f32(l.minP, b),
-		Uniform: g.f32(l.uni, b), IDs: g.i32(l.outIDs, b), Logprobs: g.f32(l.outLp, b),
+		Keys: g.i32(l.keys, 2*b), IDs: g.i32(l.outIDs, b), Logprobs: g.f32(l.outLp, b),
 	}
 	return in, samp
 }
@@ -159,6 +189,7 @@ func (g *graphSet) packPadding(from, to int, pad int32) {
 	kvEnd := g.getI(l.kvptr + from)
 	for i := from; i < to; i++ {
 		g.setI(l.tokens+i, 0)
+		g.setI(l.src+i, -1)
 		g.setI(l.positions+i, 0)
 		g.setI(l.slots+i, pad)
 		g.setI(l.qptr+i+1, int32(i+1))
@@ -168,13 +199,14 @@ func (g *graphSet) packPadding(from, to int, pad int32) {
 		g.setF(l.temp+i, 0)
 		g.setF(l.topP+i, 1)
 		g.setF(l.minP+i, 0)
-		g.setF(l.uni+i, 0)
+		g.setI(l.keys+2*i, 0)
+		g.setI(l.keys+2*i+1, 0)
 	}
 }
 
 // upload copies the first words of the staging buffer.
 func (g *graphSet) upload(words int) error {
-	return g.dev.Upload(g.i32(0, words), g.host[:4*words], device.I32)
+	return g.dev.Upload(g.i32(0, words), g.host[g.cur][:4*words], device.I32)
 }
 
 // fits reports the captured size for a decode step of seqs, or 0 when the
@@ -197,20 +229,23 @@ func (g *graphSet) fits(seqs []SeqStep) int {
 	return g.sizes[i]
 }
 
-// replay runs a decode step through the graph of size b.
-func (r *Runner) replay(seqs []SeqStep, b int) ([]SeqResult, error) {
+// launchGraph queues a decode step through the graph of size b. Rows whose
+// Follows is set take their token from the previous step's outputs, still
+// on the device. On a device with a stream the step's ids and logprobs come
+// back asynchronously; the Pending waits for them.
+func (r *Runner) launchGraph(seqs []SeqStep, b int) (*Pending, error) {
 	g := r.graphs
+	g.use(g.cur ^ 1)
 	l := g.l
 	kv := 0
 	g.setI(l.qptr, 0)
 	g.setI(l.kvptr, 0)
 	for i, s := range seqs {
 		g.setI(l.tokens+i, s.Tokens[0])
+		g.setI(l.src+i, int32(s.Follows-1))
 		g.setI(l.positions+i, int32(s.Start))
 		g.setI(l.slots+i, s.Slots[s.Start])
-		for j, sl := range s.Slots {
-			g.setI(l.kvidx+kv+j, sl)
-		}
+		copy(g.words[l.kvidx+kv:], s.Slots)
 		kv += len(s.Slots)
 		g.setI(l.qptr+i+1, int32(i+1))
 		g.setI(l.kvptr+i+1, int32(kv))
@@ -220,7 +255,9 @@ func (r *Runner) replay(seqs []SeqStep, b int) ([]SeqResult, error) {
 		g.setF(l.temp+i, p.Temperature)
 		g.setF(l.topP+i, p.TopP)
 		g.setF(l.minP+i, p.MinP)
-		g.setF(l.uni+i, Uniform(p.Seed, s.Draw))
+		k0, k1 := Key(p.Seed, s.Draw)
+		g.setI(l.keys+2*i, int32(k0))
+		g.setI(l.keys+2*i+1, int32(k1))
 	}
 	g.packPadding(len(seqs), b, r.Model.PadSlot())
 	if err := g.upload(l.kvidx + kv); err != nil {
@@ -230,15 +267,25 @@ func (r *Runner) replay(seqs []SeqStep, b int) ([]SeqResult, error) {
 		return nil, err
 	}
 	// One copy back: ids and logprobs sit next to each other.
-	out := make([]int32, 2*g.maxB)
-	if err := g.dev.DownloadI32(g.i32(l.outIDs, 2*g.maxB), out); err != nil {
+	outs := g.i32(l.outIDs, 2*g.maxB)
+	p := &Pending{n: len(seqs), graph: true, out: g.outs[g.cur], maxB: g.maxB}
+	g.users[g.cur] = p
+	if st, ok := r.dev.(device.Streamer); ok {
+		if err := st.DownloadAsync(outs, unsafe.Slice((*byte)(unsafe.Pointer(&p.out[0])), 4*len(p.out))); err != nil {
+			return nil, err
+		}
+		f, err := st.Fence()
+		if err != nil {
+			return nil, err
+		}
+		p.fence = f
+		return p, nil
+	}
+	if err := g.dev.DownloadI32(outs, p.out); err != nil {
 		return nil, err
 	}
-	res := make([]SeqResult, len(seqs))
-	for i := range res {
-		res[i] = SeqResult{Token: out[i], Logprob: math.Float32frombits(uint32(out[g.maxB+i]))}
-	}
-	return res, r.dev.Sync()
+	p.res, p.err = p.decode(), r.dev.Sync()
+	return p, nil
 }
 
 // ReleaseGraphs destroys the captured graphs (their buffers stay allocated).

@@ -27,10 +27,10 @@ type hostStep struct {
 
 // layout gives the offsets of each field in the packed buffers.
 type layout struct {
-	tokens, positions, slots, qptr, kvptr, kvidx, rows, topK, targets, penPtr, penTok, penCnt int
-	penBias                                                                                   int
-	outIDs, outTop, intsLen                                                                   int
-	temp, topP, minP, uni, rep, freq, pres, outLp, outTopLp, outTL, floatsLen                 int
+	tokens, positions, slots, qptr, kvptr, kvidx, rows, topK, keys, targets, penPtr, penTok, penCnt int
+	penBias                                                                                         int
+	outIDs, outTop, intsLen                                                                         int
+	temp, topP, minP, rep, freq, pres, outLp, outTopLp, outTL, floatsLen                            int
 }
 
 func makeLayout(t, s, kv, r, samples, k, nnz int) layout {
@@ -39,12 +39,12 @@ func makeLayout(t, s, kv, r, samples, k, nnz int) layout {
 	next := func(size int) int { off := n; n += size; return off }
 	l.tokens, l.positions, l.slots = next(t), next(t), next(t)
 	l.qptr, l.kvptr, l.kvidx = next(s+1), next(s+1), next(kv)
-	l.rows, l.topK, l.targets = next(r), next(samples), next(r-samples)
+	l.rows, l.topK, l.keys, l.targets = next(r), next(samples), next(2*samples), next(r-samples)
 	l.penPtr, l.penTok, l.penCnt = next(samples+1), next(nnz), next(nnz)
 	l.outIDs, l.outTop = next(samples), next(samples*k)
 	l.intsLen = n
 	n = 0
-	l.temp, l.topP, l.minP, l.uni = next(samples), next(samples), next(samples), next(samples)
+	l.temp, l.topP, l.minP = next(samples), next(samples), next(samples)
 	l.rep, l.freq, l.pres = next(samples), next(samples), next(samples)
 	l.outLp, l.outTopLp, l.outTL = next(samples), next(samples*k), next(r-samples)
 	l.penBias = next(nnz)
@@ -114,7 +114,8 @@ func (h *hostStep) pack(seqs []SeqStep, maxTopK int) {
 		p := s.Params
 		ints[l.topK+r] = int32(p.TopK)
 		fl[l.temp+r], fl[l.topP+r], fl[l.minP+r] = p.Temperature, p.TopP, p.MinP
-		fl[l.uni+r] = Uniform(p.Seed, s.Draw)
+		k0, k1 := Key(p.Seed, s.Draw)
+		ints[l.keys+2*r], ints[l.keys+2*r+1] = int32(k0), int32(k1)
 		fl[l.rep+r], fl[l.freq+r], fl[l.pres+r] = p.RepetitionPenalty, p.FrequencyPenalty, p.PresencePenalty
 		if fl[l.rep+r] == 0 {
 			fl[l.rep+r] = 1
@@ -176,7 +177,7 @@ func (h *hostStep) upload(dev device.Device, s *device.Scratch) (model.Inputs, d
 	ns := h.numSample
 	samp := device.SampleArgs{
 		Temperature: fv(l.temp, ns), TopP: fv(l.topP, ns), TopK: iv(l.topK, ns), MinP: fv(l.minP, ns),
-		Uniform: fv(l.uni, ns), IDs: iv(l.outIDs, ns), Logprobs: fv(l.outLp, ns),
+		Keys: iv(l.keys, 2*ns), IDs: iv(l.outIDs, ns), Logprobs: fv(l.outLp, ns),
 	}
 	if h.topK > 0 {
 		samp.TopIDs = iv(l.outTop, ns*h.topK).View(ns, h.topK)
@@ -259,11 +260,11 @@ func nanSlice(n int) []float32 {
 	return s
 }
 
-// Uniform is the seeded draw for token index n of a sequence: the same seed
-// gives the same draws whatever else is in the batch.
-func Uniform(seed uint64, n int) float32 {
+// Key is the noise key of token index n of a sequence: the same seed gives
+// the same draws whatever else is in the batch.
+func Key(seed uint64, n int) (uint32, uint32) {
 	x := splitmix(seed ^ splitmix(uint64(n)+0x632be59bd9b4e019))
-	return float32(x>>40) / (1 << 24)
+	return uint32(x), uint32(x >> 32)
 }
 
 func splitmix(x uint64) uint64 {

@@ -6,6 +6,7 @@ package runner
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"ebb/device"
 	"ebb/memory"
@@ -47,6 +48,11 @@ type SeqStep struct {
 	// NextTokens, when set, asks for the logprob of NextTokens[i] at row i
 	// of this step (teacher forcing / prompt logprobs); -1 skips a row.
 	NextTokens []int32
+	// Follows, when positive, says that this sequence's one token is the
+	// one sampled at row Follows-1 of the step launched just before, whose
+	// result may not be back yet (overlapped scheduling); Tokens[0] is then
+	// ignored.
+	Follows int
 }
 
 // LogitAdjust is one token's entry for penalties and biases.
@@ -83,13 +89,49 @@ type Runner struct {
 
 	host   hostStep  // reused packing buffers
 	graphs *graphSet // captured decode steps, nil when eager only
+	last   *Pending  // the step launched last, which Follows refers to
 	Stats  Stats
+}
+
+// Pending is a launched step. On a device with a stream, a decode step
+// that runs as a graph is still on its way when Launch returns.
+type Pending struct {
+	n     int
+	graph bool
+	fence device.Fence // nil once the results are in
+	out   []int32      // graph steps: ids then logprobs, maxB each
+	maxB  int
+	res   []SeqResult
+	err   error
+}
+
+// Wait returns the step's results once the device has them.
+func (p *Pending) Wait() ([]SeqResult, error) {
+	if p.fence != nil {
+		p.err = p.fence.Wait()
+		p.fence = nil
+		if p.err == nil {
+			p.res = p.decode()
+		}
+	}
+	return p.res, p.err
+}
+
+func (p *Pending) decode() []SeqResult {
+	res := make([]SeqResult, p.n)
+	for i := range res {
+		res[i] = SeqResult{Token: p.out[i], Logprob: math.Float32frombits(uint32(p.out[p.maxB+i]))}
+	}
+	return res
 }
 
 // Stats count steps by path.
 type Stats struct {
 	GraphSteps int64
 	EagerSteps int64
+	// ChainedSteps took their tokens from the step before on the device,
+	// without a round trip through the host.
+	ChainedSteps int64
 }
 
 // New creates a runner and plans its workspace: the region is sized for the
@@ -132,14 +174,77 @@ func WorkspaceBytes(m *model.Model, l Limits) int64 {
 
 // Step runs one forward over seqs and samples where asked.
 func (r *Runner) Step(seqs []SeqStep) ([]SeqResult, error) {
+	p, err := r.Launch(seqs)
+	if err != nil {
+		return nil, err
+	}
+	return p.Wait()
+}
+
+// Launch starts a step and returns before its results are back where the
+// device allows (graph decode steps on a stream); Step is Launch then Wait.
+// Sequences may follow the previous launch's samples (SeqStep.Follows):
+// on the device when both steps run as graphs, else on the host after
+// waiting for them.
+func (r *Runner) Launch(seqs []SeqStep) (*Pending, error) {
 	if err := r.check(seqs); err != nil {
 		return nil, err
 	}
-	if b := r.graphs.fits(seqs); b > 0 {
-		r.Stats.GraphSteps++
-		return r.replay(seqs, b)
+	prev := r.last
+	r.last = nil
+	b := r.graphs.fits(seqs)
+	_, streams := r.dev.(device.Streamer)
+	if follows(seqs) && (b == 0 || !streams || !prev.graph) {
+		res, err := prev.Wait()
+		if err != nil {
+			return nil, fmt.Errorf("the step these tokens follow: %w", err)
+		}
+		seqs = resolved(seqs, res)
+	} else if follows(seqs) {
+		r.Stats.ChainedSteps++
 	}
-	r.Stats.EagerSteps++
+	var p *Pending
+	if b > 0 {
+		r.Stats.GraphSteps++
+		var err error
+		if p, err = r.launchGraph(seqs, b); err != nil {
+			return nil, err
+		}
+	} else {
+		r.Stats.EagerSteps++
+		res, err := r.eager(seqs)
+		if err != nil {
+			return nil, err
+		}
+		p = &Pending{n: len(seqs), res: res}
+	}
+	r.last = p
+	return p, nil
+}
+
+func follows(seqs []SeqStep) bool {
+	for _, s := range seqs {
+		if s.Follows > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// resolved is seqs with each follower's token taken from prev's results.
+func resolved(seqs []SeqStep, prev []SeqResult) []SeqStep {
+	out := append([]SeqStep(nil), seqs...)
+	for i := range out {
+		if f := out[i].Follows; f > 0 {
+			out[i].Tokens = []int32{prev[f-1].Token}
+			out[i].Follows = 0
+		}
+	}
+	return out
+}
+
+// eager runs a step kernel by kernel and waits for its results.
+func (r *Runner) eager(seqs []SeqStep) ([]SeqResult, error) {
 	h := &r.host
 	h.pack(seqs, r.limits.MaxTopK)
 	wsBytes := r.Model.ScratchBytes(h.numTokens, h.numRows) + h.bytes()
@@ -172,8 +277,15 @@ func (r *Runner) check(seqs []SeqStep) error {
 	}
 	tokens, rows := 0, 0
 	ctx, slots := r.Model.ContextLen(), r.Model.KVSlots()
+	last := 0
+	if r.last != nil {
+		last = r.last.n
+	}
 	for i, s := range seqs {
 		n := len(s.Tokens)
+		if s.Follows > last {
+			return fmt.Errorf("sequence %d follows row %d of a step of %d", i, s.Follows-1, last)
+		}
 		if n == 0 {
 			return fmt.Errorf("sequence %d has no tokens", i)
 		}
@@ -183,7 +295,13 @@ func (r *Runner) check(seqs []SeqStep) error {
 		if s.Start+n > ctx {
 			return fmt.Errorf("sequence %d: %d positions exceed the context length %d", i, s.Start+n, ctx)
 		}
+		if s.Follows > 0 && (n != 1 || !s.Sample || s.NextTokens != nil) {
+			return fmt.Errorf("sequence %d: a follower must be one sampled token", i)
+		}
 		for _, t := range s.Tokens {
+			if s.Follows > 0 {
+				break
+			}
 			if t < 0 || int(t) >= r.vocab {
 				return fmt.Errorf("sequence %d: token id %d outside the vocabulary of %d", i, t, r.vocab)
 			}

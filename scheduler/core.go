@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 
 	"ebb/ioschema"
@@ -31,6 +32,9 @@ type Options struct {
 	// DisableRadixCache stops prefix sharing: a request's KV is freed when
 	// it finishes and nothing is matched at admission.
 	DisableRadixCache bool
+	// DisableOverlap waits for each step's results before building the
+	// next (--disable-overlap-schedule).
+	DisableOverlap bool
 }
 
 // Core is the scheduling state machine, free of I/O: Add requests, call Step
@@ -47,6 +51,7 @@ type Core struct {
 	byRid   map[string]*request
 	rng     *rand.Rand
 	events  []Event // produced while scheduling, returned by the next Step
+	flight  *flight // launched, results not absorbed yet
 	Stats   Stats
 }
 
@@ -57,6 +62,7 @@ type Stats struct {
 	GeneratedTokens int64
 	Steps           int64
 	Retractions     int64
+	Overlapped      int64 // steps launched before the previous one's results were in
 	Finished        int64
 }
 
@@ -73,6 +79,10 @@ func NewCore(run *runner.Runner, opts Options) (*Core, error) {
 	if opts.ChunkedPrefillSize <= 0 || opts.ChunkedPrefillSize+opts.MaxRunningRequests > lim.MaxTokens {
 		opts.ChunkedPrefillSize = max(1, lim.MaxTokens-opts.MaxRunningRequests)
 	}
+	// An end id outside the vocabulary (a config shared by model sizes) can
+	// never be sampled; banning it would index past the logits.
+	vocab := run.Model.Config.Vocab
+	opts.EOS = slices.DeleteFunc(slices.Clone(opts.EOS), func(t int32) bool { return t < 0 || int(t) >= vocab })
 	seed1, seed2 := rand.Uint64(), rand.Uint64()
 	if opts.RandomSeed != nil {
 		seed1, seed2 = *opts.RandomSeed, *opts.RandomSeed^0x9e3779b97f4a7c15
@@ -88,7 +98,9 @@ func NewCore(run *runner.Runner, opts Options) (*Core, error) {
 func (c *Core) Options() Options { return c.opts }
 
 // Idle reports whether no request is queued or running.
-func (c *Core) Idle() bool { return len(c.waiting) == 0 && len(c.running) == 0 }
+func (c *Core) Idle() bool {
+	return len(c.waiting) == 0 && len(c.running) == 0 && c.flight == nil && len(c.events) == 0
+}
 
 // Counts reports queued and running requests.
 func (c *Core) Counts() (waiting, running int) { return len(c.waiting), len(c.running) }
@@ -141,9 +153,17 @@ func (c *Core) Add(req Request) error {
 // waiting requests and returns what each request produced. With nothing to
 // do it returns nil.
 func (c *Core) Step() ([]Event, error) {
+	if c.flight != nil {
+		next := c.follow()
+		landed, err := c.land()
+		if next != nil || err != nil {
+			c.flight = next
+			return append(c.takeEvents(), landed...), err
+		}
+		c.events = append(c.events, landed...)
+	}
 	batch, chunks := c.schedule()
-	early := c.events
-	c.events = nil
+	early := c.takeEvents()
 	if len(batch) == 0 {
 		if len(early) > 0 {
 			return early, nil
@@ -158,15 +178,16 @@ func (c *Core) Step() ([]Event, error) {
 		}
 		return nil, nil
 	}
-	steps := make([]runner.SeqStep, len(batch))
+	f := &flight{batch: batch, steps: make([]runner.SeqStep, len(batch)), epochs: make([]int, len(batch))}
 	for i, r := range batch {
-		steps[i] = c.seqStep(r, chunks[i])
+		f.steps[i] = c.seqStep(r, chunks[i])
+		f.epochs[i] = r.epoch
 	}
-	results, err := c.run.Step(steps)
+	p, err := c.run.Launch(f.steps)
 	if err != nil {
 		// The step did not run; give the new slots back and fail the batch
 		// so nothing is left half-done.
-		var events []Event
+		events := early
 		for i, r := range batch {
 			c.pool.release(r.slots[len(r.slots)-chunks[i]:])
 			r.slots = r.slots[:len(r.slots)-chunks[i]]
@@ -175,13 +196,16 @@ func (c *Core) Step() ([]Event, error) {
 		return events, fmt.Errorf("forward step: %w", err)
 	}
 	c.Stats.Steps++
-	events := early
-	for i, r := range batch {
-		if ev, ok := c.absorb(r, steps[i], results[i]); ok {
-			events = append(events, ev)
-		}
+	for _, r := range batch {
+		r.ahead++
 	}
-	return events, nil
+	f.pending = p
+	c.flight = f
+	if !c.opts.DisableOverlap {
+		return early, nil // landed by the next Step, after it launches its own
+	}
+	landed, err := c.land()
+	return append(early, landed...), err
 }
 
 // schedule picks this step's requests and how many tokens each processes,
@@ -333,6 +357,7 @@ func (c *Core) retractOne() bool {
 // Retract moves every running request back to the queue (pause with mode
 // retract); their KV stays in the cache until it is flushed or evicted.
 func (c *Core) Retract() int {
+	_ = c.settleInto() // a failed step has already failed its requests
 	n := len(c.running)
 	for i := n - 1; i >= 0; i-- {
 		r := c.running[i]
@@ -346,7 +371,14 @@ func (c *Core) Retract() int {
 
 // release hands r's KV to the radix cache and unlocks its prefix.
 func (c *Core) release(r *request) {
-	fill := len(r.slots)
+	// A step launched blind past r's end holds one slot for a token r will
+	// never have; the slots of tokens whose KV is still being written may be
+	// shared, as any reader runs after that step on the device.
+	fill := min(len(r.slots), r.numTokens())
+	c.pool.release(r.slots[fill:])
+	r.slots = r.slots[:fill]
+	r.epoch++
+	r.ahead = 0
 	if c.opts.DisableRadixCache {
 		c.pool.release(r.slots)
 		fill = 0
@@ -385,11 +417,10 @@ func (c *Core) cacheUnfinished(r *request) {
 }
 
 func (c *Core) seqStep(r *request, n int) runner.SeqStep {
-	toks := r.tokens()
 	start := len(r.slots) - n
 	s := runner.SeqStep{
-		Tokens: toks[start : start+n], Start: start, Slots: r.slots,
-		Sample: start+n == len(toks), Params: r.sampleParams(), Draw: len(r.output),
+		Tokens: r.tokenRange(start, start+n), Start: start, Slots: r.slots,
+		Sample: start+n == r.numTokens(), Params: r.sampleParams(), Draw: len(r.output),
 	}
 	if s.Sample {
 		s.Adjust = r.adjust(c.opts.EOS)
@@ -492,7 +523,7 @@ func (c *Core) finishEvent(r *request, fr *ioschema.FinishReason) Event {
 // Abort finishes every request whose rid starts with prefix (all when
 // all is set) with finish_reason abort, returning their final events.
 func (c *Core) Abort(prefix string, all bool, message string) []Event {
-	var events []Event
+	events, _ := c.Settle()
 	match := func(r *request) bool { return all || (prefix != "" && strings.HasPrefix(r.Rid, prefix)) }
 	kept := c.waiting[:0]
 	for _, r := range c.waiting {
@@ -517,6 +548,7 @@ func (c *Core) Abort(prefix string, all bool, message string) []Event {
 
 // FlushCache drops the radix cache; it refuses while requests hold cached KV.
 func (c *Core) FlushCache() error {
+	_ = c.settleInto()
 	if len(c.running) > 0 {
 		return fmt.Errorf("%d requests are running", len(c.running))
 	}

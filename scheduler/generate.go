@@ -31,6 +31,7 @@ func NewCoreFor(e *engine.Engine) (*Core, error) {
 		Tokenizer:          e.Tokenizer,
 		RandomSeed:         e.Config.RandomSeed,
 		DisableRadixCache:  e.Config.DisableRadixCache,
+		DisableOverlap:     e.Config.DisableOverlap,
 	})
 }
 

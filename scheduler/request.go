@@ -49,6 +49,11 @@ type request struct {
 	counts     map[int32]int32 // output token counts, for penalties
 	inputLP    []float32
 	inputDone  bool
+	// ahead counts launched steps whose token is not absorbed yet; epoch
+	// changes whenever r stops running, so results of steps launched
+	// before are recognised as stale.
+	ahead int
+	epoch int
 }
 
 func (r *request) tokens() []int32 {
@@ -57,6 +62,19 @@ func (r *request) tokens() []int32 {
 	}
 	t := make([]int32, 0, len(r.InputIDs)+len(r.output))
 	return append(append(t, r.InputIDs...), r.output...)
+}
+
+// tokenRange is tokens()[from:to] without building the whole sequence
+// (a decode step needs one token of it).
+func (r *request) tokenRange(from, to int) []int32 {
+	n := len(r.InputIDs)
+	switch {
+	case to <= n:
+		return r.InputIDs[from:to]
+	case from >= n:
+		return r.output[from-n : to-n]
+	}
+	return append(append(make([]int32, 0, to-from), r.InputIDs[from:]...), r.output[:to-n]...)
 }
 
 func (r *request) numTokens() int { return len(r.InputIDs) + len(r.output) }

@@ -293,6 +293,16 @@ func (s *Server) Step() error {
 	return nil
 }
 
+// settle lands the step in flight so that a control message sees every
+// request at rest.
+func (s *Server) settle() {
+	events, err := s.core.Settle()
+	s.emit(events)
+	if err != nil {
+		s.log.Error("step failed", zap.Error(err))
+	}
+}
+
 // checkIdle runs the invariant checks when nothing is running.
 func (s *Server) checkIdle() {
 	if !s.core.Idle() || time.Since(s.lastCheck) < time.Second {
@@ -358,9 +368,11 @@ func (s *Server) Handle(m ioschema.Message) {
 	case *ioschema.TokenizedGenerateReqInput:
 		s.addRequest(r)
 	case *ioschema.AbortReq:
+		s.settle()
 		s.emit(s.core.Abort(r.Rid, r.AbortAll, "aborted by request"))
 	default:
 		if c, ok := m.(interface{ GetRid() string }); ok {
+			s.settle()
 			s.control(m, c.GetRid())
 			return
 		}

@@ -277,7 +277,9 @@ def main():
         if args.transport == "shm":
             report["shm_refcounts"] = shm_refcounts(named)
     if pg is not None:
-        post(args.url, "/destroy_weights_update_group", {"group_name": "weight_update_group"})
+        status, out = post(args.url, "/destroy_weights_update_group", {"group_name": "weight_update_group"}, timeout=60)
+        if status != 200 or not out.get("success"):
+            raise SystemExit(f"destroy_weights_update_group: {status} {out}")
     ms = sorted(report["updates_ms"])
     report["median_ms"] = ms[len(ms) // 2]
     report["gb_per_s"] = report["bytes"] / (report["median_ms"] / 1000) / 1e9

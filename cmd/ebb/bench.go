@@ -18,7 +18,7 @@ import (
 
 func benchCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "bench", Short: "Benchmarks: one-batch latency, offline throughput, serving, RL memory cycle"}
-	cmd.AddCommand(oneBatchCmd(), rlCycleCmd(), weightSyncCmd())
+	cmd.AddCommand(oneBatchCmd(), rlCycleCmd(), weightSyncCmd(), attentionCmd(), servingCmd())
 	return cmd
 }
 
@@ -125,6 +125,71 @@ func weightSyncCmd() *cobra.Command {
 	return cmd
 }
 
+func attentionCmd() *cobra.Command {
+	var spec cuda.AttentionBenchSpec
+	var batches, contexts, qlens string
+	var gpu int
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "attention [--batch 1,64,256] [--context 4096] [--qlen 1]",
+		Short: "Attention kernel alone on the GPU: microseconds, GB/s against the HBM peak, TFLOP/s for prefills",
+		RunE: func(*cobra.Command, []string) error {
+			bs, err := parseInts(batches)
+			if err != nil {
+				return fmt.Errorf("--batch: %w", err)
+			}
+			cs, err := parseInts(contexts)
+			if err != nil {
+				return fmt.Errorf("--context: %w", err)
+			}
+			qs, err := parseInts(qlens)
+			if err != nil {
+				return fmt.Errorf("--qlen: %w", err)
+			}
+			d, err := cuda.OpenDevice(gpu)
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			var out []cuda.AttentionBenchResult
+			for _, q := range qs {
+				for _, c := range cs {
+					for _, b := range bs {
+						s := spec
+						s.Batch, s.Context, s.QLen = b, c, q
+						r, err := cuda.BenchAttention(d, s)
+						if err != nil {
+							return err
+						}
+						out = append(out, r)
+					}
+				}
+			}
+			if asJSON {
+				enc := json.NewEncoder(os.Stdout)
+				enc.SetIndent("", " ")
+				return enc.Encode(out)
+			}
+			fmt.Printf("%6s %8s %6s %-26s %10s %9s %8s %8s\n", "batch", "context", "qlen", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
+			for _, r := range out {
+				fmt.Printf("%6d %8d %6d %-26s %10.1f %9.0f %8.1f %8.1f\n", r.Batch, r.Context, r.QLen, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&batches, "batch", "1,8,64,256", "comma-separated sequence counts")
+	f.StringVar(&contexts, "context", "4096", "comma-separated context lengths (cached positions per sequence)")
+	f.StringVar(&qlens, "qlen", "1", "comma-separated new queries per sequence (1: decode)")
+	f.IntVar(&spec.QHeads, "q-heads", 16, "query heads (Qwen3-0.6B: 16)")
+	f.IntVar(&spec.KVHeads, "kv-heads", 8, "kv heads (Qwen3-0.6B: 8)")
+	f.IntVar(&spec.Dim, "head-dim", 128, "head size")
+	f.IntVar(&spec.Iters, "iters", 50, "timed launches per shape")
+	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
+	f.BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
 func firstLine(s string) string {
 	if i := strings.IndexByte(s, '\n'); i >= 0 {
 		return s[:i]
@@ -188,4 +253,77 @@ func printReport[T any](asJSON bool, progress *io.Writer, run func() (T, error),
 	}
 	table(res)
 	return nil
+}
+
+func servingCmd() *cobra.Command {
+	var cfg bench.ServingConfig
+	var rate string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use: "serving [--url URL | --model DIR] --dataset random --num-prompts 256",
+		Short: "Requests through a server's /generate (any SGLang-compatible server, or an ebb serve it starts): " +
+			"tok/s, TTFT, inter-token and end-to-end latency, fraction of the bandwidth floor",
+		RunE: func(*cobra.Command, []string) error {
+			if rate == "inf" {
+				cfg.RequestRate = 0
+			} else {
+				v, err := strconv.ParseFloat(rate, 64)
+				if err != nil || v <= 0 {
+					return fmt.Errorf("--request-rate: %q is neither inf nor a positive number", rate)
+				}
+				cfg.RequestRate = v
+			}
+			if cfg.URL == "" && cfg.Engine.ModelDir == "" {
+				return fmt.Errorf("give --url of a running server or --model for ebb to serve")
+			}
+			if cfg.URL != "" {
+				cfg.ModelDir = cfg.Engine.ModelDir
+			}
+			cfg.PeakGPU = cfg.Engine.GPU
+			return printReport(asJSON, &cfg.Progress, func() (*bench.ServingReport, error) { return bench.Serving(cfg) }, printServing)
+		},
+	}
+	f := cmd.Flags()
+	addEngineFlags(f, &cfg.Engine)
+	w := &cfg.Workload
+	f.StringVar(&cfg.URL, "url", "", "a running server (SGLang or ebb); without it ebb serves --model")
+	f.StringVar(&w.Kind, "dataset", "random", "fixed (--input-len/--output-len), random (uniform length ranges) or sharegpt (generated ShareGPT-like lengths)")
+	f.IntVar(&w.NumPrompts, "num-prompts", 256, "requests")
+	f.IntVar(&w.InputLen, "input-len", 1024, "fixed: prompt tokens")
+	f.IntVar(&w.OutputLen, "output-len", 1024, "fixed: output tokens")
+	f.IntVar(&w.MinInput, "min-input-len", 100, "random: shortest prompt")
+	f.IntVar(&w.MaxInput, "max-input-len", 1024, "random: longest prompt")
+	f.IntVar(&w.MinOutput, "min-output-len", 100, "random: shortest output")
+	f.IntVar(&w.MaxOutput, "max-output-len", 1024, "random: longest output")
+	f.Uint64Var(&w.Seed, "seed", 0, "seed of the lengths, tokens and arrivals")
+	f.StringVar(&rate, "request-rate", "inf", "requests per second (Poisson arrivals), or inf to send all at once")
+	f.IntVar(&cfg.MaxInFlight, "max-concurrency", 0, "most requests in flight (0: no limit)")
+	f.Float64Var(&cfg.Temperature, "temperature", 0, "sampling temperature (top_p 1, top_k -1 and min_p 0 are sent explicitly)")
+	f.BoolVar(&cfg.Stream, "stream", true, "stream the outputs (needed for TTFT and inter-token latency)")
+	f.StringVar(&cfg.APIKey, "server-api-key", "", "bearer token for a server started with --api-key")
+	f.Float64Var(&cfg.PeakGBPerS, "peak-gbps", 0, "GPU peak memory bandwidth in GB/s (default: from NVML)")
+	f.StringVar(&cfg.PlotPath, "plot", "", "write a PNG of throughput over time and latency distributions here")
+	f.BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func printServing(r *bench.ServingReport) {
+	fmt.Printf("server %s, %s workload, %d requests (%d failed), temperature %g, stream %v\n", r.Server, r.Workload.Kind,
+		r.Completed+r.Failed, r.Failed, r.Temperature, r.Stream)
+	if r.FirstError != "" {
+		fmt.Printf("first error: %s\n", r.FirstError)
+	}
+	fmt.Printf("duration %.2f s, input %d tokens, output %d tokens\n", r.DurationS, r.InputTokens, r.OutputTokens)
+	fmt.Printf("throughput: %.2f req/s, %.0f output tok/s, %.0f total tok/s\n", r.RequestPerS, r.OutputTokPerS, r.TotalTokPerS)
+	fmt.Printf("%-12s %10s %10s %10s %10s\n", "ms", "mean", "p50", "p90", "p99")
+	for _, p := range []struct {
+		name string
+		v    bench.Percentiles
+	}{{"TTFT", r.TTFTMs}, {"inter-token", r.ITLMs}, {"end-to-end", r.E2EMs}} {
+		fmt.Printf("%-12s %10.2f %10.2f %10.2f %10.2f\n", p.name, p.v.Mean, p.v.P50, p.v.P90, p.v.P99)
+	}
+	if r.FloorTokPerS > 0 {
+		fmt.Printf("bandwidth floor %.0f output tok/s (KV %.2f TB + weights %.2f TB at %.0f GB/s): %.1f %% of it\n",
+			r.FloorTokPerS, r.KVReadBytes/1e12, r.WeightReadBytes/1e12, r.PeakGBPerS, 100*r.FractionOfFloor)
+	}
 }

@@ -92,25 +92,10 @@ __device__ void attn_decode_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, con
 				acc += sh_o[w][r][dd] * f;
 			}
 		}
-		long long rh = row * hq + g * G + r;
-		if (used == 1) {
-			out[rh * d + dd] = f2bf(L > 0.f ? acc / L : 0.f);
-		} else {
-			part_o[(rh * splits + sp) * d + dd] = acc;
-			if (dd == 0) {
-				part_ml[(rh * splits + sp) * 2] = M;
-				part_ml[(rh * splits + sp) * 2 + 1] = L;
-			}
-		}
+		split_store(out, part_o, part_ml, row * hq + g * G + r, splits, sp, used, d, dd, M, L, acc);
 	}
-	if (used == 1) return;
 	// The last split of this (sequence, kv head) to finish merges.
-	__threadfence();
-	__syncthreads();
-	if (threadIdx.x == 0) sh_last = atomicAdd(&counters[s * hk + g], 1) == used - 1;
-	__syncthreads();
-	if (!sh_last) return;
-	__threadfence();
+	if (used == 1 || !split_elect_last(&counters[s * hk + g], used, &sh_last)) return;
 	for (int idx = threadIdx.x; idx < G * d; idx += blockDim.x) {
 		int r = idx / d, dd = idx % d;
 		long long rh = row * hq + g * G + r;

@@ -146,49 +146,96 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // gemv computes out[m, n] = sum_k x[m, k] w[n, k] for a few rows m (M of
-// them), one warp per output column n, 16-byte loads of both operands:
-// a decode step at small batch is bound by reading the weights once.
-// K is a multiple of 8; out is bf16, or float32 when out_f32.
+// them) with 16-byte loads of both operands: a decode step at small batch
+// is bound by reading the weights once. A group of wpo adjacent warps
+// shares output n, each taking every wpo-th chunk of K, so that a narrow
+// matrix (N of a thousand) still puts enough loads in flight on every SM.
+// Grid (N / (8 / wpo)), 256 threads. K is a multiple of 8.
+
+// silu_mul8 forms 8 activations silu(gate) * up, rounded as silu_mul does.
+__device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
+	const unsigned gu[4] = {g.x, g.y, g.z, g.w}, uu[4] = {u.x, u.y, u.z, u.w};
+	unsigned r[4];
+#pragma unroll
+	for (int e = 0; e < 4; e++) {
+		const float g0 = __uint_as_float(gu[e] << 16), g1 = __uint_as_float(gu[e] & 0xffff0000u);
+		const float u0 = __uint_as_float(uu[e] << 16), u1 = __uint_as_float(uu[e] & 0xffff0000u);
+		const bf16 a0 = f2bf(rbf(g0 / (1.f + expf(-g0))) * u0), a1 = f2bf(rbf(g1 / (1.f + expf(-g1))) * u1);
+		r[e] = (unsigned)a0 | ((unsigned)a1 << 16);
+	}
+	return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// gemv_group computes this thread's group's output n (valid when n < N)
+// and returns the sum to lane 0 of the group's first warp (part 0). With
+// silu the rows of x are [gate | up], 2K wide, and the activation is formed
+// on the fly. Every thread of the block must call it.
 template <int M>
-__device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K) {
+__device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf16 *w, int N, int K, int silu,
+                                           int wpo, long long *n_out, int *part_out) {
+	__shared__ float red[8][M];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-	const long long n = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
-	if (n >= N) return;
+	const int part = warp % wpo;
+	const long long n = (long long)blockIdx.x * (8 / wpo) + warp / wpo;
 	const int kv = K / 8;
-	const uint4 *wr = (const uint4 *)(w + n * K);
-	const uint4 *xr = (const uint4 *)x;
 	float acc[M];
 #pragma unroll
 	for (int m = 0; m < M; m++) acc[m] = 0.f;
+	if (n < N) {
+		const uint4 *wr = (const uint4 *)(w + n * K);
+		const uint4 *xr = (const uint4 *)x;
+		const long long xstride = silu ? 2 * kv : kv;
 #pragma unroll 4
-	for (int i = lane; i < kv; i += 32) {
-		uint4 wv = wr[i];
-		unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w};
+		for (int i = part * 32 + lane; i < kv; i += 32 * wpo) {
+			const uint4 wv = __ldcs(wr + i);
+			const unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-		for (int m = 0; m < M; m++) {
-			uint4 xv = __ldg(xr + (long long)m * kv + i);
-			unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
+			for (int m = 0; m < M; m++) {
+				uint4 xv = __ldg(xr + m * xstride + i);
+				if (silu) xv = silu_mul8(xv, __ldg(xr + m * xstride + kv + i));
+				const unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
-			for (int e = 0; e < 4; e++) {
-				acc[m] += __uint_as_float(wu[e] << 16) * __uint_as_float(xu[e] << 16);
-				acc[m] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(xu[e] & 0xffff0000u);
+				for (int e = 0; e < 4; e++) {
+					acc[m] += __uint_as_float(wu[e] << 16) * __uint_as_float(xu[e] << 16);
+					acc[m] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(xu[e] & 0xffff0000u);
+				}
 			}
 		}
 	}
 #pragma unroll
 	for (int m = 0; m < M; m++) {
-		float s = warp_sum(acc[m]);
-		if (lane == 0) {
-			if (out_f32) ((float *)out)[(long long)m * N + n] = s;
-			else ((bf16 *)out)[(long long)m * N + n] = f2bf(s);
-		}
+		const float s = warp_sum(acc[m]);
+		if (lane == 0) red[warp][m] = s;
+	}
+	__syncthreads();
+#pragma unroll
+	for (int m = 0; m < M; m++) {
+		sum[m] = 0.f;
+		if (part == 0 && lane == 0)
+			for (int j = 0; j < wpo; j++) sum[m] += red[warp + j][m];
+	}
+	*n_out = n;
+	*part_out = part;
+}
+
+template <int M>
+__device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo) {
+	float sum[M];
+	long long n;
+	int part;
+	gemv_group<M>(sum, x, w, N, K, 0, wpo, &n, &part);
+	if (n >= N || part != 0 || (threadIdx.x & 31) != 0) return;
+#pragma unroll
+	for (int m = 0; m < M; m++) {
+		if (out_f32) ((float *)out)[(long long)m * N + n] = sum[m];
+		else ((bf16 *)out)[(long long)m * N + n] = f2bf(sum[m]);
 	}
 }
 
 #define GEMV(M)                                                                                        \
 	extern "C" __global__ void __launch_bounds__(256) gemv_m##M(void *out, int out_f32, const bf16 *x, \
-	                                                            const bf16 *w, int N, int K) {          \
-		gemv_impl<M>(out, out_f32, x, w, N, K);                                                      \
+	                                                            const bf16 *w, int N, int K, int wpo) { \
+		gemv_impl<M>(out, out_f32, x, w, N, K, wpo);                                                 \
 	}
 GEMV(1)
 GEMV(2)
@@ -199,14 +246,81 @@ GEMV(6)
 GEMV(7)
 GEMV(8)
 
+// gemv_fused is gemv for M <= 4 rows with what decode does around it:
+// with silu, the input rows are [gate | up] (2K wide) and the activation
+// silu(gate) * up is formed on the fly (rounded as silu_mul does); with
+// addnorm, the last block to finish adds out to residual and writes
+// normed = rmsnorm(residual) * norm_w (as add_rmsnorm does), so neither
+// needs a kernel of its own. counter is zero between launches.
+template <int M>
+__device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo,
+                                bf16 *residual, bf16 *normed, const bf16 *norm_w, float eps, int *counter) {
+	__shared__ float red[32];
+	__shared__ int last;
+	float sum[M];
+	long long n;
+	int part;
+	gemv_group<M>(sum, x, w, N, K, silu, wpo, &n, &part);
+	if (n < N && part == 0 && (threadIdx.x & 31) == 0) {
+#pragma unroll
+		for (int m = 0; m < M; m++) out[(long long)m * N + n] = f2bf(sum[m]);
+	}
+	if (residual == 0) return;
+	__threadfence();
+	__syncthreads();
+	if (threadIdx.x == 0) last = atomicAdd(counter, 1) == gridDim.x - 1;
+	__syncthreads();
+	if (!last) return;
+	__threadfence();
+	for (int m = 0; m < M; m++) {
+		bf16 *r = residual + (long long)m * N;
+		const bf16 *o = out + (long long)m * N;
+		float ss = 0.f;
+		for (int i = threadIdx.x; i < N; i += blockDim.x) {
+			const float v = rbf(bf2f(r[i]) + bf2f(__ldcg(o + i)));
+			ss += v * v;
+		}
+		const float inv = rsqrtf(block_sum(ss, red) / N + eps);
+		for (int i = threadIdx.x; i < N; i += blockDim.x) {
+			const float v = rbf(bf2f(r[i]) + bf2f(__ldcg(o + i)));
+			normed[(long long)m * N + i] = f2bf(bf2f(norm_w[i]) * rbf(v * inv));
+		}
+		__syncthreads(); // every thread has read r before it changes
+		for (int i = threadIdx.x; i < N; i += blockDim.x) r[i] = f2bf(rbf(bf2f(r[i]) + bf2f(__ldcg(o + i))));
+	}
+	if (threadIdx.x == 0) *counter = 0;
+}
+
+#define GEMV_FUSED(M)                                                                                          \
+	extern "C" __global__ void __launch_bounds__(256) gemv_fused_m##M(bf16 *out, const bf16 *x, const bf16 *w, int N, \
+	                                                                   int K, int silu, int wpo, bf16 *residual, \
+	                                                                   bf16 *normed, const bf16 *norm_w,         \
+	                                                                   float eps, int *counter) {                \
+		gemv_fused_impl<M>(out, x, w, N, K, silu, wpo, residual, normed, norm_w, eps, counter);                  \
+	}
+GEMV_FUSED(1)
+GEMV_FUSED(2)
+GEMV_FUSED(3)
+GEMV_FUSED(4)
+
 // silu_mul: out = silu(gate) * up with gate_up rows [gate | up], rounded as
-// transformers' act_fn(gate) * up in bf16. Grid (column blocks, rows).
-extern "C" __global__ void silu_mul(bf16 *out, const bf16 *gate_up, int inter) {
-	const long long r = blockIdx.y;
-	const int j = blockIdx.x * blockDim.x + threadIdx.x;
-	if (j >= inter) return;
-	float g = bf2f(gate_up[r * 2 * inter + j]), u = bf2f(gate_up[r * 2 * inter + inter + j]);
-	out[r * inter + j] = f2bf(rbf(g / (1.f + __expf(-g))) * u);
+// transformers' act_fn(gate) * up in bf16. Grid-stride over rows * inter.
+extern "C" __global__ void silu_mul(bf16 *out, const bf16 *gate_up, int inter, long long total) {
+	FOR_GRID(i, total) {
+		const long long r = i / inter, j = i % inter;
+		float g = bf2f(gate_up[r * 2 * inter + j]), u = bf2f(gate_up[r * 2 * inter + inter + j]);
+		out[i] = f2bf(rbf(g / (1.f + expf(-g))) * u);
+	}
+}
+
+// silu_mul_v8 is silu_mul eight elements at a time (inter % 8 == 0):
+// prefill chunks are bandwidth-bound here.
+extern "C" __global__ void silu_mul_v8(bf16 *out, const bf16 *gate_up, int inter8, long long total8) {
+	FOR_GRID(i, total8) {
+		const long long r = i / inter8, j = i % inter8;
+		const uint4 *gu = (const uint4 *)gate_up + r * 2 * inter8;
+		((uint4 *)out)[i] = silu_mul8(gu[j], gu[inter8 + j]);
+	}
 }
 
 // gather_rows: out[i] = x[rows[i]] (bf16 rows of n).

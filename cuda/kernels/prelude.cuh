@@ -55,3 +55,30 @@ __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
 // Grid-stride loop over [0, n).
 #define FOR_GRID(i, n) \
 	for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+
+// Split-KV decode: split_store writes a split's partial (its output rows
+// unnormalised, with their max and sum), or the answer when the sequence
+// has one split; split_elect_last elects the split that finishes last to
+// merge them all. Every thread of the block calls split_elect_last.
+__device__ __forceinline__ void split_store(bf16 *out, float *part_o, float *part_ml, long long rh, int splits, int sp,
+                                            int used, int d, int dd, float M, float L, float acc) {
+	if (used == 1) {
+		out[rh * d + dd] = f2bf(L > 0.f ? acc / L : 0.f);
+		return;
+	}
+	part_o[(rh * splits + sp) * d + dd] = acc;
+	if (dd == 0) {
+		part_ml[(rh * splits + sp) * 2] = M;
+		part_ml[(rh * splits + sp) * 2 + 1] = L;
+	}
+}
+
+__device__ __forceinline__ bool split_elect_last(int *counter, int used, int *sh_last) {
+	__threadfence();
+	__syncthreads();
+	if (threadIdx.x == 0) *sh_last = atomicAdd(counter, 1) == used - 1;
+	__syncthreads();
+	if (!*sh_last) return false;
+	__threadfence();
+	return true;
+}

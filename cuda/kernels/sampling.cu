@@ -1,6 +1,11 @@
-// Sampling, penalties and logprobs over float32 logits [rows, V]. One block
-// of SAMPLE_THREADS threads per row. The algorithm is device/cpu's
-// (SampleRow): see its comment for the exact rules this reproduces.
+// Sampling, penalties and logprobs over logits [rows, V] (float32 or bf16).
+// The algorithm is device/cpu's (SampleRow): a token is the argmax of
+// x/T + g over the kept tokens, g Gumbel noise from a hash of the row's key
+// and the token id, so one pass over the row samples it and the same key
+// gives the same token whatever else is in the batch. Filtering keeps the
+// tokens whose scaled logit is at least a threshold found by radix
+// selection (top_k: the k-th largest; top_p: where the descending mass
+// passes top_p; min_p: m + log(min_p)), never by sorting.
 
 #define SAMPLE_THREADS 1024
 
@@ -37,211 +42,182 @@ __device__ ArgMax block_argmax(ArgMax a, float *shared) {
 	return a;
 }
 
-// count_and_mass of p = exp(s - m) >= tau over the row.
-__device__ void count_mass(const float *x, int V, float T, float m, float tau, float *shared,
-                           float *count, float *mass) {
-	float c = 0.f, z = 0.f;
-	for (int i = threadIdx.x; i < V; i += blockDim.x) {
-		float p = expf(x[i] / T - m);
-		if (p >= tau) {
-			c += 1.f;
-			z += p;
-		}
-	}
-	*count = block_sum(c, shared);
-	*mass = block_sum(z, shared);
+// gumbel is the noise of token i for a row keyed (k0, k1): lowbias32 of the
+// id mixed with the key, as a uniform in (0, 1), then -log(-log(u)).
+// device/cpu's gumbel is the same function.
+__device__ __forceinline__ float gumbel(unsigned k0, unsigned k1, int i) {
+	unsigned h = ((unsigned)i * 0x9e3779b1u) ^ k0;
+	h ^= h >> 16;
+	h *= 0x7feb352du;
+	h ^= h >> 15;
+	h *= 0x846ca68bu;
+	h ^= h >> 16;
+	h ^= k1;
+	h ^= h >> 16;
+	h *= 0x7feb352du;
+	h ^= h >> 15;
+	h *= 0x846ca68bu;
+	h ^= h >> 16;
+	const float u = ((float)(h >> 8) + 0.5f) * (1.f / 16777216.f);
+	return -logf(-logf(u));
 }
 
-// sample_part reduces one slice of a row (blockIdx.y of gridDim.y slices):
-// the largest scaled logit, its lowest index, and the sum of exp(x/T - max).
-// part[(row * parts + p) * 3 + {0,1,2}] = {max, index (as bits), sum}.
-extern "C" __global__ void __launch_bounds__(256)
-    sample_part(const float *logits, int V, const float *temp, float *part) {
+__device__ __forceinline__ float logit(const float *x, long long i) { return x[i]; }
+__device__ __forceinline__ float logit(const bf16 *x, long long i) { return bf2f(x[i]); }
+
+// orderable maps a float to a uint32 that sorts like it.
+__device__ __forceinline__ unsigned orderable(float f) {
+	unsigned u = __float_as_uint(f);
+	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A row's parameters, as the kernels read them.
+struct RowParams {
+	float T;
+	bool greedy, sampled;
+	unsigned k0, k1;
+};
+
+__device__ __forceinline__ RowParams row_params(int r, const float *temp, const int *top_k, const unsigned *keys) {
+	RowParams p;
+	p.T = temp[r];
+	p.greedy = p.T <= 0.f || top_k[r] == 1;
+	if (p.T <= 0.f) p.T = 1.f;
+	p.sampled = !p.greedy;
+	p.k0 = keys[2 * r];
+	p.k1 = keys[2 * r + 1];
+	return p;
+}
+
+// sample_scan reduces one slice of a row (blockIdx.y of gridDim.y): the
+// largest scaled logit m, the sum of exp(x/T - m), and the winner: the
+// lowest index of the largest logit (greedy rows) or of the largest
+// x/T + g (sampled rows). part[(row * parts + p) * 4 + {0..3}] =
+// {m, sum, winner's value, winner's index as bits}.
+template <typename T>
+__device__ void sample_scan_impl(const T *logits, int V, const float *temp, const int *top_k, const unsigned *keys,
+                                 float *part) {
 	__shared__ float shared[64];
 	const int r = blockIdx.x, p = blockIdx.y, parts = gridDim.y;
-	const float *x = logits + (long long)r * V;
-	float T = temp[r] > 0.f ? temp[r] : 1.f;
+	const T *x = logits + (long long)r * V;
+	const RowParams rp = row_params(r, temp, top_k, keys);
+	const float inv = 1.f / rp.T;
 	const int len = (V + parts - 1) / parts, lo = p * len, hi = min(V, lo + len);
+	float m = -EBB_INF, z = 0.f;
 	ArgMax best = {-EBB_INF, 0x7fffffff};
-	for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) best = better(best, ArgMax{x[i] / T, i});
-	best = block_argmax(best, shared);
-	float z = 0.f;
-	for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) z += expf(x[i] / T - best.v);
+	for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+		const float s = logit(x, i) * inv;
+		if (s > m) {
+			z = z * __expf(m - s) + 1.f;
+			m = s;
+		} else if (s > -EBB_INF) {
+			z += __expf(s - m);
+		}
+		const float v = rp.sampled ? s + gumbel(rp.k0, rp.k1, i) : s;
+		best = better(best, ArgMax{v, i});
+	}
+	// Merge the threads' (m, z) pairs, then the winners.
+	const float M = block_max(m, shared);
+	z = m == -EBB_INF ? 0.f : z * __expf(m - M);
 	z = block_sum(z, shared);
+	best = block_argmax(best, shared);
 	if (threadIdx.x == 0) {
-		float *o = part + ((long long)r * parts + p) * 3;
-		o[0] = best.v;
-		o[1] = __int_as_float(best.i);
-		o[2] = z;
+		float *o = part + ((long long)r * parts + p) * 4;
+		o[0] = M;
+		o[1] = z;
+		o[2] = best.v;
+		o[3] = __int_as_float(best.i);
 	}
 }
 
-// pick_in_range finds, in token-id order over [lo, hi), the first token
-// with p = exp(x/T - m) >= tau whose cumulative p (starting at before)
-// exceeds target; each thread owns a contiguous chunk. Returns -1 when
-// rounding leaves the target past the end; last_kept gets the last token
-// with p >= tau.
-__device__ int pick_in_range(const float *x, int lo, int hi, float T, float m, float tau, float before, float target,
-                             float *shared, float *scan, int *found, int *last_kept) {
-	const int chunk = (hi - lo + blockDim.x - 1) / blockDim.x;
-	const int b0 = lo + threadIdx.x * chunk, b1 = min(hi, b0 + chunk);
-	float mine = 0.f;
-	int last = -1;
-	for (int i = b0; i < b1; i++) {
-		float p = expf(x[i] / T - m);
-		if (p >= tau) {
-			mine += p;
-			last = i;
-		}
-	}
-	int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-	float incl = mine;
-	for (int o = 1; o < 32; o <<= 1) {
-		float v = __shfl_up_sync(0xffffffff, incl, o);
-		if (lane >= o) incl += v;
-	}
-	if (lane == 31) scan[warp] = incl;
-	if (threadIdx.x == 0) *found = -1;
-	__syncthreads();
-	if (warp == 0) {
-		float w = lane < (int)(blockDim.x >> 5) ? scan[lane] : 0.f;
-		float wi = w;
-		for (int o = 1; o < 32; o <<= 1) {
-			float v = __shfl_up_sync(0xffffffff, wi, o);
-			if (lane >= o) wi += v;
-		}
-		if (lane < (int)(blockDim.x >> 5)) scan[lane] = wi - w; // exclusive warp offsets
-	}
-	__syncthreads();
-	float excl = __shfl_up_sync(0xffffffff, incl, 1);
-	if (lane == 0) excl = 0.f;
-	const float start = before + scan[warp] + excl;
-	if (mine > 0.f && start <= target && target < start + mine) {
-		float cum = start;
-		int pick = last;
-		for (int i = b0; i < b1; i++) {
-			float p = expf(x[i] / T - m);
-			if (p >= tau) {
-				cum += p;
-				if (cum > target) {
-					pick = i;
-					break;
-				}
+// radix_select finds the key (orderable of x/T) at which keeping every
+// token whose key is at least it first holds k tokens (by count) or more
+// than `limit` of the mass (by_mass: mass of exp(x/T - m) in 2^-32 units,
+// exact and order-independent), scanning the keys from the top in four
+// passes of eight bits.
+template <typename T>
+__device__ unsigned radix_select(const T *x, int V, float inv, float m, bool by_mass, unsigned long long k_or_limit,
+                                 unsigned long long *hist) {
+	unsigned prefix = 0, mask = 0;
+	unsigned long long above = 0;
+	__shared__ unsigned sh_digit;
+	__shared__ unsigned long long sh_above;
+	for (int shift = 24; shift >= 0; shift -= 8) {
+		for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+		__syncthreads();
+		for (int i = threadIdx.x; i < V; i += blockDim.x) {
+			const float s = logit(x, i) * inv;
+			const unsigned key = orderable(s);
+			if ((key & mask) == prefix) {
+				const unsigned long long w = by_mass ? (unsigned long long)(__expf(s - m) * 4294967296.f) : 1ull;
+				atomicAdd(&hist[(key >> shift) & 255], w);
 			}
 		}
-		atomicMax(found, pick);
+		__syncthreads();
+		if (threadIdx.x == 0) {
+			unsigned long long cum = above;
+			int d = 255;
+			for (; d > 0; d--) {
+				if (by_mass ? cum + hist[d] > k_or_limit : cum + hist[d] >= k_or_limit) break;
+				cum += hist[d];
+			}
+			sh_digit = d;
+			sh_above = cum;
+		}
+		__syncthreads();
+		prefix |= sh_digit << shift;
+		mask |= 0xffu << shift;
+		above = sh_above;
 	}
-	ArgMax lk = {last >= 0 ? (float)last : -1.f, 0};
-	lk = block_argmax(lk, shared);
-	*last_kept = (int)lk.v;
-	__syncthreads();
-	return *found;
+	return prefix;
 }
 
-// sample draws one token per row (one block per row). With parts > 0 the
-// row's max, argmax and normaliser come from sample_part; rows without
-// top-k/top-p/min-p then only scan the slice their draw falls in.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample(const float *logits, int V, const float *temp, const float *top_p, const int *top_k, const float *min_p,
-           const float *uniform, int *out_ids, float *out_lp, int *top_ids, float *top_lps, int ntop,
-           const float *part, int parts) {
+// sample_finish draws one token per row (one block per row) from the
+// slices sample_scan reduced; filtered rows (top-k, top-p, min-p) find
+// their threshold and take the winner among the kept tokens here.
+template <typename T>
+__device__ void sample_finish_impl(const T *logits, int V, const float *temp, const float *top_p, const int *top_k,
+                                   const float *min_p, const unsigned *keys, int *out_ids, float *out_lp, int *top_ids,
+                                   float *top_lps, int ntop, const float *part, int parts) {
 	__shared__ float shared[64];
 	__shared__ int chosen_top[64];
-	__shared__ float scan[SAMPLE_THREADS / 32];
-	__shared__ int found;
-	__shared__ float sh_before;
-	__shared__ int sh_part;
+	__shared__ unsigned long long hist[256];
 	const int r = blockIdx.x;
-	const float *x = logits + (long long)r * V;
-	float T = temp[r];
-	const int k = top_k[r];
-	const bool greedy = T <= 0.f || k == 1;
-	if (T <= 0.f) T = 1.f;
-	const bool filtered = (k > 0 && k < V) || top_p[r] < 1.f || min_p[r] > 0.f;
-
-	float m, Z;
-	int argmax;
-	if (parts > 0) {
-		const float *pr = part + (long long)r * parts * 3;
-		m = -EBB_INF;
-		argmax = 0x7fffffff;
-		for (int p = 0; p < parts; p++) {
-			if (pr[3 * p] > m) { // parts are in index order: the first max is the lowest index
-				m = pr[3 * p];
-				argmax = __float_as_int(pr[3 * p + 1]);
-			}
-		}
-		Z = 0.f;
-		for (int p = 0; p < parts; p++) Z += pr[3 * p + 2] * expf(pr[3 * p] - m);
-	} else {
-		ArgMax best = {-EBB_INF, 0x7fffffff};
-		for (int i = threadIdx.x; i < V; i += blockDim.x) best = better(best, ArgMax{x[i] / T, i});
-		best = block_argmax(best, shared);
-		m = best.v;
-		argmax = best.i;
-		float z = 0.f;
-		for (int i = threadIdx.x; i < V; i += blockDim.x) z += expf(x[i] / T - m);
-		Z = block_sum(z, shared);
+	const T *x = logits + (long long)r * V;
+	const RowParams rp = row_params(r, temp, top_k, keys);
+	const float inv = 1.f / rp.T;
+	const float *pr = part + (long long)r * parts * 4;
+	float m = -EBB_INF;
+	for (int p = 0; p < parts; p++) m = fmaxf(m, pr[4 * p]);
+	float Z = 0.f;
+	ArgMax best = {-EBB_INF, 0x7fffffff};
+	for (int p = 0; p < parts; p++) {
+		if (pr[4 * p + 1] > 0.f) Z += pr[4 * p + 1] * __expf(pr[4 * p] - m);
+		best = better(best, ArgMax{pr[4 * p + 2], __float_as_int(pr[4 * p + 3])});
 	}
 	const float lse = m + logf(Z);
-
-	int id = argmax;
-	if (!greedy) {
-		int last_kept;
-		if (!filtered && parts > 0) {
-			// Find the slice holding the draw, then scan only it.
-			if (threadIdx.x == 0) {
-				const float *pr = part + (long long)r * parts * 3;
-				const float target = uniform[r] * Z;
-				float cum = 0.f;
-				int q = parts - 1;
-				for (int p = 0; p < parts; p++) {
-					float sp = pr[3 * p + 2] * expf(pr[3 * p] - m);
-					if (cum + sp > target) {
-						q = p;
-						break;
-					}
-					cum += sp;
-				}
-				sh_part = q;
-				sh_before = cum;
-			}
-			__syncthreads();
-			const int len = (V + parts - 1) / parts, lo = sh_part * len, hi = min(V, lo + len);
-			id = pick_in_range(x, lo, hi, T, m, 0.f, sh_before, uniform[r] * Z, shared, scan, &found, &last_kept);
-		} else {
-			float tau = min_p[r] > 0.f ? min_p[r] : 0.f;
-			float cnt, mass;
-			if (k > 0 && k < V) {
-				// Largest tau with count(p >= tau) >= k: bisection on the bits of
-				// positive floats, which order like the floats.
-				unsigned lo = 0, hi = 0x3f800001u;
-				while (hi - lo > 1) {
-					unsigned mid = lo + (hi - lo) / 2;
-					count_mass(x, V, T, m, __uint_as_float(mid), shared, &cnt, &mass);
-					if (cnt >= (float)k) lo = mid; else hi = mid;
-				}
-				tau = fmaxf(tau, __uint_as_float(lo));
-			}
-			if (top_p[r] < 1.f) {
-				// Largest tau whose kept mass still exceeds top_p of the total.
-				const float limit = top_p[r] * Z;
-				unsigned lo = 0, hi = 0x3f800001u;
-				while (hi - lo > 1) {
-					unsigned mid = lo + (hi - lo) / 2;
-					count_mass(x, V, T, m, __uint_as_float(mid), shared, &cnt, &mass);
-					if (mass > limit) lo = mid; else hi = mid;
-				}
-				tau = fmaxf(tau, __uint_as_float(lo));
-			}
-			count_mass(x, V, T, m, tau, shared, &cnt, &mass);
-			id = pick_in_range(x, 0, V, T, m, tau, 0.f, uniform[r] * mass, shared, scan, &found, &last_kept);
+	if (best.i < 0 || best.i >= V) best.i = 0; // a row of -inf logits only
+	const int k = top_k[r];
+	const bool filtered = rp.sampled && ((k > 0 && k < V) || top_p[r] < 1.f || min_p[r] > 0.f);
+	int id = best.i;
+	if (filtered) {
+		unsigned thresh = 0;
+		if (min_p[r] > 0.f) thresh = orderable(m + logf(min_p[r]));
+		if (k > 0 && k < V) thresh = max(thresh, radix_select(x, V, inv, m, false, (unsigned long long)k, hist));
+		if (top_p[r] < 1.f) {
+			const unsigned long long limit = (unsigned long long)((double)top_p[r] * (double)Z * 4294967296.0);
+			thresh = max(thresh, radix_select(x, V, inv, m, true, limit, hist));
 		}
-		if (id < 0) id = last_kept; // rounding left the target past the end
+		ArgMax b = {-EBB_INF, 0x7fffffff};
+		for (int i = threadIdx.x; i < V; i += blockDim.x) {
+			const float s = logit(x, i) * inv;
+			if (orderable(s) >= thresh) b = better(b, ArgMax{s + gumbel(rp.k0, rp.k1, i), i});
+		}
+		id = block_argmax(b, shared).i;
 	}
 	if (threadIdx.x == 0) {
 		out_ids[r] = id;
-		out_lp[r] = x[id] / T - lse;
+		out_lp[r] = logit(x, id) * inv - lse;
 	}
 	// Top alternatives: repeated argmax, skipping those already chosen.
 	for (int j = 0; j < ntop; j++) {
@@ -249,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 		for (int i = threadIdx.x; i < V; i += blockDim.x) {
 			bool taken = false;
 			for (int q = 0; q < j; q++) taken |= chosen_top[q] == i;
-			if (!taken) a = better(a, ArgMax{x[i] / T, i});
+			if (!taken) a = better(a, ArgMax{logit(x, i) * inv, i});
 		}
 		a = block_argmax(a, shared);
 		if (threadIdx.x == 0) {
@@ -260,6 +236,22 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 		__syncthreads();
 	}
 }
+
+#define SAMPLE_KERNELS(NAME, T)                                                                                  \
+	extern "C" __global__ void __launch_bounds__(256) sample_scan_##NAME(const T *logits, int V, const float *temp, \
+	                                                                     const int *top_k, const unsigned *keys,  \
+	                                                                     float *part) {                           \
+		sample_scan_impl<T>(logits, V, temp, top_k, keys, part);                                                   \
+	}                                                                                                            \
+	extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                 \
+	    sample_finish_##NAME(const T *logits, int V, const float *temp, const float *top_p, const int *top_k,      \
+	                         const float *min_p, const unsigned *keys, int *out_ids, float *out_lp, int *top_ids,  \
+	                         float *top_lps, int ntop, const float *part, int parts) {                             \
+		sample_finish_impl<T>(logits, V, temp, top_p, top_k, min_p, keys, out_ids, out_lp, top_ids, top_lps, ntop, \
+		                      part, parts);                                                                        \
+	}
+SAMPLE_KERNELS(f32, float)
+SAMPLE_KERNELS(bf16, bf16)
 
 extern "C" __global__ void apply_penalties(float *logits, int V, const int *rowptr, const int *toks, const int *counts,
                                            const float *bias, const float *rep, const float *freq, const float *pres) {
@@ -285,4 +277,12 @@ extern "C" __global__ void token_logprobs(float *out, const float *logits, const
 	for (int i = threadIdx.x; i < V; i += blockDim.x) z += expf(x[i] - m);
 	z = block_sum(z, shared);
 	if (threadIdx.x == 0) out[r] = x[targets[r]] - m - logf(z);
+}
+
+// resolve_tokens: a decode step whose input tokens are the previous step's
+// outputs, still on the device (overlapped scheduling): tokens[i] =
+// prev[src[i]] where src[i] >= 0.
+extern "C" __global__ void resolve_tokens(int *tokens, const int *src, const int *prev, int n) {
+	const int i = blockIdx.x * blockDim.x + threadIdx.x;
+	if (i < n && src[i] >= 0) tokens[i] = prev[src[i]];
 }

@@ -8,21 +8,22 @@ import (
 )
 
 // Sample implements device.Device with the reference sampling algorithm that
-// the CUDA kernel reproduces:
+// the CUDA kernels reproduce:
 //
 //  1. Greedy (temperature 0, or top_k 1): the lowest id of the largest logit;
 //     its logprob is from log_softmax(logits/T), T = 1 when temperature is 0.
-//  2. Otherwise p = exp(logits/T - max). The sampled token's logprob is from
-//     log_softmax(logits/T), before filtering (SGLang's default).
+//  2. Otherwise scaled s = logits/T and p = exp(s - max). The sampled token's
+//     logprob is from log_softmax(s), before filtering (SGLang's default).
 //  3. Filtering keeps every token with p >= tau, tau the largest of: the k-th
 //     largest p (top_k); the p of the last token of the shortest descending
 //     prefix whose mass exceeds top_p (top_p < 1); min_p * max p (min_p).
-//  4. The draw u picks, in token-id order over the kept tokens, the first
-//     whose cumulative mass exceeds u times their total.
+//  4. The token is the kept one with the largest s + g, g the Gumbel noise
+//     of its id under the row's key (lowest id among equals): a draw from
+//     softmax over the kept tokens that one pass over the row finds.
 func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 	v := logits.Dim(-1)
 	all := F32(logits)
-	temp, topP, topK, minP, uni := F32(a.Temperature), F32(a.TopP), I32(a.TopK), F32(a.MinP), F32(a.Uniform)
+	temp, topP, topK, minP, keys := F32(a.Temperature), F32(a.TopP), I32(a.TopK), F32(a.MinP), I32(a.Keys)
 	ids, lps := I32(a.IDs), F32(a.Logprobs)
 	k := 0
 	if a.TopIDs.Valid() {
@@ -30,7 +31,7 @@ func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 	}
 	for r := 0; r < logits.Dim(0); r++ {
 		row := all[r*v : (r+1)*v]
-		id, lp, scaled := SampleRow(row, temp[r], topP[r], int(topK[r]), minP[r], uni[r])
+		id, lp, scaled := SampleRow(row, temp[r], topP[r], int(topK[r]), minP[r], uint32(keys[2*r]), uint32(keys[2*r+1]))
 		ids[r], lps[r] = id, lp
 		if k > 0 {
 			topIDs, topLps := I32(a.TopIDs)[r*k:(r+1)*k], F32(a.TopLogprobs)[r*k:(r+1)*k]
@@ -39,9 +40,36 @@ func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 	}
 }
 
+// ResolveTokens implements device.Device.
+func (d *Device) ResolveTokens(tokens, src, prev device.Tensor) {
+	t, s, p := I32(tokens), I32(src), I32(prev)
+	for i := range t {
+		if s[i] >= 0 {
+			t[i] = p[s[i]]
+		}
+	}
+}
+
+// Gumbel is the noise of token i for a row keyed (k0, k1): lowbias32 of
+// the id mixed with the key, as a uniform in (0, 1), then -log(-log(u)).
+// The CUDA sampler's gumbel is the same function.
+func Gumbel(k0, k1 uint32, i int) float32 {
+	mix := func(h uint32) uint32 {
+		h ^= h >> 16
+		h *= 0x7feb352d
+		h ^= h >> 15
+		h *= 0x846ca68b
+		return h ^ h>>16
+	}
+	h := mix(uint32(i)*0x9e3779b1 ^ k0)
+	h = mix(h ^ k1)
+	u := (float32(h>>8) + 0.5) * (1.0 / 16777216)
+	return float32(-math.Log(-math.Log(float64(u))))
+}
+
 // SampleRow samples one row; it also returns the logits as scaled for the
 // logprobs (divided by the temperature unless greedy).
-func SampleRow(logits []float32, temperature, topP float32, topK int, minP, u float32) (int32, float32, []float32) {
+func SampleRow(logits []float32, temperature, topP float32, topK int, minP float32, k0, k1 uint32) (int32, float32, []float32) {
 	greedy := temperature <= 0 || topK == 1
 	if temperature <= 0 {
 		temperature = 1
@@ -53,6 +81,7 @@ func SampleRow(logits []float32, temperature, topP float32, topK int, minP, u fl
 			scaled[i] = x / temperature
 		}
 	}
+	lse := logSumExp(scaled)
 	if greedy {
 		best := 0
 		for i, x := range scaled {
@@ -60,38 +89,36 @@ func SampleRow(logits []float32, temperature, topP float32, topK int, minP, u fl
 				best = i
 			}
 		}
-		return int32(best), scaled[best] - logSumExp(scaled), scaled
+		return int32(best), scaled[best] - lse, scaled
 	}
-	m := float32(math.Inf(-1))
-	for _, x := range scaled {
-		m = max(m, x)
+	var p []float32 // kept tokens have p >= tau; nil keeps all
+	tau := float32(0)
+	if topK > 0 && topK < len(logits) || topP < 1 || minP > 0 {
+		m := float32(math.Inf(-1))
+		for _, x := range scaled {
+			m = max(m, x)
+		}
+		p = make([]float32, len(logits))
+		var z float32
+		for i, x := range scaled {
+			p[i] = float32(math.Exp(float64(x - m)))
+			z += p[i]
+		}
+		tau = Threshold(p, z, topP, topK, minP)
 	}
-	p := make([]float32, len(logits))
-	var z float32
+	choice, best := -1, float32(math.Inf(-1))
 	for i, x := range scaled {
-		p[i] = float32(math.Exp(float64(x - m)))
-		z += p[i]
-	}
-	tau := Threshold(p, z, topP, topK, minP)
-	var kept float32
-	for _, x := range p {
-		if x >= tau {
-			kept += x
+		if math.IsInf(float64(x), -1) || p != nil && p[i] < tau {
+			continue
+		}
+		if v := x + Gumbel(k0, k1, i); choice < 0 || v > best {
+			choice, best = i, v
 		}
 	}
-	target := u * kept
-	var cum float32
-	choice := -1
-	for i, x := range p {
-		if x >= tau {
-			cum += x
-			choice = i
-			if cum > target {
-				break
-			}
-		}
+	if choice < 0 {
+		choice = 0 // every logit is -inf
 	}
-	return int32(choice), scaled[choice] - m - float32(math.Log(float64(z))), scaled
+	return int32(choice), scaled[choice] - lse, scaled
 }
 
 // Threshold computes the filtering threshold tau of step 3 over

@@ -63,8 +63,7 @@ func TestSampleRow(t *testing.T) {
 	for _, c := range cases {
 		seen := map[int32]bool{}
 		for i := 0; i < 300; i++ {
-			u := float32(i) / 300
-			id, lp, _ := SampleRow(logits, c.temp, c.topP, c.topK, c.minP, u)
+			id, lp, _ := SampleRow(logits, c.temp, c.topP, c.topK, c.minP, uint32(i), 77)
 			if id < 0 || !c.allowed(id) {
 				t.Fatalf("%s: sampled %d (rank %d)", c.name, id, rank(id))
 			}
@@ -81,14 +80,29 @@ func TestSampleRow(t *testing.T) {
 			t.Fatalf("plain sampling drew only %d distinct tokens over the whole [0,1) range", len(seen))
 		}
 	}
-	// Inverse CDF: a larger draw never picks an earlier token id.
-	prev := int32(-1)
-	for i := 0; i < 100; i++ {
-		id, _, _ := SampleRow(logits, 1, 1, -1, 0, float32(i)/100)
-		if id < prev {
-			t.Fatalf("draw %d picked %d after %d", i, id, prev)
+}
+
+// TestGumbelDrawsFollowTheSoftmax: over many keys, each token is drawn as
+// often as softmax(logits/T) says (and always the same for one key).
+func TestGumbelDrawsFollowTheSoftmax(t *testing.T) {
+	logits := []float32{2, 1, 0.5, 0, -1, -3}
+	const n = 60000
+	for _, temp := range []float32{1, 0.5} {
+		want := logSoftmax(logits, temp)
+		counts := make([]int, len(logits))
+		for i := 0; i < n; i++ {
+			id, _, _ := SampleRow(logits, temp, 1, -1, 0, uint32(i), uint32(i*7+3))
+			counts[id]++
+			if again, _, _ := SampleRow(logits, temp, 1, -1, 0, uint32(i), uint32(i*7+3)); again != id {
+				t.Fatal("one key drew two tokens")
+			}
 		}
-		prev = id
+		for i, c := range counts {
+			p := math.Exp(want[i])
+			if sd := math.Sqrt(p * (1 - p) / n); math.Abs(float64(c)/n-p) > 5*sd+1e-4 {
+				t.Errorf("T=%v token %d: frequency %.4f, probability %.4f", temp, i, float64(c)/n, p)
+			}
+		}
 	}
 }
 

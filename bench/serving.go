@@ -1,0 +1,410 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"ebb/cuda"
+	"ebb/engine"
+	"ebb/model"
+)
+
+// ServingConfig is `ebb bench serving`: a workload sent to a server's
+// /generate (SGLang's native API, so the same run measures SGLang or ebb),
+// either at URL or an `ebb serve` the benchmark starts on Engine's model.
+type ServingConfig struct {
+	URL         string
+	Engine      engine.Config
+	Executable  string // ebb binary to start; default this one
+	Workload    Workload
+	RequestRate float64 // requests/s, Poisson; 0 or +Inf sends all at once
+	MaxInFlight int     // 0: no limit
+	Temperature float64
+	Stream      bool
+	APIKey      string
+	// ModelDir gives the model's shapes for the bandwidth floor when the
+	// server is at URL (default: the server's /get_model_info model_path).
+	ModelDir string
+	// PeakGBPerS overrides the GPU's peak bandwidth read through NVML
+	// (GPU ordinal PeakGPU).
+	PeakGBPerS float64
+	PeakGPU    int
+	PlotPath   string
+	Progress   io.Writer
+}
+
+// Percentiles are p50/p90/p99 and the mean, in milliseconds.
+type Percentiles struct {
+	Mean float64 `json:"mean"`
+	P50  float64 `json:"p50"`
+	P90  float64 `json:"p90"`
+	P99  float64 `json:"p99"`
+}
+
+// ServingReport is the run's figures.
+type ServingReport struct {
+	Server           string      `json:"server"`
+	Workload         Workload    `json:"workload"`
+	RequestRate      float64     `json:"request_rate"` // 0: all at once
+	Temperature      float64     `json:"temperature"`
+	Stream           bool        `json:"stream"`
+	Completed        int         `json:"completed"`
+	Failed           int         `json:"failed"`
+	FirstError       string      `json:"first_error,omitempty"`
+	DurationS        float64     `json:"duration_s"`
+	InputTokens      int         `json:"input_tokens"`
+	OutputTokens     int         `json:"output_tokens"`
+	RequestPerS      float64     `json:"requests_per_s"`
+	OutputTokPerS    float64     `json:"output_tokens_per_s"`
+	TotalTokPerS     float64     `json:"total_tokens_per_s"`
+	TTFTMs           Percentiles `json:"ttft_ms"` // streaming only
+	ITLMs            Percentiles `json:"itl_ms"`  // streaming only: gap between chunks per token
+	E2EMs            Percentiles `json:"e2e_ms"`
+	KVReadBytes      float64     `json:"kv_read_bytes"`     // the workload's least KV traffic
+	WeightReadBytes  float64     `json:"weight_read_bytes"` // weights once per decode step, longest output's steps
+	PeakGBPerS       float64     `json:"peak_gb_per_s"`
+	FloorTokPerS     float64     `json:"bandwidth_floor_tokens_per_s"` // output tokens/s if reads ran at peak
+	FractionOfFloor  float64     `json:"fraction_of_floor"`
+	ThroughputSeries []XY        `json:"throughput_series"` // output tok/s in time bins
+}
+
+// XY is one point of a series.
+type XY struct {
+	X float64 `json:"x"`
+	Y float64 `json:"y"`
+}
+
+// requestResult is one request's timings, relative to the run's start.
+type requestResult struct {
+	Input, Output int
+	Sent, First   float64 // seconds; First < 0 when unknown (no stream)
+	Done          float64
+	Chunks        []chunk
+	Err           error
+}
+
+type chunk struct {
+	At     float64
+	Tokens int // new tokens in this chunk
+}
+
+// Serving runs the workload and reports.
+func Serving(cfg ServingConfig) (*ServingReport, error) {
+	url := strings.TrimRight(cfg.URL, "/")
+	modelDir := cfg.ModelDir
+	if url == "" {
+		if cfg.Executable == "" {
+			exe, err := os.Executable()
+			if err != nil {
+				return nil, err
+			}
+			cfg.Executable = exe
+		}
+		srv, err := startServe(cfg.Executable, cfg.Engine)
+		if err != nil {
+			return nil, err
+		}
+		defer srv.stop()
+		url = srv.url
+		if modelDir == "" {
+			modelDir = cfg.Engine.ModelDir
+		}
+	}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4096, MaxConnsPerHost: 0}}
+	if modelDir == "" {
+		modelDir = serverModelPath(client, url, cfg.APIKey)
+	}
+	var mc *model.Config
+	if modelDir != "" {
+		if c, err := model.LoadConfig(modelDir); err == nil {
+			mc = c
+		} else if cfg.ModelDir != "" {
+			return nil, err
+		}
+	}
+	vocab := 32000
+	if mc != nil {
+		vocab = mc.Vocab - min(512, mc.Vocab/8) // clear of special tokens at the top
+	}
+	reqs, err := cfg.Workload.Requests(vocab)
+	if err != nil {
+		return nil, err
+	}
+	results := sendAll(client, url, cfg, reqs)
+	rep := summarizeServing(cfg, url, results)
+	if mc != nil {
+		peak := cfg.PeakGBPerS * 1e9
+		if peak == 0 {
+			if p, err := cuda.PeakBandwidthOf(cfg.PeakGPU); err == nil {
+				peak = p
+			}
+		}
+		rep.bandwidthFloor(mc, reqs, peak)
+	}
+	if cfg.PlotPath != "" {
+		if err := plotServing(rep, results, cfg.PlotPath); err != nil {
+			return rep, fmt.Errorf("plot: %w", err)
+		}
+	}
+	return rep, nil
+}
+
+func serverModelPath(client *http.Client, url, key string) string {
+	req, _ := http.NewRequest("GET", url+"/get_model_info", nil)
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	var info struct {
+		ModelPath string `json:"model_path"`
+	}
+	if json.NewDecoder(resp.Body).Decode(&info) != nil {
+		return ""
+	}
+	if _, err := os.Stat(filepath.Join(info.ModelPath, "config.json")); err != nil {
+		return ""
+	}
+	return info.ModelPath
+}
+
+// sendAll sends every request at its arrival time and waits for all.
+func sendAll(client *http.Client, url string, cfg ServingConfig, reqs []workRequest) []requestResult {
+	at := arrivals(len(reqs), cfg.RequestRate, cfg.Workload.Seed)
+	results := make([]requestResult, len(reqs))
+	bar := newProgress(cfg.Progress, len(reqs), "requests")
+	var mu sync.Mutex
+	var slots chan struct{}
+	if cfg.MaxInFlight > 0 {
+		slots = make(chan struct{}, cfg.MaxInFlight)
+	}
+	start := time.Now()
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		if d := time.Until(start.Add(time.Duration(at[i] * float64(time.Second)))); d > 0 {
+			time.Sleep(d)
+		}
+		if slots != nil {
+			slots <- struct{}{}
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i] = sendOne(client, url, cfg, r, start)
+			if slots != nil {
+				<-slots
+			}
+			mu.Lock()
+			bar.Add(1)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return results
+}
+
+// sendOne posts one /generate and times it; streams are read chunk by
+// chunk, each carrying the output so far (SGLang's format).
+func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, start time.Time) requestResult {
+	since := func() float64 { return time.Since(start).Seconds() }
+	res := requestResult{Input: len(r.Prompt), Sent: since(), First: -1}
+	body, _ := json.Marshal(map[string]any{
+		"input_ids": r.Prompt, "stream": cfg.Stream,
+		"sampling_params": map[string]any{"max_new_tokens": r.OutputLen, "temperature": cfg.Temperature,
+			"top_p": 1.0, "top_k": -1, "min_p": 0.0, "ignore_eos": true},
+	})
+	req, err := http.NewRequestWithContext(context.Background(), "POST", url+"/generate", bytes.NewReader(body))
+	if err != nil {
+		res.Err = err
+		return res
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if cfg.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+cfg.APIKey)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		res.Err = err
+		return res
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		res.Err = fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(b)))
+		return res
+	}
+	type reply struct {
+		MetaInfo struct {
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"meta_info"`
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if !cfg.Stream {
+		var out reply
+		if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+			res.Err = err
+			return res
+		}
+		res.Output, res.Done = out.MetaInfo.CompletionTokens, since()
+		return res
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 64<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		if !bytes.HasPrefix(line, []byte("data:")) {
+			continue
+		}
+		line = bytes.TrimSpace(line[5:])
+		if bytes.Equal(line, []byte("[DONE]")) {
+			break
+		}
+		var out reply
+		if err := json.Unmarshal(line, &out); err != nil {
+			res.Err = fmt.Errorf("stream chunk: %w", err)
+			return res
+		}
+		if out.Error != nil {
+			res.Err = fmt.Errorf("server: %s", out.Error.Message)
+			return res
+		}
+		now := since()
+		if n := out.MetaInfo.CompletionTokens - res.Output; n > 0 {
+			if res.First < 0 {
+				res.First = now
+			}
+			res.Chunks = append(res.Chunks, chunk{At: now, Tokens: n})
+			res.Output = out.MetaInfo.CompletionTokens
+		}
+	}
+	if err := sc.Err(); err != nil {
+		res.Err = err
+	}
+	res.Done = since()
+	return res
+}
+
+func summarizeServing(cfg ServingConfig, url string, results []requestResult) *ServingReport {
+	rep := &ServingReport{Server: url, Workload: cfg.Workload, Temperature: cfg.Temperature, Stream: cfg.Stream}
+	if !math.IsInf(cfg.RequestRate, 1) {
+		rep.RequestRate = cfg.RequestRate
+	}
+	var ttft, itl, e2e []float64
+	first, last := math.Inf(1), 0.0
+	for _, r := range results {
+		if r.Err != nil {
+			rep.Failed++
+			if rep.FirstError == "" {
+				rep.FirstError = r.Err.Error()
+			}
+			continue
+		}
+		rep.Completed++
+		rep.InputTokens += r.Input
+		rep.OutputTokens += r.Output
+		first, last = min(first, r.Sent), max(last, r.Done)
+		e2e = append(e2e, 1000*(r.Done-r.Sent))
+		if r.First >= 0 {
+			ttft = append(ttft, 1000*(r.First-r.Sent))
+			for j := 1; j < len(r.Chunks); j++ {
+				gap := 1000 * (r.Chunks[j].At - r.Chunks[j-1].At) / float64(r.Chunks[j].Tokens)
+				for range r.Chunks[j].Tokens {
+					itl = append(itl, gap)
+				}
+			}
+		}
+	}
+	if rep.Completed == 0 {
+		return rep
+	}
+	rep.DurationS = last - first
+	rep.RequestPerS = float64(rep.Completed) / rep.DurationS
+	rep.OutputTokPerS = float64(rep.OutputTokens) / rep.DurationS
+	rep.TotalTokPerS = float64(rep.InputTokens+rep.OutputTokens) / rep.DurationS
+	rep.TTFTMs, rep.ITLMs, rep.E2EMs = percentiles(ttft), percentiles(itl), percentiles(e2e)
+	rep.ThroughputSeries = throughputSeries(results, rep.DurationS)
+	return rep
+}
+
+func percentiles(v []float64) Percentiles {
+	if len(v) == 0 {
+		return Percentiles{}
+	}
+	sort.Float64s(v)
+	at := func(q float64) float64 { return v[min(int(q*float64(len(v))), len(v)-1)] }
+	sum := 0.0
+	for _, x := range v {
+		sum += x
+	}
+	return Percentiles{Mean: sum / float64(len(v)), P50: at(0.5), P90: at(0.9), P99: at(0.99)}
+}
+
+// throughputSeries bins output tokens by the time they arrived (streams)
+// or by their request's end (no stream), into about 50 bins.
+func throughputSeries(results []requestResult, duration float64) []XY {
+	bin := max(duration/50, 0.05)
+	n := int(duration/bin) + 1
+	tokens := make([]float64, n)
+	for _, r := range results {
+		if r.Err != nil {
+			continue
+		}
+		if len(r.Chunks) == 0 {
+			tokens[min(int(r.Done/bin), n-1)] += float64(r.Output)
+		}
+		for _, c := range r.Chunks {
+			tokens[min(int(c.At/bin), n-1)] += float64(c.Tokens)
+		}
+	}
+	out := make([]XY, n)
+	for i, t := range tokens {
+		out[i] = XY{X: (float64(i) + 0.5) * bin, Y: t / bin}
+	}
+	return out
+}
+
+// bandwidthFloor is the throughput if the workload's unavoidable reads ran
+// at the GPU's peak: every output token's step reads the KV of its prompt
+// and of the tokens before it, and each decode step reads the weights once
+// (as many steps as the longest output, with every request in one batch).
+func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, peak float64) {
+	kvPerToken := float64(2 * mc.Layers * mc.KVHeads * mc.HeadDim * 2)
+	steps, kv := 0, 0.0
+	for _, r := range reqs {
+		in, out := float64(len(r.Prompt)), float64(r.OutputLen)
+		kv += in*out + out*(out-1)/2
+		steps = max(steps, r.OutputLen)
+	}
+	rep.KVReadBytes = kv * kvPerToken
+	rep.WeightReadBytes = float64(steps) * float64(mc.DecodeWeightBytes())
+	if peak <= 0 {
+		return
+	}
+	rep.PeakGBPerS = peak / 1e9
+	seconds := (rep.KVReadBytes + rep.WeightReadBytes) / peak
+	total := 0
+	for _, r := range reqs {
+		total += r.OutputLen
+	}
+	rep.FloorTokPerS = float64(total) / seconds
+	if rep.OutputTokPerS > 0 {
+		rep.FractionOfFloor = rep.OutputTokPerS / rep.FloorTokPerS
+	}
+}

@@ -1,0 +1,151 @@
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"ebb/model"
+)
+
+func TestWorkloadRequests(t *testing.T) {
+	for _, tc := range []struct {
+		w              Workload
+		minIn, maxIn   int
+		minOut, maxOut int
+	}{
+		{Workload{Kind: "fixed", NumPrompts: 5, InputLen: 7, OutputLen: 9}, 7, 7, 9, 9},
+		{Workload{Kind: "random", NumPrompts: 300, MinInput: 100, MaxInput: 1024, MinOutput: 100, MaxOutput: 1024, Seed: 3}, 100, 1024, 100, 1024},
+		{Workload{Kind: "sharegpt", NumPrompts: 300, Seed: 3}, 4, shareGPTMaxIn, 4, shareGPTMaxOut},
+	} {
+		reqs, err := tc.w.Requests(1000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, _ := tc.w.Requests(1000)
+		if len(reqs) != tc.w.NumPrompts {
+			t.Fatalf("%s: %d requests", tc.w.Kind, len(reqs))
+		}
+		for i, r := range reqs {
+			if len(r.Prompt) < tc.minIn || len(r.Prompt) > tc.maxIn || r.OutputLen < tc.minOut || r.OutputLen > tc.maxOut {
+				t.Fatalf("%s: request %d has %d in, %d out", tc.w.Kind, i, len(r.Prompt), r.OutputLen)
+			}
+			if len(again[i].Prompt) != len(r.Prompt) || again[i].Prompt[0] != r.Prompt[0] || again[i].OutputLen != r.OutputLen {
+				t.Fatalf("%s: request %d differs between two draws of one seed", tc.w.Kind, i)
+			}
+			for _, id := range r.Prompt {
+				if id < 1 || id >= 1000 {
+					t.Fatalf("%s: token %d outside [1, 1000)", tc.w.Kind, id)
+				}
+			}
+		}
+	}
+	for _, bad := range []Workload{{Kind: "fixed", NumPrompts: 1}, {Kind: "random", NumPrompts: 1, MinInput: 5, MaxInput: 4, MinOutput: 1, MaxOutput: 1}, {Kind: "sharegtp", NumPrompts: 1}, {Kind: "fixed"}} {
+		if _, err := bad.Requests(1000); err == nil {
+			t.Errorf("%+v: no error", bad)
+		}
+	}
+}
+
+func TestArrivals(t *testing.T) {
+	if a := arrivals(4, 0, 1); a[3] != 0 {
+		t.Fatalf("all at once: %v", a)
+	}
+	a := arrivals(4000, 50, 1)
+	mean := a[len(a)-1] / float64(len(a))
+	if math.Abs(mean-0.02) > 0.002 {
+		t.Fatalf("Poisson at 50/s: mean gap %.4f s", mean)
+	}
+}
+
+// TestBandwidthFloor checks the floor against a hand count: two requests,
+// KV per token of 2 layers x 2 (K, V) x 1 head x 4 dims x 2 bytes = 32.
+func TestBandwidthFloor(t *testing.T) {
+	mc := &model.Config{Layers: 2, KVHeads: 1, Heads: 2, HeadDim: 4, Hidden: 8, Intermediate: 16, Vocab: 10}
+	reqs := []workRequest{{Prompt: make([]int32, 10), OutputLen: 3}, {Prompt: make([]int32, 5), OutputLen: 2}}
+	rep := &ServingReport{OutputTokPerS: 1}
+	rep.bandwidthFloor(mc, reqs, 1e9)
+	// KV reads: request 1: 10+11+12 = 33 positions, request 2: 5+6 = 11.
+	if want := 44.0 * 32; rep.KVReadBytes != want {
+		t.Fatalf("KV bytes %v, want %v", rep.KVReadBytes, want)
+	}
+	// Weights: per layer 8x16 qkv + 8x8 o + 3x8x16 mlp = 576, lm_head 80; bf16; 3 steps.
+	if want := 3.0 * 2 * (2*576 + 80); rep.WeightReadBytes != want {
+		t.Fatalf("weight bytes %v, want %v", rep.WeightReadBytes, want)
+	}
+	seconds := (rep.KVReadBytes + rep.WeightReadBytes) / 1e9
+	if math.Abs(rep.FloorTokPerS-5/seconds) > 1e-6 || rep.FractionOfFloor != 1/rep.FloorTokPerS {
+		t.Fatalf("floor %v tok/s, fraction %v", rep.FloorTokPerS, rep.FractionOfFloor)
+	}
+}
+
+// TestServingAgainstFakeServer runs the client against a server that
+// streams SGLang's /generate chunks (the output so far in each) at a known
+// pace, and checks the counts and latencies it derives.
+func TestServingAgainstFakeServer(t *testing.T) {
+	const step = 5 * time.Millisecond
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var in struct {
+			InputIDs       []int32        `json:"input_ids"`
+			Stream         bool           `json:"stream"`
+			SamplingParams map[string]any `json:"sampling_params"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&in); err != nil || r.URL.Path != "/generate" {
+			http.Error(w, "bad request", 400)
+			return
+		}
+		if in.SamplingParams["top_k"] != -1.0 || in.SamplingParams["ignore_eos"] != true {
+			http.Error(w, fmt.Sprintf("sampling params %v", in.SamplingParams), 400)
+			return
+		}
+		n := int(in.SamplingParams["max_new_tokens"].(float64))
+		ids := []int32{}
+		for i := 1; i <= n; i++ {
+			time.Sleep(step)
+			ids = append(ids, int32(i))
+			if in.Stream {
+				b, _ := json.Marshal(map[string]any{"output_ids": ids, "meta_info": map[string]any{"completion_tokens": i}})
+				fmt.Fprintf(w, "data: %s\n\n", b)
+				w.(http.Flusher).Flush()
+			}
+		}
+		if in.Stream {
+			fmt.Fprint(w, "data: [DONE]\n\n")
+			return
+		}
+		_ = json.NewEncoder(w).Encode(map[string]any{"output_ids": ids, "meta_info": map[string]any{"completion_tokens": n}})
+	}))
+	defer srv.Close()
+	for _, stream := range []bool{true, false} {
+		cfg := ServingConfig{URL: srv.URL, Stream: stream, Temperature: 1, PlotPath: filepath.Join(t.TempDir(), "serving.png"),
+			Workload: Workload{Kind: "fixed", NumPrompts: 6, InputLen: 3, OutputLen: 10, Seed: 1}}
+		rep, err := Serving(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rep.Completed != 6 || rep.Failed != 0 || rep.OutputTokens != 60 || rep.InputTokens != 18 {
+			t.Fatalf("stream %v: %+v", stream, rep)
+		}
+		if rep.E2EMs.P50 < 10*float64(step.Milliseconds()) {
+			t.Fatalf("stream %v: end-to-end p50 %.1f ms below 10 steps", stream, rep.E2EMs.P50)
+		}
+		if stream {
+			if rep.TTFTMs.P50 < float64(step.Milliseconds()) || rep.ITLMs.P50 < 0.8*float64(step.Milliseconds()) || rep.TTFTMs.P50 > rep.E2EMs.P50 {
+				t.Fatalf("TTFT %+v, ITL %+v, E2E %+v", rep.TTFTMs, rep.ITLMs, rep.E2EMs)
+			}
+		} else if rep.TTFTMs.P50 != 0 {
+			t.Fatalf("no stream but TTFT %+v", rep.TTFTMs)
+		}
+	}
+	// A server that refuses is counted, not fatal.
+	cfg := ServingConfig{URL: srv.URL + "/nope", Workload: Workload{Kind: "fixed", NumPrompts: 2, InputLen: 1, OutputLen: 1}}
+	rep, err := Serving(cfg)
+	if err != nil || rep.Failed != 2 || rep.FirstError == "" {
+		t.Fatalf("refusing server: %v, %+v", err, rep)
+	}
+}

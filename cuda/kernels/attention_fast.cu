@@ -1,0 +1,414 @@
+// Attention kernels for the common head sizes, at memory bandwidth (decode)
+// and on the tensor cores (prefill). attention.cu's kernels remain for the
+// other shapes. Indexing is the same: sequence s owns query rows
+// qptr[s]..qptr[s+1] and KV slots kvidx[kvptr[s]..kvptr[s+1]] in position
+// order; K and V are bf16 [slots, hk, D].
+
+#define LOG2E 1.4426950408889634f
+
+// ---- decode ------------------------------------------------------------------
+
+// attn_decode_vec: one query per sequence. Block (sequence, kv head, split)
+// of DV_WARPS warps. A K or V row (D bf16) is read by LPR = D/8 lanes with
+// 16-byte loads, so a warp reads RPW = 32/LPR rows at once; each lane keeps
+// DV_UNROLL rows of K and of V in flight. The MG >= G query heads of the kv
+// head share every row. Softmax is online, in base 2 (q is scaled by
+// log2(e)); row groups merge in shared memory, splits as attn_decode's do
+// (the last block to finish merges, counters reset after use).
+#define DV_WARPS 4
+#define DV_UNROLL 4
+#define DV_MIN_SPLIT 64
+#define DV_MAX_SPLITS 32 // attnDecode's maxSplits for these kernels
+
+template <int D, int MG>
+__device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc,
+                                                     const int *qptr, const int *kvptr, const int *kvidx,
+                                                     float *part_o, float *part_ml, int *counters, int hq, int hk,
+                                                     int splits, float scale) {
+	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
+	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
+	__shared__ float sh_o[GROUPS][MG][D];
+	__shared__ int sh_last;
+	const int s = blockIdx.x, g = blockIdx.y, sp = blockIdx.z;
+	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const int sub = lane % LPR, grp = warp * RPW + lane / LPR;
+	const long long row = qptr[s];
+	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
+	const int per = max(DV_MIN_SPLIT, (kvlen + splits - 1) / splits);
+	const int used = max(1, (kvlen + per - 1) / per);
+	if (sp >= used) return;
+	const int c0 = sp * per, c1 = min(kvlen, c0 + per);
+	const long long stride = (long long)(hq + 2 * hk) * D;
+	const float qs = scale * LOG2E;
+	float q[MG][8], o[MG][8], m[MG], l[MG];
+#pragma unroll
+	for (int r = 0; r < MG; r++) {
+		m[r] = -EBB_INF;
+		l[r] = 0.f;
+		uint4 qv = make_uint4(0, 0, 0, 0);
+		if (r < G) qv = *(const uint4 *)(qkv + row * stride + (long long)(g * G + r) * D + sub * 8);
+		unsigned qu[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			q[r][2 * e] = __uint_as_float(qu[e] << 16) * qs;
+			q[r][2 * e + 1] = __uint_as_float(qu[e] & 0xffff0000u) * qs;
+		}
+#pragma unroll
+		for (int e = 0; e < 8; e++) o[r][e] = 0.f;
+	}
+	// The loop bound is the same for a whole warp (its row groups differ by
+	// lane), as the shuffles need every lane. Loads run one step ahead of
+	// the arithmetic, so each warp keeps two steps of rows in flight.
+	constexpr int STEP = GROUPS * DV_UNROLL;
+	const int lrow = lane / LPR;
+	uint4 kr[DV_UNROLL], vr[DV_UNROLL];
+	auto load = [&](int cb, uint4 *kd, uint4 *vd) {
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			const int pos = cb + lrow + u * GROUPS;
+			kd[u] = vd[u] = make_uint4(0, 0, 0, 0);
+			if (pos < c1) {
+				const long long base = ((long long)kvidx[kv0 + pos] * hk + g) * D + sub * 8;
+				kd[u] = __ldcs((const uint4 *)(kc + base));
+				vd[u] = __ldcs((const uint4 *)(vc + base));
+			}
+		}
+	};
+	load(c0 + warp * RPW, kr, vr);
+	for (int cb = c0 + warp * RPW; cb < c1; cb += STEP) {
+		uint4 kn[DV_UNROLL], vn[DV_UNROLL];
+		load(cb + STEP, kn, vn);
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			const bool valid = cb + lrow + u * GROUPS < c1;
+			float k[8], v[8];
+			unsigned ku[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w}, vu[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				k[2 * e] = __uint_as_float(ku[e] << 16);
+				k[2 * e + 1] = __uint_as_float(ku[e] & 0xffff0000u);
+				v[2 * e] = __uint_as_float(vu[e] << 16);
+				v[2 * e + 1] = __uint_as_float(vu[e] & 0xffff0000u);
+			}
+#pragma unroll
+			for (int r = 0; r < MG; r++) {
+				float dot = 0.f;
+#pragma unroll
+				for (int e = 0; e < 8; e++) dot += q[r][e] * k[e];
+#pragma unroll
+				for (int off = LPR / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+				if (valid && r < G) {
+					const float mn = fmaxf(m[r], dot);
+					const float a = exp2f(m[r] - mn), p = exp2f(dot - mn);
+					l[r] = l[r] * a + p;
+#pragma unroll
+					for (int e = 0; e < 8; e++) o[r][e] = o[r][e] * a + p * v[e];
+					m[r] = mn;
+				}
+			}
+		}
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			kr[u] = kn[u];
+			vr[u] = vn[u];
+		}
+	}
+#pragma unroll
+	for (int r = 0; r < MG; r++) {
+		if (sub == 0) {
+			sh_m[grp][r] = m[r];
+			sh_l[grp][r] = l[r];
+		}
+#pragma unroll
+		for (int e = 0; e < 8; e++) sh_o[grp][r][sub * 8 + e] = o[r][e];
+	}
+	__syncthreads();
+	for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+		const int r = idx / D, dd = idx % D;
+		float M = -EBB_INF;
+		for (int w = 0; w < GROUPS; w++)
+			if (sh_l[w][r] > 0.f) M = fmaxf(M, sh_m[w][r]);
+		float L = 0.f, acc = 0.f;
+		for (int w = 0; w < GROUPS; w++) {
+			if (sh_l[w][r] > 0.f) {
+				const float f = exp2f(sh_m[w][r] - M);
+				L += sh_l[w][r] * f;
+				acc += sh_o[w][r][dd] * f;
+			}
+		}
+		split_store(out, part_o, part_ml, row * hq + g * G + r, splits, sp, used, D, dd, M, L, acc);
+	}
+	if (used == 1 || !split_elect_last(&counters[s * hk + g], used, &sh_last)) return;
+	// The splits' maxima and sums come in once, in parallel; each split's
+	// weight is then known, and every output element is one pass of
+	// independent loads of the partials.
+	__shared__ float sh_w[DV_MAX_SPLITS][MG], sh_sl[DV_MAX_SPLITS][MG], sh_inv[MG];
+	for (int idx = threadIdx.x; idx < used * G; idx += blockDim.x) {
+		const int j = idx / G, r = idx % G;
+		const float *ml = part_ml + ((row * hq + g * G + r) * splits + j) * 2;
+		const float lj = __ldcg(ml + 1);
+		sh_w[j][r] = lj > 0.f ? __ldcg(ml) : -EBB_INF;
+		sh_sl[j][r] = lj;
+	}
+	__syncthreads();
+	if (threadIdx.x < G) {
+		const int r = threadIdx.x;
+		float M = -EBB_INF;
+		for (int j = 0; j < used; j++) M = fmaxf(M, sh_w[j][r]);
+		float L = 0.f;
+		for (int j = 0; j < used; j++) {
+			const float f = sh_sl[j][r] > 0.f ? exp2f(sh_w[j][r] - M) : 0.f;
+			L += sh_sl[j][r] * f;
+			sh_w[j][r] = f;
+		}
+		sh_inv[r] = L > 0.f ? 1.f / L : 0.f;
+	}
+	__syncthreads();
+	for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+		const int r = idx / D, dd = idx % D;
+		const long long rh = row * hq + g * G + r;
+		float acc = 0.f;
+#pragma unroll 8
+		for (int j = 0; j < used; j++) acc += sh_w[j][r] * __ldcg(part_o + (rh * splits + j) * D + dd);
+		out[rh * D + dd] = f2bf(acc * sh_inv[r]);
+	}
+	if (threadIdx.x == 0) counters[s * hk + g] = 0;
+}
+
+#define ATTN_DECODE_VEC(D, MG)                                                                                    \
+	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_d##D##_g##MG(                      \
+	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
+	    const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits,         \
+	    float scale) {                                                                                            \
+		attn_decode_vec_impl<D, MG>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk,     \
+		                            splits, scale);                                                           \
+	}
+#define ATTN_DECODE_VEC_D(D) ATTN_DECODE_VEC(D, 1) ATTN_DECODE_VEC(D, 2) ATTN_DECODE_VEC(D, 4) ATTN_DECODE_VEC(D, 8)
+ATTN_DECODE_VEC_D(32)
+ATTN_DECODE_VEC_D(64)
+ATTN_DECODE_VEC_D(128)
+ATTN_DECODE_VEC_D(256)
+
+// ---- prefill on the tensor cores ---------------------------------------------
+
+// attn_prefill_mma: FlashAttention-2 style. Block (query tile of FA_BM
+// rows, query head, sequence), four warps of 16 query rows. K and V come
+// through shared memory in tiles of FA_BN keys (gathered from the paged
+// cache with cp.async, double-buffered); S = Q K^T and O += P V run as
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate); softmax is online in
+// registers, base 2. Shared rows are D bf16 with their 16-byte chunks
+// swizzled (chunk ^ row % 8), so ldmatrix reads without bank conflicts.
+#define FA_BM 64
+#define FA_BN 64
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void *src, bool valid) {
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+	asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], unsigned addr) {
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+	             : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+	             : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], unsigned addr) {
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+	             : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+	             : "r"(addr));
+}
+
+// mma_bf16: c += a (16x16, row) * b (16x8, col), fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+	             "{%0, %1, %2, %3};\n"
+	             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+	             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// pack_bf16x2: lo in the low half, hi in the high half.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+	unsigned r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+	return r;
+}
+
+// swz is the byte offset of element (row, col) in a swizzled tile of rows
+// of D bf16.
+template <int D>
+__device__ __forceinline__ unsigned swz(int row, int col) {
+	return row * (D * 2) + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1);
+}
+
+template <int D>
+__device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc,
+                                                      const int *qptr, const int *kvptr, const int *kvidx, int hq,
+                                                      int hk, float scale) {
+	extern __shared__ __align__(16) unsigned char fa_smem[];
+	constexpr int CH = D / 8; // 16-byte chunks per row
+	unsigned char *qs = fa_smem;
+	unsigned char *ks = qs + FA_BM * D * 2; // [2][FA_BN][D]
+	unsigned char *vs = ks + 2 * FA_BN * D * 2;
+	const int s = blockIdx.z, h = blockIdx.y, G = hq / hk, g = h / G;
+	const int qbase = qptr[s], qlen = qptr[s + 1] - qbase;
+	const int q0 = blockIdx.x * FA_BM;
+	if (q0 >= qlen) return;
+	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
+	const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+	const long long stride = (long long)(hq + 2 * hk) * D;
+	// Keys this tile of queries needs: up to the last query's position.
+	const int last_q = kvlen - qlen + min(q0 + FA_BM, qlen) - 1;
+	const int kend = min(kvlen, last_q + 1);
+	const int ntiles = (kend + FA_BN - 1) / FA_BN;
+
+	for (int i = tid; i < FA_BM * CH; i += blockDim.x) {
+		const int r = i / CH, ch = i % CH;
+		const bool valid = q0 + r < qlen;
+		const bf16 *src = qkv + (long long)(qbase + (valid ? q0 + r : 0)) * stride + (long long)h * D + ch * 8;
+		cp_async16(smem_u32(qs + swz<D>(r, ch * 8)), src, valid);
+	}
+	auto load_kv = [&](int tile, int buf) {
+		const int k0 = tile * FA_BN;
+		for (int i = tid; i < FA_BN * CH; i += blockDim.x) {
+			const int r = i / CH, ch = i % CH;
+			const bool valid = k0 + r < kend;
+			const long long base = valid ? ((long long)kvidx[kv0 + k0 + r] * hk + g) * D + ch * 8 : 0;
+			const unsigned off = buf * FA_BN * D * 2 + swz<D>(r, ch * 8);
+			cp_async16(smem_u32(ks + off), kc + base, valid);
+			cp_async16(smem_u32(vs + off), vc + base, valid);
+		}
+		cp_async_commit();
+	};
+	load_kv(0, 0); // commits Q too
+	cp_async_wait<0>();
+	__syncthreads();
+
+	const int w0 = warp * 16;
+	unsigned qf[D / 16][4];
+#pragma unroll
+	for (int kk = 0; kk < D / 16; kk++)
+		ldmatrix_x4(qf[kk], smem_u32(qs + swz<D>(w0 + (lane & 7) + 8 * ((lane >> 3) & 1), kk * 16 + 8 * (lane >> 4))));
+
+	float o[D / 8][4];
+#pragma unroll
+	for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+	float mrow[2] = {-EBB_INF, -EBB_INF}, lrow[2] = {0.f, 0.f};
+	const float sl2 = scale * LOG2E;
+	const int gi = lane >> 2, ti = lane & 3;
+	// Absolute positions of this thread's two query rows.
+	const int qpos0 = kvlen - qlen + q0 + w0 + gi, qpos1 = qpos0 + 8;
+
+	for (int tile = 0; tile < ntiles; tile++) {
+		const int buf = tile & 1;
+		if (tile + 1 < ntiles) {
+			load_kv(tile + 1, buf ^ 1);
+			cp_async_wait<1>();
+		} else {
+			cp_async_wait<0>();
+		}
+		__syncthreads();
+		const unsigned char *kt = ks + buf * FA_BN * D * 2, *vt = vs + buf * FA_BN * D * 2;
+		float sacc[FA_BN / 8][4];
+#pragma unroll
+		for (int n = 0; n < FA_BN / 8; n++) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.f;
+#pragma unroll
+		for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+			for (int np = 0; np < FA_BN / 16; np++) {
+				unsigned b[4];
+				ldmatrix_x4(b, smem_u32(kt + swz<D>(np * 16 + (lane & 7) + 8 * (lane >> 4), kk * 16 + 8 * ((lane >> 3) & 1))));
+				mma_bf16(sacc[2 * np], qf[kk], b[0], b[1]);
+				mma_bf16(sacc[2 * np + 1], qf[kk], b[2], b[3]);
+			}
+		}
+		const int k0 = tile * FA_BN;
+		float mx[2] = {-EBB_INF, -EBB_INF};
+#pragma unroll
+		for (int n = 0; n < FA_BN / 8; n++) {
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const int kpos = k0 + n * 8 + ti * 2 + (e & 1);
+				const int qpos = e < 2 ? qpos0 : qpos1;
+				float v = sacc[n][e] * sl2;
+				if (kpos > qpos || kpos >= kvlen) v = -EBB_INF;
+				sacc[n][e] = v;
+				mx[e >> 1] = fmaxf(mx[e >> 1], v);
+			}
+		}
+		float alpha[2], muse[2];
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
+			mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
+			const float mn = fmaxf(mrow[i], mx[i]);
+			muse[i] = mn == -EBB_INF ? 0.f : mn;
+			alpha[i] = exp2f(mrow[i] - muse[i]);
+			mrow[i] = mn;
+			lrow[i] *= alpha[i];
+		}
+#pragma unroll
+		for (int n = 0; n < D / 8; n++) {
+			o[n][0] *= alpha[0];
+			o[n][1] *= alpha[0];
+			o[n][2] *= alpha[1];
+			o[n][3] *= alpha[1];
+		}
+		unsigned pa[FA_BN / 16][4];
+#pragma unroll
+		for (int n = 0; n < FA_BN / 8; n++) {
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const float p = exp2f(sacc[n][e] - muse[e >> 1]);
+				sacc[n][e] = p;
+				lrow[e >> 1] += p;
+			}
+		}
+#pragma unroll
+		for (int kk = 0; kk < FA_BN / 16; kk++) {
+			pa[kk][0] = pack_bf16x2(sacc[2 * kk][0], sacc[2 * kk][1]);
+			pa[kk][1] = pack_bf16x2(sacc[2 * kk][2], sacc[2 * kk][3]);
+			pa[kk][2] = pack_bf16x2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+			pa[kk][3] = pack_bf16x2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+		}
+#pragma unroll
+		for (int kk = 0; kk < FA_BN / 16; kk++) {
+#pragma unroll
+			for (int dp = 0; dp < D / 16; dp++) {
+				unsigned b[4];
+				ldmatrix_x4_trans(b, smem_u32(vt + swz<D>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), dp * 16 + 8 * (lane >> 4))));
+				mma_bf16(o[2 * dp], pa[kk], b[0], b[1]);
+				mma_bf16(o[2 * dp + 1], pa[kk], b[2], b[3]);
+			}
+		}
+		__syncthreads(); // the next prefetch overwrites this buffer
+	}
+#pragma unroll
+	for (int i = 0; i < 2; i++) {
+		lrow[i] += __shfl_xor_sync(0xffffffff, lrow[i], 1);
+		lrow[i] += __shfl_xor_sync(0xffffffff, lrow[i], 2);
+	}
+	const float inv0 = lrow[0] > 0.f ? 1.f / lrow[0] : 0.f, inv1 = lrow[1] > 0.f ? 1.f / lrow[1] : 0.f;
+	const int r0 = q0 + w0 + gi, r1 = r0 + 8;
+#pragma unroll
+	for (int n = 0; n < D / 8; n++) {
+		const int dd = n * 8 + ti * 2;
+		if (r0 < qlen)
+			*(unsigned *)(out + ((long long)(qbase + r0) * hq + h) * D + dd) = pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
+		if (r1 < qlen)
+			*(unsigned *)(out + ((long long)(qbase + r1) * hq + h) * D + dd) = pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
+	}
+}
+
+#define ATTN_PREFILL_MMA(D)                                                                                      \
+	extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_d##D(                                       \
+	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
+	    const int *kvidx, int hq, int hk, float scale) {                                                          \
+		attn_prefill_mma_impl<D>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale);                           \
+	}
+ATTN_PREFILL_MMA(64)
+ATTN_PREFILL_MMA(128)
