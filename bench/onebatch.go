@@ -50,6 +50,9 @@ type OneBatchResult struct {
 // scheduler core (pack, upload, forward, sample, download). The prefill
 // time runs until every request has its first token.
 func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
+	if cfg.Engine.DPSize > 1 {
+		return nil, fmt.Errorf("one-batch measures one engine in this process; --dp-size %d engines are measured with bench serving", cfg.Engine.DPSize)
+	}
 	maxB := 0
 	for _, b := range cfg.BatchSizes {
 		maxB = max(maxB, b)

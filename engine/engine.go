@@ -105,6 +105,10 @@ func Open(cfg Config) (*Engine, error) {
 	if err := CheckDType(cfg.DType); err != nil {
 		return nil, err
 	}
+	if cfg.TPSize > 1 {
+		return nil, fmt.Errorf("--tp-size %d: tensor parallelism is not implemented yet (one GPU per engine; "+
+			"--dp-size runs several engines side by side)", cfg.TPSize)
+	}
 	mcfg, err := model.LoadConfig(cfg.ModelDir)
 	if err != nil {
 		return nil, err

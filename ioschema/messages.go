@@ -164,6 +164,10 @@ type Result struct {
 	Rid     string `msgpack:"rid" json:"-"` // ebb: echoes the request's rid
 	Success bool   `msgpack:"success" json:"success"`
 	Message string `msgpack:"message" json:"message"`
+	// DPRank is the data-parallel engine that answered; with several, the
+	// tokenizer manager merges their replies and lists each in Engines (ebb).
+	DPRank  int              `msgpack:"dp_rank" json:"-"`
+	Engines []map[string]any `msgpack:"engines,omitempty" json:"engines,omitempty"`
 }
 
 // GetRid returns the correlation id of a control message.

@@ -48,7 +48,9 @@ type Config struct {
 
 // ChildConfig is what the children read from the runtime directory.
 type ChildConfig struct {
-	Scheduler   scheduler.ProcessConfig
+	// Schedulers has one entry per data-parallel engine (role
+	// "scheduler", or "scheduler-<i>" with several).
+	Schedulers  []scheduler.ProcessConfig
 	Detokenizer detokenizer.Config
 	LogLevel    string
 }
@@ -90,10 +92,25 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		zmqEndpoint = ""
 	}
 	cc := ChildConfig{
-		Scheduler: scheduler.ProcessConfig{Engine: cfg.Engine, InputEndpoint: ep("scheduler"),
-			DetokenizerEndpoint: ep("detokenizer"), TokenizerEndpoint: ep("tokenizer")},
 		Detokenizer: detokenizer.Config{TokenizerDir: cfg.Engine.TokenizerDir, InputEndpoint: ep("detokenizer"), OutputEndpoint: ep("tokenizer")},
 		LogLevel:    cfg.LogLevel,
+	}
+	// Data parallelism: engine i runs on GPUs base + i*tp...; all send their
+	// tokens to the one detokenizer and their replies to the one manager.
+	roles := []string{"scheduler"}
+	if cfg.Engine.DPSize > 1 {
+		roles = roles[:0]
+		for i := range cfg.Engine.DPSize {
+			roles = append(roles, fmt.Sprintf("scheduler-%d", i))
+		}
+	}
+	var schedEndpoints []string
+	for i, role := range roles {
+		e := cfg.Engine
+		e.GPU += i * e.TPSize
+		cc.Schedulers = append(cc.Schedulers, scheduler.ProcessConfig{Engine: e, InputEndpoint: ep(role), DPRank: i,
+			DetokenizerEndpoint: ep("detokenizer"), TokenizerEndpoint: ep("tokenizer")})
+		schedEndpoints = append(schedEndpoints, ep(role))
 	}
 	b, err := json.Marshal(cc)
 	if err != nil {
@@ -106,7 +123,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	defer cancel()
 	var children []*child
 	defer func() { stopChildren(children, log) }()
-	for _, role := range []string{"scheduler", "detokenizer"} {
+	for _, role := range append(roles, "detokenizer") {
 		c, err := startChild(ctx, cfg.Executable, role, dir, log)
 		if err != nil {
 			return err
@@ -114,7 +131,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		children = append(children, c)
 	}
 	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, TokenizerDir: cfg.Engine.TokenizerDir, ModelName: cfg.ModelName,
-		SchedulerEndpoint: ep("scheduler"), InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
+		DataParallel: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
 		DisableRadixCache: cfg.Engine.DisableRadixCache}, log.Named("tokenizer_manager"))
 	if err != nil {
 		return err
@@ -276,13 +293,20 @@ func RunChild(role, dir string, newLog func(level, name string) (*zap.Logger, er
 	defer log.Sync()
 	ctx, stop := notifyTerm()
 	defer stop()
-	switch role {
-	case "scheduler":
-		err = scheduler.RunProcess(ctx, cc.Scheduler, log, func(info map[string]any) {
+	switch {
+	case role == "scheduler" || strings.HasPrefix(role, "scheduler-"):
+		i := 0
+		if n, ok := strings.CutPrefix(role, "scheduler-"); ok {
+			i, err = strconv.Atoi(n)
+		}
+		if err != nil || i < 0 || i >= len(cc.Schedulers) {
+			return fail(fmt.Errorf("unknown child role %q", role))
+		}
+		err = scheduler.RunProcess(ctx, cc.Schedulers[i], log, func(info map[string]any) {
 			b, _ := json.Marshal(info)
 			report("ready " + string(b))
 		})
-	case "detokenizer":
+	case role == "detokenizer":
 		err = detokenizer.Run(ctx, cc.Detokenizer, log, func() { report("ready") })
 	default:
 		err = fmt.Errorf("unknown child role %q", role)

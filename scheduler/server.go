@@ -24,6 +24,8 @@ type ProcessConfig struct {
 	// InputEndpoint is bound (PULL) for the tokenizer manager's requests;
 	// DetokenizerEndpoint and TokenizerEndpoint are connected (PUSH).
 	InputEndpoint, DetokenizerEndpoint, TokenizerEndpoint string
+	// DPRank is this engine's index among --dp-size engines.
+	DPRank int
 	// InvariantInterval bounds how often the idle checks run.
 	InvariantInterval time.Duration
 }
@@ -56,6 +58,7 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 	if err != nil {
 		return err
 	}
+	s.dpRank = cfg.DPRank
 	zctx, err := zmq.NewContext()
 	if err != nil {
 		return err
@@ -168,6 +171,7 @@ type Server struct {
 	blockedNoted  string // the blocker last logged while requests waited
 	// weight updates from a trainer
 	tpRank      int
+	dpRank      int
 	distTimeout time.Duration
 	groups      map[string]*weightGroup
 }
@@ -353,6 +357,9 @@ func (s *Server) emit(events []Event) {
 }
 
 func (s *Server) reply(m ioschema.Message) {
+	if r, ok := m.(interface{ ResultPtr() *ioschema.Result }); ok {
+		r.ResultPtr().DPRank = s.dpRank
+	}
 	if s.out != nil {
 		s.out <- outgoing{toTokenizer, m}
 	}
@@ -407,7 +414,7 @@ func (s *Server) Info() map[string]any {
 	total, free, cached, private := s.core.KVUsage()
 	return map[string]any{
 		"device": e.Dev.Name(), "architecture": string(e.Model.Config.Arch), "context_length": e.Model.ContextLen(),
-		"max_total_num_tokens": total, "max_running_requests": s.core.Options().MaxRunningRequests,
+		"max_total_num_tokens": total, "dp_rank": s.dpRank, "max_running_requests": s.core.Options().MaxRunningRequests,
 		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
 		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,
 		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,

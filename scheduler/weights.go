@@ -218,9 +218,11 @@ func (s *Server) initWeightsGroup(r *ioschema.InitWeightsUpdateGroupReqInput, re
 	if _, exists := s.groups[r.GroupName]; exists {
 		return fail(fmt.Errorf("group %q exists: destroy it first", r.GroupName))
 	}
-	rank := r.RankOffset + s.tpRank
+	// Each data-parallel engine takes its own ranks after the ones before.
+	rank := r.RankOffset + s.dpRank*s.e.Config.TPSize + s.tpRank
 	if r.WorldSize < 2 || rank < 1 || rank >= r.WorldSize {
-		return fail(fmt.Errorf("rank %d (rank_offset %d + TP rank %d) in a world of %d: the trainer is rank 0", rank, r.RankOffset, s.tpRank, r.WorldSize))
+		return fail(fmt.Errorf("rank %d (rank_offset %d + DP rank %d x TP size %d + TP rank %d) in a world of %d: the trainer is rank 0",
+			rank, r.RankOffset, s.dpRank, s.e.Config.TPSize, s.tpRank, r.WorldSize))
 	}
 	store, err := weightsync.JoinGroup(context.Background(), r.MasterAddr, r.MasterPort, s.distTimeout)
 	if err != nil {

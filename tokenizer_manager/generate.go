@@ -97,24 +97,29 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 // prompt (n > 1) share its KV: the prompt is prefilled once first, as
 // SGLang does, so the copies find it in the radix cache.
 func (m *Manager) submit(ctx context.Context, prompts []*prompt) error {
-	warmed := map[string]bool{}
+	// Copies of one prompt go to one engine, where its prefix is cached.
+	engineOf := map[string]int{}
 	for _, p := range prompts {
 		key := fmt.Sprint(p.tokenized.InputIDs)
-		if !m.cfg.DisableRadixCache && len(p.tokenized.InputIDs) > 1 && countSame(prompts, key) > 1 && !warmed[key] {
-			warmed[key] = true
-			if err := m.warm(ctx, p.tokenized.InputIDs); err != nil {
+		if _, warmed := engineOf[key]; !warmed && !m.cfg.DisableRadixCache && len(p.tokenized.InputIDs) > 1 && countSame(prompts, key) > 1 {
+			e, err := m.warm(ctx, p.tokenized.InputIDs)
+			if err != nil {
 				return err
 			}
+			engineOf[key] = e
 		}
 	}
 	for _, p := range prompts {
-		p := p
-		m.do(func(t *table) { t.reqs[p.state.rid] = p.state })
-		select {
-		case m.toSched <- p.tokenized:
-		case <-ctx.Done():
-			return ctx.Err()
+		key := fmt.Sprint(p.tokenized.InputIDs)
+		e, ok := engineOf[key]
+		if !ok {
+			e = -1
 		}
+		e, err := m.dispatch(ctx, p.tokenized, p.state, e)
+		if err != nil {
+			return err
+		}
+		engineOf[key] = e
 	}
 	return nil
 }
@@ -129,19 +134,58 @@ func countSame(prompts []*prompt, key string) int {
 	return n
 }
 
-// warm prefills ids once (max_new_tokens 0) and waits for it.
-func (m *Manager) warm(ctx context.Context, ids []int32) error {
+// warm prefills ids once (max_new_tokens 0) and waits for it; it returns
+// the engine that holds the prefix.
+func (m *Manager) warm(ctx context.Context, ids []int32) (int, error) {
 	zero := 0
 	rid := "prefix-" + newRid()
 	st := newReqState(rid, false, 0)
-	m.do(func(t *table) { t.reqs[rid] = st })
-	select {
-	case m.toSched <- &ioschema.TokenizedGenerateReqInput{Rid: rid, InputIDs: ids, SamplingParams: ioschema.SamplingParams{MaxNewTokens: &zero}, LogprobStartLen: -1}:
-	case <-ctx.Done():
-		return ctx.Err()
+	e, err := m.dispatch(ctx, &ioschema.TokenizedGenerateReqInput{Rid: rid, InputIDs: ids,
+		SamplingParams: ioschema.SamplingParams{MaxNewTokens: &zero}, LogprobStartLen: -1}, st, -1)
+	if err != nil {
+		return 0, err
 	}
-	return m.wait(ctx, st)
+	return e, m.wait(ctx, st)
 }
+
+// dispatch registers a request and sends it to engine e, or to the engine
+// with the least unfinished work (prompt plus output tokens) when e < 0,
+// and returns the engine.
+func (m *Manager) dispatch(ctx context.Context, req *ioschema.TokenizedGenerateReqInput, st *reqState, e int) (int, error) {
+	work := int64(len(req.InputIDs)) + defaultMaxNewTokens
+	if n := req.SamplingParams.MaxNewTokens; n != nil {
+		work = int64(len(req.InputIDs) + *n)
+	}
+	chosen := make(chan int, 1)
+	m.do(func(t *table) {
+		if e < 0 {
+			e = 0
+			for i, w := range t.work {
+				if w < t.work[e] {
+					e = i
+				}
+			}
+		}
+		st.engine, st.work = e, work
+		t.work[e] += work
+		t.reqs[st.rid] = st
+		chosen <- e
+	})
+	select {
+	case e = <-chosen:
+	case <-m.done:
+		return 0, errors.New("server shutting down")
+	}
+	select {
+	case m.toSched <- outbound{req, e}:
+		return e, nil
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
+// defaultMaxNewTokens is SGLang's max_new_tokens when a request names none.
+const defaultMaxNewTokens = 128
 
 // start expands a request and submits its prompts.
 func (m *Manager) start(ctx context.Context, in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
@@ -188,7 +232,7 @@ func (m *Manager) waitAll(ctx context.Context, prompts []*prompt) ([]snapshot, e
 // cancel aborts a request whose client is gone and forgets it.
 func (m *Manager) cancel(st *reqState) {
 	m.Abort(st.rid, false)
-	m.do(func(t *table) { delete(t.reqs, st.rid) })
+	m.do(func(t *table) { t.forget(st.rid) })
 	st.fail(context.Canceled)
 }
 

@@ -36,6 +36,10 @@ type Config struct {
 	// SchedulerEndpoint is connected (PUSH); InputEndpoint is bound (PULL)
 	// for the detokenizer's text and the scheduler's replies.
 	SchedulerEndpoint, InputEndpoint string
+	// DataParallel lists one endpoint per data-parallel engine instead of
+	// SchedulerEndpoint (--dp-size): generate requests go to the engine
+	// with the least work, control requests to every engine.
+	DataParallel []string
 	// ZMQEndpoint is the external ROUTER; empty disables it.
 	ZMQEndpoint string
 	// ControlTimeout bounds waiting for a control reply.
@@ -54,7 +58,8 @@ type Manager struct {
 	metrics   *metrics
 
 	zctx    *zmq.Context
-	toSched chan ioschema.Message
+	toSched chan outbound
+	engines int
 	ops     chan func(*table)
 	done    chan struct{}
 	errs    chan error
@@ -63,13 +68,26 @@ type Manager struct {
 // table is the state the loop goroutine owns.
 type table struct {
 	reqs    map[string]*reqState
-	control map[string]chan ioschema.Message
+	control map[string]*controlWait
+	work    []int64 // per engine: tokens of the requests it has not finished
+}
+
+// forget drops a request and its work from its engine's account.
+func (t *table) forget(rid string) {
+	if r := t.reqs[rid]; r != nil {
+		t.work[r.engine] -= r.work
+		delete(t.reqs, rid)
+	}
 }
 
 // New loads the tokenizer and configs of the model directory.
 func New(cfg Config, log *zap.Logger) (*Manager, error) {
-	m := &Manager{cfg: cfg, log: log, toSched: make(chan ioschema.Message, 1024), ops: make(chan func(*table), 1024),
+	m := &Manager{cfg: cfg, log: log, toSched: make(chan outbound, 1024), ops: make(chan func(*table), 1024),
 		done: make(chan struct{}), errs: make(chan error, 4)}
+	if len(m.cfg.DataParallel) == 0 {
+		m.cfg.DataParallel = []string{cfg.SchedulerEndpoint}
+	}
+	m.engines = len(m.cfg.DataParallel)
 	if m.cfg.ControlTimeout <= 0 {
 		m.cfg.ControlTimeout = 30 * time.Minute
 	}
@@ -112,13 +130,17 @@ func (m *Manager) Start(ctx context.Context) error {
 		in.Close()
 		return fmt.Errorf("bind %s: %w", m.cfg.InputEndpoint, err)
 	}
-	out, err := zctx.NewSocket(zmq.PUSH)
-	if err != nil {
-		return err
-	}
-	if err := out.Connect(m.cfg.SchedulerEndpoint); err != nil {
-		out.Close()
-		return fmt.Errorf("connect %s: %w", m.cfg.SchedulerEndpoint, err)
+	var outs []*zmq.Socket
+	for _, ep := range m.cfg.DataParallel {
+		out, err := zctx.NewSocket(zmq.PUSH)
+		if err != nil {
+			return err
+		}
+		if err := out.Connect(ep); err != nil {
+			out.Close()
+			return fmt.Errorf("connect %s: %w", ep, err)
+		}
+		outs = append(outs, out)
 	}
 	var router *zmq.Socket
 	if m.cfg.ZMQEndpoint != "" {
@@ -131,7 +153,7 @@ func (m *Manager) Start(ctx context.Context) error {
 		}
 	}
 	go m.loop(ctx)
-	go func() { m.errs <- m.sendLoop(ctx, out) }()
+	go func() { m.errs <- m.sendLoop(ctx, outs) }()
 	go func() { m.errs <- m.receiveLoop(ctx, in) }()
 	if router != nil {
 		go func() { m.errs <- m.routerLoop(ctx, router) }()
@@ -151,7 +173,7 @@ func (m *Manager) Close() {
 }
 
 func (m *Manager) loop(ctx context.Context) {
-	t := &table{reqs: map[string]*reqState{}, control: map[string]chan ioschema.Message{}}
+	t := &table{reqs: map[string]*reqState{}, control: map[string]*controlWait{}, work: make([]int64, m.engines)}
 	for {
 		select {
 		case <-ctx.Done():
@@ -174,25 +196,39 @@ func (m *Manager) do(f func(*table)) {
 	}
 }
 
-func (m *Manager) sendLoop(ctx context.Context, sock *zmq.Socket) error {
-	defer sock.Close()
-	if err := sock.SetLinger(0); err != nil {
-		return err
+// outbound is a message for one engine, or for every engine (-1).
+type outbound struct {
+	msg    ioschema.Message
+	engine int
+}
+
+// sendLoop owns the sockets to the engines' schedulers.
+func (m *Manager) sendLoop(ctx context.Context, socks []*zmq.Socket) error {
+	for _, s := range socks {
+		defer s.Close()
+		if err := s.SetLinger(0); err != nil {
+			return err
+		}
 	}
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
-		case msg := <-m.toSched:
-			b, err := ioschema.Encode(msg)
+		case o := <-m.toSched:
+			b, err := ioschema.Encode(o.msg)
 			if err != nil {
 				return err
 			}
-			if _, err := sock.SendBytes(b, 0); err != nil {
-				if ctx.Err() != nil {
-					return nil
+			for i, s := range socks {
+				if o.engine >= 0 && o.engine != i {
+					continue
 				}
-				return fmt.Errorf("send to scheduler: %w", err)
+				if _, err := s.SendBytes(b, 0); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
+					return fmt.Errorf("send to scheduler %d: %w", i, err)
+				}
 			}
 		}
 	}
@@ -225,19 +261,18 @@ func (m *Manager) route(t *table, msg ioschema.Message) {
 			}
 			r.absorb(o, i, m)
 			if r.finished() {
-				delete(t.reqs, rid)
+				t.forget(rid)
 				m.metrics.finished(r)
 			}
 		}
 	case *ioschema.ErrorOutput:
 		if r := t.reqs[o.Rid]; r != nil {
 			r.fail(errors.New(o.Message))
-			delete(t.reqs, o.Rid)
+			t.forget(o.Rid)
 			return
 		}
-		if ch := t.control[o.Rid]; ch != nil {
-			ch <- o
-			delete(t.control, o.Rid)
+		if w := t.control[o.Rid]; w != nil {
+			t.answer(o.Rid, w, o)
 			return
 		}
 		m.log.Warn("error for an unknown request", zap.String("rid", o.Rid), zap.String("message", o.Message))
@@ -246,9 +281,8 @@ func (m *Manager) route(t *table, msg ioschema.Message) {
 		if c, ok := msg.(interface{ GetRid() string }); ok {
 			rid = c.GetRid()
 		}
-		if ch := t.control[rid]; ch != nil {
-			ch <- msg
-			delete(t.control, rid)
+		if w := t.control[rid]; w != nil {
+			t.answer(rid, w, msg)
 			return
 		}
 		m.log.Warn("reply for an unknown request", zap.String("type", msg.TypeName()), zap.String("rid", rid))
@@ -279,13 +313,13 @@ func (m *Manager) Control(ctx context.Context, msg ioschema.Message) (ioschema.M
 	internal := "ctl-" + newRid()
 	c.SetRid(internal)
 	ch := make(chan ioschema.Message, 1)
-	m.do(func(t *table) { t.control[internal] = ch })
+	m.do(func(t *table) { t.control[internal] = &controlWait{ch: ch, need: m.engines} })
 	defer func() {
 		c.SetRid(rid)
 		m.do(func(t *table) { delete(t.control, internal) })
 	}()
 	select {
-	case m.toSched <- msg:
+	case m.toSched <- outbound{msg, -1}:
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
@@ -315,7 +349,7 @@ func setReplyRid(reply ioschema.Message, rid string) {
 // Abort asks the scheduler to abort requests (prefix match) or all.
 func (m *Manager) Abort(rid string, all bool) {
 	select {
-	case m.toSched <- &ioschema.AbortReq{Rid: rid, AbortAll: all}:
+	case m.toSched <- outbound{&ioschema.AbortReq{Rid: rid, AbortAll: all}, -1}:
 	case <-m.done:
 	}
 }

@@ -13,6 +13,8 @@ import (
 // the request's handler reads it, woken through notify.
 type reqState struct {
 	rid            string
+	engine         int   // the data-parallel engine running it
+	work           int64 // its tokens in that engine's account
 	returnLogprob  bool
 	topLogprobsNum int
 	created        time.Time

@@ -1,0 +1,86 @@
+package launcher
+
+import (
+	"slices"
+	"testing"
+)
+
+// TestDataParallel: two CPU engines behind one tokenizer manager give the
+// outputs of one engine; requests spread over both; control calls reach
+// both and answer once, with each engine's reply; a call one engine
+// refuses is an error.
+func TestDataParallel(t *testing.T) {
+	var prompts [][]int
+	for i := range 8 {
+		p := make([]int, 5+9*i)
+		for j := range p {
+			p[j] = (i*131 + j*37) % 500
+		}
+		prompts = append(prompts, p)
+	}
+	body := map[string]any{"input_ids": prompts, "sampling_params": map[string]any{"max_new_tokens": 10, "temperature": 0, "ignore_eos": true}}
+	batch := func(s *server) [][]int32 {
+		t.Helper()
+		var out []genResult
+		if code := s.post(t, "/generate", body, &out); code != 200 || len(out) != len(prompts) {
+			t.Fatalf("batch generate: status %d, %d results\n%s", code, len(out), s.log.String())
+		}
+		var ids [][]int32
+		for _, r := range out {
+			ids = append(ids, r.OutputIDs)
+		}
+		return ids
+	}
+	one := startServer(t)
+	want, wantGreedy := batch(one), one.greedy(t)
+
+	dp := startServer(t, "--dp-size", "2")
+	if got := batch(dp); !slices.EqualFunc(got, want, slices.Equal) {
+		t.Fatalf("dp 2: %v\none engine: %v", got, want)
+	}
+	info := dp.info(t)
+	engines, _ := info["engines"].([]any)
+	if info["dp_size"] != float64(2) || len(engines) != 2 {
+		t.Fatalf("server_info: dp_size %v, %d engines", info["dp_size"], len(engines))
+	}
+	var total float64
+	for i, e := range engines {
+		n, _ := e.(map[string]any)["generated_tokens"].(float64)
+		if n == 0 {
+			t.Fatalf("engine %d generated nothing: requests were not spread", i)
+		}
+		total += n
+	}
+	if info["generated_tokens"] != total {
+		t.Fatalf("generated_tokens %v, engines' sum %v", info["generated_tokens"], total)
+	}
+
+	// verl's order, on both engines at once.
+	for _, step := range []struct {
+		path string
+		body map[string]any
+	}{
+		{"/release_memory_occupation", map[string]any{"tags": []string{"kv_cache", "weights"}}},
+		{"/resume_memory_occupation", map[string]any{"tags": []string{"weights"}}},
+		{"/update_weights_from_disk", map[string]any{"model_path": modelDir}},
+		{"/flush_cache", map[string]any{}},
+		{"/resume_memory_occupation", map[string]any{"tags": []string{"kv_cache"}}},
+		{"/pause_generation", map[string]any{"mode": "abort"}},
+		{"/continue_generation", map[string]any{}},
+	} {
+		out := dp.mustPost(t, step.path, step.body)
+		if detail, _ := out["engines"].([]any); len(detail) != 2 {
+			t.Fatalf("%s: reply without both engines' detail: %v", step.path, out)
+		}
+	}
+	if got := dp.greedy(t); !slices.Equal(got, wantGreedy) {
+		t.Fatalf("after the cycle: %v, one engine: %v", got, wantGreedy)
+	}
+	var out map[string]any
+	if code := dp.post(t, "/resume_memory_occupation", map[string]any{"tags": []string{"no_such_tag"}}, &out); code == 200 && out["success"] != false {
+		t.Fatalf("an unknown tag succeeded: %v", out)
+	}
+	if got := dp.greedy(t); !slices.Equal(got, wantGreedy) {
+		t.Fatalf("after a refused call: %v", got)
+	}
+}
