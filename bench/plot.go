@@ -81,6 +81,14 @@ func plotServing(rep *ServingReport, results []requestResult, path string) error
 		tp.Legend.Add("bandwidth floor", floor)
 	}
 	tp.X.Min, tp.Y.Min = 0, 0
+	// Headroom above the floor and the peak keeps the legend (top right,
+	// where the throughput has fallen) off the data.
+	top := rep.FloorTokPerS
+	for _, p := range rep.ThroughputSeries {
+		top = max(top, p.Y)
+	}
+	tp.Y.Max = 1.2 * top
+	tp.Legend.Top = true
 
 	lp := plot.New()
 	lp.Title.Text = "latency distribution"
