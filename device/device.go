@@ -340,3 +340,12 @@ type Fused interface {
 	// rmsnorm(residual) * normW.
 	MatMulAddRMSNorm(out, x, w Tensor, silu bool, residual, normed, normW Tensor, eps float32) bool
 }
+
+// Collective adds up partial sums across the ranks of a tensor-parallel
+// group. Like the device's operations it queues in order and its error is
+// sticky (Err).
+type Collective interface {
+	// AllReduceSum replaces t on every rank with the sum of every rank's t.
+	AllReduceSum(t Tensor)
+	Err() error
+}

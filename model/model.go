@@ -12,9 +12,15 @@ import (
 
 // Model is a loaded transformer on a device.
 type Model struct {
+	// Config is what this rank computes with; with tensor parallelism its
+	// heads and intermediate size are this rank's share of Global's.
 	Config *Config
-	dev    device.Device
-	W      Weights
+	Global *Config
+	Shard  Shard
+	// Comm adds up the ranks' partial sums (nil without tensor parallelism).
+	Comm device.Collective
+	dev  device.Device
+	W    Weights
 	// KV cache: K and V of layer l are KV[2l] and KV[2l+1], each [slots, Hk, D].
 	KV    []device.Tensor
 	kvBuf device.Tensor
@@ -27,6 +33,9 @@ type Options struct {
 	ContextLen int
 	// CPUBackup keeps a host copy of the weights across memory releases.
 	CPUBackup bool
+	// Shard and Comm make the model one rank of a tensor-parallel group.
+	Shard Shard
+	Comm  device.Collective
 }
 
 // New allocates the model's weights (uninitialised) in the weights region,
@@ -36,9 +45,16 @@ func New(dev device.Device, cfg *Config, opts Options) (*Model, error) {
 	if ctx <= 0 || ctx > cfg.MaxPositions {
 		ctx = cfg.MaxPositions
 	}
-	m := &Model{Config: cfg, dev: dev}
-	size := WeightBytes(cfg, dev.DType(), ctx)
-	_, err := dev.Memory().Create(memory.Weights, memory.RegionOptions{
+	if opts.Shard.Sharded() != (opts.Comm != nil) {
+		return nil, fmt.Errorf("a tensor-parallel shard needs a collective, and only a shard has one")
+	}
+	local, err := opts.Shard.LocalConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	m := &Model{Config: local, Global: cfg, Shard: opts.Shard, Comm: opts.Comm, dev: dev}
+	size := WeightBytes(local, dev.DType(), ctx)
+	_, err = dev.Memory().Create(memory.Weights, memory.RegionOptions{
 		Capacity: size, GrowStep: size, PreserveContents: true, CPUBackup: opts.CPUBackup,
 	})
 	if err != nil {
@@ -69,6 +85,13 @@ func Load(dev device.Device, dir string, opts Options) (*Model, error) {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
 	return m, nil
+}
+
+func (m *Model) global() *Config {
+	if m.Global == nil {
+		return m.Config
+	}
+	return m.Global
 }
 
 // Device returns the device the model runs on.
@@ -192,9 +215,16 @@ func (m *Model) forward(in Inputs, a activations) {
 	scale := float32(1 / math.Sqrt(float64(c.HeadDim)))
 	flat := func(x device.Tensor) device.Tensor { return x.View(t, x.Numel()/t) }
 
+	// With tensor parallelism the partial sums meet between the matmul and
+	// the add, so nothing is fused across them.
 	fused, _ := dev.(device.Fused)
 	fuse := func(out, x, wt device.Tensor, silu bool, norm device.Tensor) bool {
-		return fused != nil && fused.MatMulAddRMSNorm(out, x, wt, silu, a.h, a.x, norm, eps)
+		return m.Comm == nil && fused != nil && fused.MatMulAddRMSNorm(out, x, wt, silu, a.h, a.x, norm, eps)
+	}
+	reduce := func(t device.Tensor) {
+		if m.Comm != nil {
+			m.Comm.AllReduceSum(t)
+		}
 	}
 	dev.Embedding(a.h, w.Embed, in.Tokens)
 	dev.RMSNorm(a.x, a.h, w.Layers[0].InputNorm, eps)
@@ -205,6 +235,7 @@ func (m *Model) forward(in Inputs, a activations) {
 		dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		if l.OBias.Valid() || !fuse(a.tmp, flat(a.attn), l.O, false, l.PostNorm) {
 			dev.MatMul(a.tmp, flat(a.attn), l.O, l.OBias)
+			reduce(a.tmp)
 			dev.AddRMSNorm(a.h, a.tmp, a.x, l.PostNorm, eps)
 		}
 		dev.MatMul(a.gateUp, a.x, l.GateUp, device.Tensor{})
@@ -215,6 +246,7 @@ func (m *Model) forward(in Inputs, a activations) {
 		if !fuse(a.tmp, a.gateUp, l.Down, true, next) {
 			dev.SiLUMul(a.act, a.gateUp)
 			dev.MatMul(a.tmp, a.act, l.Down, device.Tensor{})
+			reduce(a.tmp)
 			dev.AddRMSNorm(a.h, a.tmp, a.x, next, eps)
 		}
 	}

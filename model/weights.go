@@ -32,48 +32,65 @@ type Target struct {
 	Name  string
 	Shape []int
 	Dst   device.Tensor
+	// Rows and Cols are this rank's part of the checkpoint tensor (a
+	// tensor-parallel shard); zero is all of it.
+	Rows, Cols span
 }
+
+// Whole reports whether the target takes the entire checkpoint tensor.
+func (t Target) Whole() bool { return t.Rows.whole() && t.Cols.whole() }
 
 // Targets maps every checkpoint tensor name to its place on the device.
 // Tied embeddings have no lm_head entry.
 func (m *Model) Targets() []Target {
-	c := m.Config
+	c, g := m.Config, m.global()
 	w := &m.W
 	d := c.HeadDim
+	var none span
 	targets := []Target{
-		{"model.embed_tokens.weight", []int{c.Vocab, c.Hidden}, w.Embed},
-		{"model.norm.weight", []int{c.Hidden}, w.Norm},
+		{"model.embed_tokens.weight", []int{c.Vocab, c.Hidden}, w.Embed, none, none},
+		{"model.norm.weight", []int{c.Hidden}, w.Norm, none, none},
 	}
 	if !c.TieEmbeddings {
-		targets = append(targets, Target{"lm_head.weight", []int{c.Vocab, c.Hidden}, w.LMHead})
+		targets = append(targets, Target{"lm_head.weight", []int{c.Vocab, c.Hidden}, w.LMHead, none, none})
 	}
-	qRows, kvRows := c.Heads*d, c.KVHeads*d
+	// Local row counts, the global ones of the checkpoint, and where this
+	// rank's rows start in it (all zero offsets without tensor parallelism).
+	qRows, kvRows, inter := c.Heads*d, c.KVHeads*d, c.Intermediate
+	gqRows, gkvRows, ginter := g.Heads*d, g.KVHeads*d, g.Intermediate
+	var q, kv, mlp span
+	if m.Shard.Sharded() {
+		q = span{m.Shard.Rank * qRows, (m.Shard.Rank + 1) * qRows}
+		k0 := m.Shard.kvHead0(g) * d
+		kv = span{k0, k0 + kvRows}
+		mlp = span{m.Shard.Rank * inter, (m.Shard.Rank + 1) * inter}
+	}
 	for i, l := range w.Layers {
 		p := fmt.Sprintf("model.layers.%d.", i)
-		add := func(name string, shape []int, dst device.Tensor) {
-			targets = append(targets, Target{p + name, shape, dst})
+		add := func(name string, shape []int, dst device.Tensor, rows, cols span) {
+			targets = append(targets, Target{p + name, shape, dst, rows, cols})
 		}
-		add("input_layernorm.weight", []int{c.Hidden}, l.InputNorm)
-		add("post_attention_layernorm.weight", []int{c.Hidden}, l.PostNorm)
-		add("self_attn.q_proj.weight", []int{qRows, c.Hidden}, l.QKV.Rows(0, qRows))
-		add("self_attn.k_proj.weight", []int{kvRows, c.Hidden}, l.QKV.Rows(qRows, qRows+kvRows))
-		add("self_attn.v_proj.weight", []int{kvRows, c.Hidden}, l.QKV.Rows(qRows+kvRows, qRows+2*kvRows))
-		add("self_attn.o_proj.weight", []int{c.Hidden, qRows}, l.O)
+		add("input_layernorm.weight", []int{c.Hidden}, l.InputNorm, none, none)
+		add("post_attention_layernorm.weight", []int{c.Hidden}, l.PostNorm, none, none)
+		add("self_attn.q_proj.weight", []int{gqRows, c.Hidden}, l.QKV.Rows(0, qRows), q, none)
+		add("self_attn.k_proj.weight", []int{gkvRows, c.Hidden}, l.QKV.Rows(qRows, qRows+kvRows), kv, none)
+		add("self_attn.v_proj.weight", []int{gkvRows, c.Hidden}, l.QKV.Rows(qRows+kvRows, qRows+2*kvRows), kv, none)
+		add("self_attn.o_proj.weight", []int{c.Hidden, gqRows}, l.O, none, q)
 		if c.AttentionBias {
-			add("self_attn.q_proj.bias", []int{qRows}, l.QKVBias.Rows(0, qRows))
-			add("self_attn.k_proj.bias", []int{kvRows}, l.QKVBias.Rows(qRows, qRows+kvRows))
-			add("self_attn.v_proj.bias", []int{kvRows}, l.QKVBias.Rows(qRows+kvRows, qRows+2*kvRows))
+			add("self_attn.q_proj.bias", []int{gqRows}, l.QKVBias.Rows(0, qRows), q, none)
+			add("self_attn.k_proj.bias", []int{gkvRows}, l.QKVBias.Rows(qRows, qRows+kvRows), kv, none)
+			add("self_attn.v_proj.bias", []int{gkvRows}, l.QKVBias.Rows(qRows+kvRows, qRows+2*kvRows), kv, none)
 		}
-		if c.OutputBias {
-			add("self_attn.o_proj.bias", []int{c.Hidden}, l.OBias)
+		if l.OBias.Valid() { // rank 0 only: the partial sums must add it once
+			add("self_attn.o_proj.bias", []int{c.Hidden}, l.OBias, none, none)
 		}
 		if c.QKNorm {
-			add("self_attn.q_norm.weight", []int{d}, l.QNorm)
-			add("self_attn.k_norm.weight", []int{d}, l.KNorm)
+			add("self_attn.q_norm.weight", []int{d}, l.QNorm, none, none)
+			add("self_attn.k_norm.weight", []int{d}, l.KNorm, none, none)
 		}
-		add("mlp.gate_proj.weight", []int{c.Intermediate, c.Hidden}, l.GateUp.Rows(0, c.Intermediate))
-		add("mlp.up_proj.weight", []int{c.Intermediate, c.Hidden}, l.GateUp.Rows(c.Intermediate, 2*c.Intermediate))
-		add("mlp.down_proj.weight", []int{c.Hidden, c.Intermediate}, l.Down)
+		add("mlp.gate_proj.weight", []int{ginter, c.Hidden}, l.GateUp.Rows(0, inter), mlp, none)
+		add("mlp.up_proj.weight", []int{ginter, c.Hidden}, l.GateUp.Rows(inter, 2*inter), mlp, none)
+		add("mlp.down_proj.weight", []int{c.Hidden, ginter}, l.Down, none, mlp)
 	}
 	return targets
 }
@@ -124,7 +141,7 @@ func (m *Model) allocWeights(ropePositions int) error {
 			l.QKVBias = alloc(dt, c.QKVRows())
 		}
 		l.O = alloc(dt, c.Hidden, c.Heads*c.HeadDim)
-		if c.OutputBias {
+		if c.OutputBias && m.Shard.Rank == 0 {
 			l.OBias = alloc(dt, c.Hidden)
 		}
 		if c.QKNorm {
@@ -209,7 +226,7 @@ func (m *Model) LoadCheckpoint(set *safetensors.Set) error {
 	for _, t := range m.Targets() {
 		src, _ := set.Get(t.Name)
 		dt, _ := sourceDType(src.DType)
-		if err := m.dev.Upload(t.Dst, src.Data, dt); err != nil {
+		if err := m.dev.Upload(t.Dst, slice(src.Data, src.Shape, dt.Size(), t.Rows, t.Cols), dt); err != nil {
 			return fmt.Errorf("upload %s: %w", t.Name, err)
 		}
 	}

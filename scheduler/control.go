@@ -285,6 +285,10 @@ func (s *Server) weightsByName(r *ioschema.GetWeightsByNameReqInput, res ioschem
 		out.Success, out.Message = false, fmt.Sprintf("no parameter named %q", r.Name)
 		return out
 	}
+	if !t.Whole() {
+		out.Success, out.Message = false, r.Name+" is split over tensor-parallel ranks: reading a shard is not implemented yet"
+		return out
+	}
 	if st := s.e.Dev.Memory().State(memory.Weights); st != memory.Resident {
 		out.Success, out.Message = false, "the weights are "+st.String()
 		return out

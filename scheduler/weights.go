@@ -83,6 +83,9 @@ func (s *Server) plan(name string, shape []int, dtype device.DType) (model.Targe
 	if !ok {
 		return t, fmt.Errorf("no parameter named %q", name)
 	}
+	if !t.Whole() {
+		return t, fmt.Errorf("%s is split over tensor-parallel ranks: updating a shard from a whole tensor is not implemented yet", name)
+	}
 	if !slices.Equal(shape, t.Shape) {
 		return t, fmt.Errorf("%s has shape %v, want %v", name, shape, t.Shape)
 	}
