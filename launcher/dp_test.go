@@ -1,7 +1,9 @@
 package launcher
 
 import (
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -79,6 +81,11 @@ func TestDataParallel(t *testing.T) {
 	var out map[string]any
 	if code := dp.post(t, "/resume_memory_occupation", map[string]any{"tags": []string{"no_such_tag"}}, &out); code == 200 && out["success"] != false {
 		t.Fatalf("an unknown tag succeeded: %v", out)
+	}
+	// Every engine would give the trainer's reference counts back.
+	if code := dp.post(t, "/update_weights_from_tensor", map[string]any{"serialized_named_tensors": []string{"AA=="}}, &out); code != 400 ||
+		!strings.Contains(fmt.Sprint(out), "dp-size") {
+		t.Fatalf("update_weights_from_tensor with 2 engines: %d %v", code, out)
 	}
 	if got := dp.greedy(t); !slices.Equal(got, wantGreedy) {
 		t.Fatalf("after a refused call: %v", got)

@@ -309,6 +309,12 @@ func (m *Manager) Control(ctx context.Context, msg ioschema.Message) (ioschema.M
 	if rid == "" {
 		rid = newRid()
 	}
+	if _, tensors := msg.(*ioschema.UpdateWeightsFromTensorReqInput); tensors && m.engines > 1 {
+		// Every engine would open the trainer's storages and give back its
+		// reference counts: the trainer would free them under the others.
+		return &ioschema.ErrorOutput{Rid: rid, Request: msg.TypeName(), Message: fmt.Sprintf(
+			"update_weights_from_tensor with --dp-size %d is not supported yet: update from disk or over NCCL (each engine joins as its own rank)", m.engines)}, nil
+	}
 	// Clients may reuse their rids; the scheduler sees a unique one.
 	internal := "ctl-" + newRid()
 	c.SetRid(internal)
