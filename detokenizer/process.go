@@ -35,27 +35,12 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger, ready func()) error {
 		return err
 	}
 	defer zctx.Term()
-	in, err := zctx.NewSocket(zmq.PULL)
+	in, out, err := ipc.Pipe(zctx, cfg.InputEndpoint, cfg.OutputEndpoint)
 	if err != nil {
 		return err
 	}
 	defer in.Close()
-	out, err := zctx.NewSocket(zmq.PUSH)
-	if err != nil {
-		return err
-	}
 	defer out.Close()
-	for _, s := range []*zmq.Socket{in, out} {
-		if err := s.SetLinger(0); err != nil {
-			return err
-		}
-	}
-	if err := in.Bind(cfg.InputEndpoint); err != nil {
-		return fmt.Errorf("bind %s: %w", cfg.InputEndpoint, err)
-	}
-	if err := out.Connect(cfg.OutputEndpoint); err != nil {
-		return fmt.Errorf("connect %s: %w", cfg.OutputEndpoint, err)
-	}
 	ready()
 	d := New(tok)
 	return ipc.ReceiveEach(ctx, in, func(b []byte) error {

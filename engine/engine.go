@@ -32,6 +32,10 @@ type Config struct {
 	DType             string // auto or bfloat16 (--dtype)
 	RandomSeed        *uint64
 	DisableRadixCache bool
+	// TPRank is this process's rank among TPSize, and Comm adds the ranks'
+	// partial sums (set by the process that opens a tensor-parallel rank).
+	TPRank int               `json:",omitempty"`
+	Comm   device.Collective `json:"-"`
 	// DisableOverlap waits for each step before building the next
 	// (--disable-overlap-schedule).
 	DisableOverlap bool
@@ -105,9 +109,8 @@ func Open(cfg Config) (*Engine, error) {
 	if err := CheckDType(cfg.DType); err != nil {
 		return nil, err
 	}
-	if cfg.TPSize > 1 {
-		return nil, fmt.Errorf("--tp-size %d: tensor parallelism is not implemented yet (one GPU per engine; "+
-			"--dp-size runs several engines side by side)", cfg.TPSize)
+	if cfg.TPSize > 1 && cfg.Comm == nil {
+		return nil, fmt.Errorf("--tp-size %d: a tensor-parallel rank needs its collective", cfg.TPSize)
 	}
 	mcfg, err := model.LoadConfig(cfg.ModelDir)
 	if err != nil {
@@ -131,6 +134,11 @@ func Open(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e.Dev = dev
+	if cfg.TPSize > 1 && dev.Name() != "cpu" {
+		dev.Close()
+		return nil, fmt.Errorf("--tp-size %d: tensor parallelism runs on the CPU backend only so far; "+
+			"on GPUs use --dp-size to run engines side by side", cfg.TPSize)
+	}
 	if err := e.load(mcfg); err != nil {
 		dev.Close()
 		return nil, err
@@ -140,7 +148,11 @@ func Open(cfg Config) (*Engine, error) {
 
 func (e *Engine) load(mcfg *model.Config) error {
 	cfg := e.Config
-	m, err := model.New(e.Dev, mcfg, model.Options{ContextLen: cfg.ContextLength, CPUBackup: cfg.CPUBackup})
+	opts := model.Options{ContextLen: cfg.ContextLength, CPUBackup: cfg.CPUBackup}
+	if cfg.TPSize > 1 {
+		opts.Shard, opts.Comm = model.Shard{Rank: cfg.TPRank, Size: cfg.TPSize}, cfg.Comm
+	}
+	m, err := model.New(e.Dev, mcfg, opts)
 	if err != nil {
 		return err
 	}
@@ -162,7 +174,9 @@ func (e *Engine) load(mcfg *model.Config) error {
 	if e.Runner, err = runner.New(m, limits); err != nil {
 		return err
 	}
-	if cfg.DisableCUDAGraph {
+	// A tensor-parallel rank would run its collectives while capturing,
+	// before the other ranks exist: its decode steps run eagerly.
+	if cfg.DisableCUDAGraph || cfg.TPSize > 1 {
 		return nil
 	}
 	maxBS := cfg.CUDAGraphMaxBS

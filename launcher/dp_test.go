@@ -7,11 +7,9 @@ import (
 	"testing"
 )
 
-// TestDataParallel: two CPU engines behind one tokenizer manager give the
-// outputs of one engine; requests spread over both; control calls reach
-// both and answer once, with each engine's reply; a call one engine
-// refuses is an error.
-func TestDataParallel(t *testing.T) {
+// batchGreedy generates 8 prompts of different lengths in one request.
+func batchGreedy(t *testing.T, s *server) [][]int32 {
+	t.Helper()
 	var prompts [][]int
 	for i := range 8 {
 		p := make([]int, 5+9*i)
@@ -21,23 +19,27 @@ func TestDataParallel(t *testing.T) {
 		prompts = append(prompts, p)
 	}
 	body := map[string]any{"input_ids": prompts, "sampling_params": map[string]any{"max_new_tokens": 10, "temperature": 0, "ignore_eos": true}}
-	batch := func(s *server) [][]int32 {
-		t.Helper()
-		var out []genResult
-		if code := s.post(t, "/generate", body, &out); code != 200 || len(out) != len(prompts) {
-			t.Fatalf("batch generate: status %d, %d results\n%s", code, len(out), s.log.String())
-		}
-		var ids [][]int32
-		for _, r := range out {
-			ids = append(ids, r.OutputIDs)
-		}
-		return ids
+	var out []genResult
+	if code := s.post(t, "/generate", body, &out); code != 200 || len(out) != len(prompts) {
+		t.Fatalf("batch generate: status %d, %d results\n%s", code, len(out), s.log.String())
 	}
+	var ids [][]int32
+	for _, r := range out {
+		ids = append(ids, r.OutputIDs)
+	}
+	return ids
+}
+
+// TestDataParallel: two CPU engines behind one tokenizer manager give the
+// outputs of one engine; requests spread over both; control calls reach
+// both and answer once, with each engine's reply; a call one engine
+// refuses is an error.
+func TestDataParallel(t *testing.T) {
 	one := startServer(t)
-	want, wantGreedy := batch(one), one.greedy(t)
+	want, wantGreedy := batchGreedy(t, one), one.greedy(t)
 
 	dp := startServer(t, "--dp-size", "2")
-	if got := batch(dp); !slices.EqualFunc(got, want, slices.Equal) {
+	if got := batchGreedy(t, dp); !slices.EqualFunc(got, want, slices.Equal) {
 		t.Fatalf("dp 2: %v\none engine: %v", got, want)
 	}
 	info := dp.info(t)
@@ -89,5 +91,42 @@ func TestDataParallel(t *testing.T) {
 	}
 	if got := dp.greedy(t); !slices.Equal(got, wantGreedy) {
 		t.Fatalf("after a refused call: %v", got)
+	}
+}
+
+// TestTensorParallelCPU: an engine split over 2 CPU rank processes (and two
+// such engines side by side) gives the outputs of one process, also after
+// a release / resume / update-from-disk cycle that every rank carries out.
+func TestTensorParallelCPU(t *testing.T) {
+	one := startServer(t, "--device", "cpu")
+	want, wantGreedy := batchGreedy(t, one), one.greedy(t)
+	for _, args := range [][]string{{"--tp-size", "2"}, {"--tp-size", "2", "--dp-size", "2"}} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			s := startServer(t, append([]string{"--device", "cpu"}, args...)...)
+			if got := batchGreedy(t, s); !slices.EqualFunc(got, want, slices.Equal) {
+				t.Fatalf("%v: %v\none process: %v", args, got, want)
+			}
+			if tp := s.info(t)["tp_size"]; tp != float64(2) {
+				t.Fatalf("server_info tp_size %v", tp)
+			}
+			for _, step := range []struct {
+				path string
+				body map[string]any
+			}{
+				{"/release_memory_occupation", map[string]any{}},
+				{"/resume_memory_occupation", map[string]any{"tags": []string{"weights"}}},
+				{"/update_weights_from_disk", map[string]any{"model_path": modelDir}},
+				{"/resume_memory_occupation", map[string]any{"tags": []string{"kv_cache", "cuda_graph"}}},
+			} {
+				s.mustPost(t, step.path, step.body)
+			}
+			if got := s.greedy(t); !slices.Equal(got, wantGreedy) {
+				t.Fatalf("after the cycle: %v, one process: %v", got, wantGreedy)
+			}
+			var out map[string]any
+			if code := s.post(t, "/get_weights_by_name", map[string]any{"name": "model.layers.0.mlp.down_proj.weight"}, &out); code != 400 {
+				t.Fatalf("reading a sharded weight: status %d %v", code, out)
+			}
+		})
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -50,7 +51,10 @@ type Config struct {
 type ChildConfig struct {
 	// Schedulers has one entry per data-parallel engine (role
 	// "scheduler", or "scheduler-<i>" with several).
-	Schedulers  []scheduler.ProcessConfig
+	Schedulers []scheduler.ProcessConfig
+	// TPRanks are the tensor-parallel ranks other than 0, by role
+	// ("tp-<engine>-<rank>").
+	TPRanks     map[string]scheduler.ProcessConfig
 	Detokenizer detokenizer.Config
 	LogLevel    string
 }
@@ -104,12 +108,28 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 			roles = append(roles, fmt.Sprintf("scheduler-%d", i))
 		}
 	}
-	var schedEndpoints []string
+	// Tensor parallelism: rank 0 is the engine's scheduler; ranks 1.. are
+	// followers that start first and run what it sends them.
+	var schedEndpoints, followers []string
+	cc.TPRanks = map[string]scheduler.ProcessConfig{}
 	for i, role := range roles {
 		e := cfg.Engine
 		e.GPU += i * e.TPSize
-		cc.Schedulers = append(cc.Schedulers, scheduler.ProcessConfig{Engine: e, InputEndpoint: ep(role), DPRank: i,
-			DetokenizerEndpoint: ep("detokenizer"), TokenizerEndpoint: ep("tokenizer")})
+		pc := scheduler.ProcessConfig{Engine: e, InputEndpoint: ep(role), DPRank: i,
+			DetokenizerEndpoint: ep("detokenizer"), TokenizerEndpoint: ep("tokenizer")}
+		if e.TPSize > 1 {
+			pc.TP = &scheduler.TPConfig{HubEndpoint: ep(fmt.Sprintf("tp-%d-hub", i)), AckEndpoint: ep(fmt.Sprintf("tp-%d-ack", i))}
+			for r := 1; r < e.TPSize; r++ {
+				name := fmt.Sprintf("tp-%d-%d", i, r)
+				fe := e
+				fe.GPU += r
+				pc.TP.StepEndpoints = append(pc.TP.StepEndpoints, ep(name))
+				cc.TPRanks[name] = scheduler.ProcessConfig{Engine: fe, DPRank: i, TP: &scheduler.TPConfig{Rank: r,
+					HubEndpoint: pc.TP.HubEndpoint, AckEndpoint: pc.TP.AckEndpoint, StepEndpoints: []string{ep(name)}}}
+				followers = append(followers, name)
+			}
+		}
+		cc.Schedulers = append(cc.Schedulers, pc)
 		schedEndpoints = append(schedEndpoints, ep(role))
 	}
 	b, err := json.Marshal(cc)
@@ -123,7 +143,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	defer cancel()
 	var children []*child
 	defer func() { stopChildren(children, log) }()
-	for _, role := range append(roles, "detokenizer") {
+	for _, role := range slices.Concat(followers, roles, []string{"detokenizer"}) {
 		c, err := startChild(ctx, cfg.Executable, role, dir, log)
 		if err != nil {
 			return err
@@ -306,6 +326,12 @@ func RunChild(role, dir string, newLog func(level, name string) (*zap.Logger, er
 			b, _ := json.Marshal(info)
 			report("ready " + string(b))
 		})
+	case strings.HasPrefix(role, "tp-"):
+		pc, ok := cc.TPRanks[role]
+		if !ok {
+			return fail(fmt.Errorf("unknown child role %q", role))
+		}
+		err = scheduler.RunFollower(ctx, pc, log, func() { report("ready") })
 	case role == "detokenizer":
 		err = detokenizer.Run(ctx, cc.Detokenizer, log, func() { report("ready") })
 	default:

@@ -91,6 +91,10 @@ type Runner struct {
 	graphs *graphSet // captured decode steps, nil when eager only
 	last   *Pending  // the step launched last, which Follows refers to
 	Stats  Stats
+	// Mirror, when set, is given every step before it is launched: a
+	// tensor-parallel leader sends it to the other ranks, which must run
+	// the same steps in the same order.
+	Mirror func([]SeqStep) error
 }
 
 // Pending is a launched step. On a device with a stream, a decode step
@@ -189,6 +193,11 @@ func (r *Runner) Step(seqs []SeqStep) ([]SeqResult, error) {
 func (r *Runner) Launch(seqs []SeqStep) (*Pending, error) {
 	if err := r.check(seqs); err != nil {
 		return nil, err
+	}
+	if r.Mirror != nil {
+		if err := r.Mirror(seqs); err != nil {
+			return nil, fmt.Errorf("sending the step to the other tensor-parallel ranks: %w", err)
+		}
 	}
 	prev := r.last
 	r.last = nil

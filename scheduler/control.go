@@ -12,10 +12,10 @@ import (
 	"ebb/safetensors"
 )
 
-// control carries out a control request and replies, echoing rid. Misuse
+// control carries out a control request and returns the reply, echoing rid. Misuse
 // (releasing twice, resuming what is resident, unknown tags, an update
 // while requests hold KV) gets an error reply; nothing here panics.
-func (s *Server) control(m ioschema.Message, rid string) {
+func (s *Server) control(m ioschema.Message, rid string) ioschema.Message {
 	res := ioschema.Result{Rid: rid, Success: true}
 	var reply ioschema.Message
 	switch r := m.(type) {
@@ -53,10 +53,9 @@ func (s *Server) control(m ioschema.Message, rid string) {
 	case *ioschema.UpdateWeightVersionReqInput:
 		reply = s.updateWeightVersion(r, res)
 	default:
-		s.fail(rid, m.TypeName(), fmt.Errorf("the scheduler does not handle %s", m.TypeName()))
-		return
+		return &ioschema.ErrorOutput{Rid: rid, Request: m.TypeName(), Message: fmt.Sprintf("the scheduler does not handle %s", m.TypeName())}
 	}
-	s.reply(reply)
+	return reply
 }
 
 func (s *Server) pause(r *ioschema.PauseGenerationReqInput, res ioschema.Result) ioschema.Message {

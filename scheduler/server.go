@@ -26,6 +26,8 @@ type ProcessConfig struct {
 	InputEndpoint, DetokenizerEndpoint, TokenizerEndpoint string
 	// DPRank is this engine's index among --dp-size engines.
 	DPRank int
+	// TP places this process in its tensor-parallel engine (nil: TP 1).
+	TP *TPConfig
 	// InvariantInterval bounds how often the idle checks run.
 	InvariantInterval time.Duration
 }
@@ -49,11 +51,14 @@ type outgoing struct {
 func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready func(info map[string]any)) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	e, err := engine.Open(cfg.Engine)
+	e, hub, err := openRank(cfg)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
+	if hub != nil {
+		defer hub.Close()
+	}
 	s, err := NewServer(e, log)
 	if err != nil {
 		return err
@@ -62,6 +67,12 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 	zctx, err := zmq.NewContext()
 	if err != nil {
 		return err
+	}
+	if hub != nil {
+		if s.tp, err = newTPLeader(zctx, cfg.TP); err != nil {
+			return err
+		}
+		e.Runner.Mirror = s.tp.sendStep
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -82,6 +93,9 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 		cancel()
 		<-errs
 		<-errs
+		if s.tp != nil {
+			s.tp.close() // before Term, which waits for every socket
+		}
 		zctx.Term()
 	}()
 	s.out = outbox
@@ -172,6 +186,7 @@ type Server struct {
 	// weight updates from a trainer
 	tpRank      int
 	dpRank      int
+	tp          *tpLeader // rank 0 of a tensor-parallel engine
 	distTimeout time.Duration
 	groups      map[string]*weightGroup
 }
@@ -380,7 +395,19 @@ func (s *Server) Handle(m ioschema.Message) {
 	default:
 		if c, ok := m.(interface{ GetRid() string }); ok {
 			s.settle()
-			s.control(m, c.GetRid())
+			if s.tp == nil {
+				s.reply(s.control(m, c.GetRid()))
+				return
+			}
+			// Every rank carries it out on its shard; the reply says
+			// whether all did.
+			err := s.tp.control(m)
+			reply := s.control(m, c.GetRid())
+			var followers []ioschema.Message
+			if err == nil {
+				followers, err = s.tp.replies()
+			}
+			s.reply(mergeRankReplies(reply, followers, err))
 			return
 		}
 		s.fail("", m.TypeName(), fmt.Errorf("the scheduler does not handle %s", m.TypeName()))
@@ -414,7 +441,7 @@ func (s *Server) Info() map[string]any {
 	total, free, cached, private := s.core.KVUsage()
 	return map[string]any{
 		"device": e.Dev.Name(), "architecture": string(e.Model.Config.Arch), "context_length": e.Model.ContextLen(),
-		"max_total_num_tokens": total, "dp_rank": s.dpRank, "max_running_requests": s.core.Options().MaxRunningRequests,
+		"max_total_num_tokens": total, "dp_rank": s.dpRank, "tp_size": e.Config.TPSize, "max_running_requests": s.core.Options().MaxRunningRequests,
 		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
 		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,
 		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,

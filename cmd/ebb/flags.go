@@ -22,7 +22,7 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.IntVar(&cfg.GPU, "base-gpu-id", 0, "the first GPU to use")
 	f.IntVar(&cfg.GPU, "gpu", 0, "same as --base-gpu-id")
 	_ = f.MarkHidden("gpu")
-	f.IntVar(&cfg.TPSize, "tp-size", 1, "tensor-parallel GPUs per engine (only 1: tensor parallelism is not implemented yet)")
+	f.IntVar(&cfg.TPSize, "tp-size", 1, "tensor-parallel ranks per engine (so far on the CPU backend only)")
 	f.IntVar(&cfg.DPSize, "dp-size", 1, "data-parallel engines, one GPU each from --base-gpu-id, behind one HTTP/ZMQ front")
 	f.StringVar(&cfg.DType, "dtype", "auto", "auto or bfloat16 (ebb runs bf16 on the GPU, float32 on the CPU)")
 	f.Var(&seedFlag{&cfg.RandomSeed}, "random-seed", "seed for the sampling of requests without a sampling_seed")

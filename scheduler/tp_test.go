@@ -1,0 +1,42 @@
+package scheduler
+
+import (
+	"reflect"
+	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"ebb/ioschema"
+	"ebb/runner"
+)
+
+// TestTPMessageRoundTrip: what the leader sends its followers decodes to
+// the same steps and control request.
+func TestTPMessageRoundTrip(t *testing.T) {
+	ctrl, err := ioschema.Encode(&ioschema.ReleaseMemoryOccupationReqInput{Tags: []string{"kv_cache"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []tpMessage{
+		{Seqs: []runner.SeqStep{{Tokens: []int32{1, 2}, Start: 3, Slots: []int32{0, 1, 2, 3, 4}, Sample: true, Draw: 7,
+			Params:     runner.SampleParams{Temperature: 0.7, TopP: 0.9, TopK: 20, Seed: 42, TopLogprobs: 2},
+			Adjust:     []runner.LogitAdjust{{Token: 5, Count: 2, Bias: -1}},
+			NextTokens: []int32{-1, 9}}, {Tokens: []int32{0}, Start: 0, Slots: []int32{5}, Sample: true, Follows: 1}}},
+		{Control: ctrl},
+	} {
+		b, err := msgpack.Marshal(&m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got tpMessage
+		if err := msgpack.Unmarshal(b, &got); err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(got, m) {
+			t.Fatalf("round trip: %+v\nwant %+v", got, m)
+		}
+	}
+	if _, err := ioschema.Decode(ctrl); err != nil {
+		t.Fatal(err)
+	}
+}
