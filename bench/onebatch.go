@@ -50,8 +50,8 @@ type OneBatchResult struct {
 // scheduler core (pack, upload, forward, sample, download). The prefill
 // time runs until every request has its first token.
 func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
-	if cfg.Engine.DPSize > 1 {
-		return nil, fmt.Errorf("one-batch measures one engine in this process; --dp-size %d engines are measured with bench serving", cfg.Engine.DPSize)
+	if cfg.Engine.DPSize > 1 || cfg.Engine.TPSize > 1 {
+		return nil, fmt.Errorf("one-batch measures one engine in this process; --dp-size and --tp-size are measured with bench serving")
 	}
 	maxB := 0
 	for _, b := range cfg.BatchSizes {

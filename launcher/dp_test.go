@@ -127,6 +127,11 @@ func TestTensorParallelCPU(t *testing.T) {
 			if code := s.post(t, "/get_weights_by_name", map[string]any{"name": "model.layers.0.mlp.down_proj.weight"}, &out); code != 400 {
 				t.Fatalf("reading a sharded weight: status %d %v", code, out)
 			}
+			out = nil
+			if code := s.post(t, "/update_weights_from_tensor", map[string]any{"serialized_named_tensors": []string{"AA==", "AA=="}}, &out); code != 400 ||
+				!strings.Contains(fmt.Sprint(out), "update_weights_from_tensor with --") {
+				t.Fatalf("update_weights_from_tensor with tensor parallelism: %d %v", code, out)
+			}
 		})
 	}
 }

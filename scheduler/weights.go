@@ -105,6 +105,11 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 		return out
 	}
 	start := time.Now()
+	if s.e.Config.TPSize > 1 {
+		// Before any payload is opened: every rank would give the
+		// producer's reference counts back, and shards take slices.
+		return fail(fmt.Errorf("update_weights_from_tensor with --tp-size %d is not implemented yet: update from disk", s.e.Config.TPSize))
+	}
 	rank := s.tpRank
 	if rank >= len(r.SerializedNamedTensors) {
 		return fail(fmt.Errorf("serialized_named_tensors has %d payloads, none for TP rank %d", len(r.SerializedNamedTensors), rank))
