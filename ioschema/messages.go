@@ -1,6 +1,10 @@
 package ioschema
 
-import "ebb/memory"
+import (
+	"encoding/json"
+
+	"ebb/memory"
+)
 
 func init() {
 	for _, f := range []func() Message{
@@ -168,6 +172,19 @@ type Result struct {
 	// tokenizer manager merges their replies and lists each in Engines (ebb).
 	DPRank  int              `msgpack:"dp_rank" json:"-"`
 	Engines []map[string]any `msgpack:"engines,omitempty" json:"engines,omitempty"`
+	// TPRanks are the replies of a tensor-parallel engine's ranks 1.. (ebb).
+	TPRanks []map[string]any `msgpack:"tp_ranks,omitempty" json:"tp_ranks,omitempty"`
+}
+
+// Detail is a reply as its JSON fields, for the per-engine and per-rank
+// lists of a merged reply (an engine's keeps its ranks' replies).
+func Detail(m Message) map[string]any {
+	d := map[string]any{}
+	if b, err := json.Marshal(m); err == nil {
+		_ = json.Unmarshal(b, &d)
+	}
+	delete(d, "engines")
+	return d
 }
 
 // GetRid returns the correlation id of a control message.

@@ -109,6 +109,15 @@ func TestTensorParallelCPU(t *testing.T) {
 			if tp := s.info(t)["tp_size"]; tp != float64(2) {
 				t.Fatalf("server_info tp_size %v", tp)
 			}
+			// memory_stats of every rank (of every engine).
+			code, stats := s.get(t, "/memory_stats")
+			ranks, _ := stats["tp_ranks"].([]any)
+			if engines, _ := stats["engines"].([]any); len(engines) > 0 {
+				ranks, _ = engines[len(engines)-1].(map[string]any)["tp_ranks"].([]any)
+			}
+			if code != 200 || len(ranks) != 1 || ranks[0].(map[string]any)["tags"] == nil {
+				t.Fatalf("memory_stats: %d %v", code, stats)
+			}
 			for _, step := range []struct {
 				path string
 				body map[string]any

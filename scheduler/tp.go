@@ -153,6 +153,13 @@ func mergeRankReplies(reply ioschema.Message, followers []ioschema.Message, err 
 	if err != nil {
 		failed = append(failed, err.Error())
 	}
+	if r, ok := reply.(interface{ ResultPtr() *ioschema.Result }); ok {
+		for i, f := range followers {
+			d := ioschema.Detail(f)
+			d["tp_rank"] = i + 1
+			r.ResultPtr().TPRanks = append(r.ResultPtr().TPRanks, d)
+		}
+	}
 	for i, f := range followers {
 		switch f := f.(type) {
 		case *ioschema.ErrorOutput:

@@ -1,7 +1,6 @@
 package tokenizermanager
 
 import (
-	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -135,11 +134,7 @@ func mergeInfo(results []resultReply) map[string]any {
 
 // engineDetail is one engine's reply as its JSON fields plus its rank.
 func engineDetail(r resultReply) map[string]any {
-	m := map[string]any{}
-	if b, err := json.Marshal(r); err == nil {
-		_ = json.Unmarshal(b, &m)
-	}
-	delete(m, "engines")
+	m := ioschema.Detail(r)
 	m["dp_rank"] = r.ResultPtr().DPRank
 	return m
 }
