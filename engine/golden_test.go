@@ -151,6 +151,17 @@ func TestGoldensCPU(t *testing.T) {
 // prompt logprobs) and checks that decode steps went through graphs.
 func runGolden(t *testing.T, e *engine.Engine, g golden) []scheduler.Output {
 	t.Helper()
+	outs := generateGolden(t, e, g)
+	if e.Runner.Stats.GraphSteps == 0 {
+		t.Fatalf("no decode step went through a graph (%+v)", e.Runner.Stats)
+	}
+	return outs
+}
+
+// generateGolden generates every golden prompt greedily (ignoring eos, with
+// prompt logprobs).
+func generateGolden(t *testing.T, e *engine.Engine, g golden) []scheduler.Output {
+	t.Helper()
 	zero := 0.0
 	maxNew := g.NewTokens
 	params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(e.Defaults())
@@ -165,9 +176,6 @@ func runGolden(t *testing.T, e *engine.Engine, g golden) []scheduler.Output {
 	outs, err := scheduler.Generate(e, reqs)
 	if err != nil {
 		t.Fatal(err)
-	}
-	if e.Runner.Stats.GraphSteps == 0 {
-		t.Fatalf("no decode step went through a graph (%+v)", e.Runner.Stats)
 	}
 	return outs
 }
