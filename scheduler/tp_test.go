@@ -1,7 +1,9 @@
 package scheduler
 
 import (
+	"errors"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -38,5 +40,27 @@ func TestTPMessageRoundTrip(t *testing.T) {
 	}
 	if _, err := ioschema.Decode(ctrl); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestMergeRankReplies: the leader's reply fails when any rank's did, and
+// lists every rank's own reply.
+func TestMergeRankReplies(t *testing.T) {
+	ok := &ioschema.FlushCacheReqOutput{Result: ioschema.Result{Success: true, Message: "ok"}}
+	lead := func() *ioschema.FlushCacheReqOutput {
+		return &ioschema.FlushCacheReqOutput{Result: ioschema.Result{Success: true, Message: "cache flushed"}}
+	}
+	r := mergeRankReplies(lead(), []ioschema.Message{ok, ok}, nil).(*ioschema.FlushCacheReqOutput)
+	if !r.Success || r.Message != "cache flushed" || len(r.TPRanks) != 2 || r.TPRanks[1]["tp_rank"] != 2 {
+		t.Fatalf("all ranks succeeded: %+v", r.Result)
+	}
+	bad := &ioschema.ErrorOutput{Message: "no such tag"}
+	r = mergeRankReplies(lead(), []ioschema.Message{ok, bad}, nil).(*ioschema.FlushCacheReqOutput)
+	if r.Success || r.Message != "cache flushed; tp rank 2: no such tag" {
+		t.Fatalf("rank 2 failed: %+v", r.Result)
+	}
+	r = mergeRankReplies(lead(), nil, errors.New("a tensor-parallel rank did not answer")).(*ioschema.FlushCacheReqOutput)
+	if r.Success || !strings.Contains(r.Message, "did not answer") {
+		t.Fatalf("no answer: %+v", r.Result)
 	}
 }
