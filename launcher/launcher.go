@@ -151,7 +151,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		children = append(children, c)
 	}
 	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, TokenizerDir: cfg.Engine.TokenizerDir, ModelName: cfg.ModelName,
-		DataParallel: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
+		SchedulerEndpoints: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
 		DisableRadixCache: cfg.Engine.DisableRadixCache}, log.Named("tokenizer_manager"))
 	if err != nil {
 		return err

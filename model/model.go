@@ -87,13 +87,6 @@ func Load(dev device.Device, dir string, opts Options) (*Model, error) {
 	return m, nil
 }
 
-func (m *Model) global() *Config {
-	if m.Global == nil {
-		return m.Config
-	}
-	return m.Global
-}
-
 // Device returns the device the model runs on.
 func (m *Model) Device() device.Device { return m.dev }
 

@@ -43,7 +43,7 @@ func (t Target) Whole() bool { return t.Rows.whole() && t.Cols.whole() }
 // Targets maps every checkpoint tensor name to its place on the device.
 // Tied embeddings have no lm_head entry.
 func (m *Model) Targets() []Target {
-	c, g := m.Config, m.global()
+	c, g := m.Config, m.Global
 	w := &m.W
 	d := c.HeadDim
 	var none span

@@ -203,13 +203,15 @@ func (r *Runner) Launch(seqs []SeqStep) (*Pending, error) {
 	r.last = nil
 	b := r.graphs.fits(seqs)
 	_, streams := r.dev.(device.Streamer)
-	if follows(seqs) && (b == 0 || !streams || !prev.graph) {
+	switch {
+	case !follows(seqs):
+	case b == 0 || !streams || !prev.graph:
 		res, err := prev.Wait()
 		if err != nil {
 			return nil, fmt.Errorf("the step these tokens follow: %w", err)
 		}
 		seqs = resolved(seqs, res)
-	} else if follows(seqs) {
+	default:
 		r.Stats.ChainedSteps++
 	}
 	var p *Pending

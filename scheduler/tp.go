@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
+	"strings"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
@@ -184,18 +186,9 @@ func mergeRankReplies(reply ioschema.Message, followers []ioschema.Message, err 
 	return reply
 }
 
+// joinStrings joins the non-empty ones.
 func joinStrings(s []string) string {
-	out := ""
-	for _, x := range s {
-		if x == "" {
-			continue
-		}
-		if out != "" {
-			out += "; "
-		}
-		out += x
-	}
-	return out
+	return strings.Join(slices.DeleteFunc(slices.Clone(s), func(x string) bool { return x == "" }), "; ")
 }
 
 // RunFollower is the body of a tensor-parallel rank other than 0: it runs

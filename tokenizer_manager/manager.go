@@ -33,13 +33,12 @@ type Config struct {
 	// DisableRadixCache: copies of one prompt (n > 1) cannot share a
 	// prefilled prefix, so none is prepared for them.
 	DisableRadixCache bool
-	// SchedulerEndpoint is connected (PUSH); InputEndpoint is bound (PULL)
-	// for the detokenizer's text and the scheduler's replies.
-	SchedulerEndpoint, InputEndpoint string
-	// DataParallel lists one endpoint per data-parallel engine instead of
-	// SchedulerEndpoint (--dp-size): generate requests go to the engine
-	// with the least work, control requests to every engine.
-	DataParallel []string
+	// SchedulerEndpoints are connected (PUSH), one per data-parallel engine
+	// (--dp-size): generate requests go to the engine with the least work,
+	// control requests to every engine. InputEndpoint is bound (PULL) for
+	// the detokenizer's text and the schedulers' replies.
+	SchedulerEndpoints []string
+	InputEndpoint      string
 	// ZMQEndpoint is the external ROUTER; empty disables it.
 	ZMQEndpoint string
 	// ControlTimeout bounds waiting for a control reply.
@@ -84,10 +83,10 @@ func (t *table) forget(rid string) {
 func New(cfg Config, log *zap.Logger) (*Manager, error) {
 	m := &Manager{cfg: cfg, log: log, toSched: make(chan outbound, 1024), ops: make(chan func(*table), 1024),
 		done: make(chan struct{}), errs: make(chan error, 4)}
-	if len(m.cfg.DataParallel) == 0 {
-		m.cfg.DataParallel = []string{cfg.SchedulerEndpoint}
+	if len(cfg.SchedulerEndpoints) == 0 {
+		return nil, errors.New("tokenizer manager: no scheduler endpoint")
 	}
-	m.engines = len(m.cfg.DataParallel)
+	m.engines = len(cfg.SchedulerEndpoints)
 	if m.cfg.ControlTimeout <= 0 {
 		m.cfg.ControlTimeout = 30 * time.Minute
 	}
@@ -131,7 +130,7 @@ func (m *Manager) Start(ctx context.Context) error {
 		return fmt.Errorf("bind %s: %w", m.cfg.InputEndpoint, err)
 	}
 	var outs []*zmq.Socket
-	for _, ep := range m.cfg.DataParallel {
+	for _, ep := range m.cfg.SchedulerEndpoints {
 		out, err := zctx.NewSocket(zmq.PUSH)
 		if err != nil {
 			return err

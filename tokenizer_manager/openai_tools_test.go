@@ -86,14 +86,14 @@ func splitEvery(s string, n int) []string {
 func scriptedServer(t *testing.T) *httptest.Server {
 	t.Helper()
 	dir := t.TempDir()
-	cfg := Config{ModelDir: "../assets/default-model", SchedulerEndpoint: "ipc://" + filepath.Join(dir, "s"),
+	cfg := Config{ModelDir: "../assets/default-model", SchedulerEndpoints: []string{"ipc://" + filepath.Join(dir, "s")},
 		InputEndpoint: "ipc://" + filepath.Join(dir, "t")}
 	m, err := New(cfg, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	scriptedScheduler(t, ctx, m, cfg.SchedulerEndpoint, cfg.InputEndpoint)
+	scriptedScheduler(t, ctx, m, cfg.SchedulerEndpoints[0], cfg.InputEndpoint)
 	if err := m.Start(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -27,19 +27,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.distributed as dist
 
-
-def init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout=timedelta(seconds=60)):
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    import inspect
-    params = inspect.signature(_new_process_group_helper).parameters
-    name = "backend_options" if "backend_options" in params else "pg_options"
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      **{name: None}, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+from weight_update_trainer import init_custom_process_group  # SGLang's, as verl/slime call it
 
 
 def u64(n):
@@ -71,7 +59,7 @@ def tcpstore_probe(log):
 
     def trainer():
         try:
-            pg = init_custom_process_group("nccl", f"tcp://127.0.0.1:{port}", 2, 0, group)
+            pg = init_custom_process_group("nccl", f"tcp://127.0.0.1:{port}", 2, 0, group, timedelta(seconds=60))
             t = torch.ones(4, device="cuda")
             dist.broadcast(t, src=0, group=pg)
         except Exception as e:  # noqa: BLE001

@@ -24,6 +24,12 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	_ = f.MarkHidden("gpu")
 	f.IntVar(&cfg.TPSize, "tp-size", 1, "tensor-parallel ranks per engine (so far on the CPU backend only)")
 	f.IntVar(&cfg.DPSize, "dp-size", 1, "data-parallel engines, one GPU each from --base-gpu-id, behind one HTTP/ZMQ front")
+	// SGLang's aliases (server_args.py), and the abbreviations its argparse
+	// accepts and its docs use.
+	f.IntVar(&cfg.TPSize, "tensor-parallel-size", 1, "same as --tp-size")
+	f.IntVar(&cfg.TPSize, "tp", 1, "same as --tp-size")
+	f.IntVar(&cfg.DPSize, "data-parallel-size", 1, "same as --dp-size")
+	f.IntVar(&cfg.DPSize, "dp", 1, "same as --dp-size")
 	f.StringVar(&cfg.DType, "dtype", "auto", "auto or bfloat16 (ebb runs bf16 on the GPU, float32 on the CPU)")
 	f.Var(&seedFlag{&cfg.RandomSeed}, "random-seed", "seed for the sampling of requests without a sampling_seed")
 	f.IntVar(&cfg.ContextLength, "context-length", 0, "maximum tokens per sequence (default: the model's max_position_embeddings)")
