@@ -35,8 +35,10 @@ type Phase struct {
 	Seconds      float64 `json:"t_s"`
 	Cycle        int     `json:"cycle"`
 	Name         string  `json:"phase"`
-	ServerMiB    float64 `json:"server_mib"`      // the scheduler process (NVML)
-	DeviceUsedMB float64 `json:"device_used_mib"` // the whole GPU
+	ServerMiB    float64 `json:"server_mib"`      // the scheduler process (NVML); with tensor parallelism, the largest rank's
+	DeviceUsedMB float64 `json:"device_used_mib"` // the whole GPU (the leader's)
+	// RankMiB are the tensor-parallel ranks' processes, each on its GPU.
+	RankMiB []float64 `json:"rank_mib,omitempty"`
 }
 
 // CycleRecord is one rollout / train / resume cycle.
@@ -83,11 +85,18 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 		}
 		cfg.Executable = exe
 	}
-	trainerBase, err := runTrainer(cfg.Executable, nil)
+	cfg.Engine.Defaults()
+	gpus := make([]int, cfg.Engine.TPSize) // one trainer per GPU the engine uses
+	for i := range gpus {
+		gpus[i] = cfg.Engine.GPU + i
+	}
+	trainerBase, err := runTrainers(cfg.Executable, gpus, nil)
 	if err != nil {
 		return nil, fmt.Errorf("trainer probe: %w", err)
 	}
-	rep := &RLCycleReport{BareContextMiB: mib(trainerBase.BareContextBytes), Summary: map[string]float64{}}
+	rep := &RLCycleReport{BareContextMiB: mib(slices.MaxFunc(trainerBase, func(a, b *cuda.TrainerReport) int {
+		return int(a.BareContextBytes - b.BareContextBytes)
+	}).BareContextBytes), Summary: map[string]float64{}}
 	srv, err := startServe(cfg.Executable, cfg.Engine, "--max-running-requests", strconv.Itoa(max(cfg.BatchSize, 8)),
 		"--context-length", strconv.Itoa(max(cfg.Engine.ContextLength, cfg.InputLen+cfg.OutputLen+64)))
 	if err != nil {
@@ -99,12 +108,25 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 		return nil, err
 	}
 	rep.Device, _ = info["device"].(string)
-	pid := int(info["scheduler_pid"].(float64))
 	start := time.Now()
+	// /memory_stats has every rank's NVML reading of its own process.
 	read := func(cycle int, name string) Phase {
-		r, _ := cuda.DeviceUsage(cfg.Engine.GPU, pid)
-		p := Phase{Seconds: time.Since(start).Seconds(), Cycle: cycle, Name: name, ServerMiB: mib(r.ProcessBytes), DeviceUsedMB: mib(r.UsedBytes)}
-		rep.DeviceTotalMiB = mib(r.TotalBytes)
+		var st struct {
+			memoryReading
+			TPRanks []memoryReading `json:"tp_ranks"`
+		}
+		p := Phase{Seconds: time.Since(start).Seconds(), Cycle: cycle, Name: name}
+		if err := srv.call("GET", "/memory_stats", nil, &st); err == nil {
+			p.DeviceUsedMB = mib(st.UsedBytes)
+			rep.DeviceTotalMiB = mib(st.TotalBytes)
+			for _, r := range append([]memoryReading{st.memoryReading}, st.TPRanks...) {
+				p.RankMiB = append(p.RankMiB, mib(r.ProcessBytes))
+			}
+			p.ServerMiB = slices.Max(p.RankMiB)
+			if len(p.RankMiB) == 1 {
+				p.RankMiB = nil
+			}
+		}
 		rep.Phases = append(rep.Phases, p)
 		return p
 	}
@@ -168,10 +190,12 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 		rec.AfterReleaseMiB = read(c, "released").ServerMiB
 		rec.ResidualMiB = rec.AfterReleaseMiB - rep.BareContextMiB
 		rec.ReclaimPct = 100 * (rec.BeforeReleaseMiB - rec.AfterReleaseMiB) / (rec.BeforeReleaseMiB - rep.BareContextMiB)
-		tr, err := runTrainer(cfg.Executable, func() { read(c, "trainer holds the GPU") })
+		trs, err := runTrainers(cfg.Executable, gpus, func() { read(c, "trainer holds the GPU") })
 		if err != nil {
 			return rep, fmt.Errorf("cycle %d trainer: %w", c, err)
 		}
+		// The GPU where the trainer got least speaks for the group.
+		tr := slices.MinFunc(trs, func(a, b *cuda.TrainerReport) int { return int(a.AllocatedBytes - b.AllocatedBytes) })
 		rec.TrainerAllocatedMiB, rec.TrainerFreeMiB = mib(tr.AllocatedBytes), mib(tr.DriverFreeBefore)
 		read(c, "trainer done")
 		var res struct {
@@ -284,34 +308,66 @@ func summarize(rep *RLCycleReport) {
 	s["bare_context_mib"] = rep.BareContextMiB
 }
 
-// runTrainer runs `ebb __trainer`, a process of its own that fills the
-// GPU and reports what it got; holding runs while it holds the memory.
-func runTrainer(exe string, holding func()) (*cuda.TrainerReport, error) {
-	cmd := exec.Command(exe, "__trainer")
-	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		return nil, err
+// memoryReading is the NVML part of a /memory_stats reply.
+type memoryReading struct {
+	ProcessBytes int64 `json:"nvml_process_bytes"`
+	UsedBytes    int64 `json:"nvml_device_used_bytes"`
+	TotalBytes   int64 `json:"nvml_device_total_bytes"`
+}
+
+// runTrainers runs `ebb __trainer` on each GPU, processes of their own that
+// fill their GPU and report what they got; holding runs while all of them
+// hold the memory.
+func runTrainers(exe string, gpus []int, holding func()) ([]*cuda.TrainerReport, error) {
+	type trainer struct {
+		cmd   *exec.Cmd
+		stdin io.WriteCloser
+		line  []byte
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
+	var ts []*trainer
+	defer func() {
+		for _, t := range ts {
+			t.stdin.Close()
+			if t.cmd.ProcessState == nil {
+				_ = t.cmd.Process.Kill()
+				_ = t.cmd.Wait()
+			}
+		}
+	}()
+	for _, g := range gpus {
+		t := &trainer{cmd: exec.Command(exe, "__trainer", "--gpu", strconv.Itoa(g))}
+		t.cmd.Stderr = os.Stderr
+		t.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		var err error
+		if t.stdin, err = t.cmd.StdinPipe(); err != nil {
+			return nil, err
+		}
+		stdout, err := t.cmd.StdoutPipe()
+		if err != nil {
+			return nil, err
+		}
+		if err := t.cmd.Start(); err != nil {
+			return nil, err
+		}
+		ts = append(ts, t)
+		if t.line, err = bufio.NewReader(stdout).ReadBytes('\n'); err != nil {
+			return nil, fmt.Errorf("trainer on GPU %d: %w", g, err)
+		}
 	}
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	line, readErr := bufio.NewReader(stdout).ReadBytes('\n')
-	if readErr == nil && holding != nil {
+	if holding != nil {
 		holding()
 	}
-	stdin.Close() // the trainer frees its memory and exits
-	if err := cmd.Wait(); err != nil {
-		return nil, err
+	var out []*cuda.TrainerReport
+	for i, t := range ts {
+		t.stdin.Close() // the trainer frees its memory and exits
+		if err := t.cmd.Wait(); err != nil {
+			return nil, fmt.Errorf("trainer on GPU %d: %w", gpus[i], err)
+		}
+		var r cuda.TrainerReport
+		if err := json.Unmarshal(t.line, &r); err != nil {
+			return nil, fmt.Errorf("trainer output %q: %w", t.line, err)
+		}
+		out = append(out, &r)
 	}
-	var r cuda.TrainerReport
-	if err := json.Unmarshal(line, &r); err != nil {
-		return nil, fmt.Errorf("trainer output %q: %w", line, err)
-	}
-	return &r, nil
+	return out, nil
 }

@@ -93,7 +93,7 @@ func init() {
 }
 
 var kernelNames = []string{
-	"embedding", "rmsnorm", "add_rmsnorm", "add_bias", "add_bias_f32", "prepare_qkv", "silu_mul", "silu_mul_v8",
+	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "add_bias", "add_bias_f32", "prepare_qkv", "silu_mul", "silu_mul_v8",
 	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
@@ -487,7 +487,11 @@ func (d *Device) AddRMSNorm(residual, x, out, w device.Tensor, eps float32) {
 		d.fail(fmt.Errorf("add_rmsnorm: dim %d above 8192", dim))
 		return
 	}
-	d.launch("add_rmsnorm", D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(residual.Ptr), P(x.Ptr), P(out.Ptr), P(w.Ptr), I(dim), F(eps))
+	name := "add_rmsnorm"
+	if x.DType == device.F32 {
+		name = "add_rmsnorm_f32x"
+	}
+	d.launch(name, D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(residual.Ptr), P(x.Ptr), P(out.Ptr), P(w.Ptr), I(dim), F(eps))
 }
 
 // normThreads gives each thread at most NORM_VPT (8) values of a row.

@@ -186,6 +186,13 @@ func TestRMSNorms(t *testing.T) {
 		p.cpu.AddRMSNorm(res.c, x.c, out.c, w.c, 1e-6)
 		p.close("add_rmsnorm residual", res, 2e-2, 8e-3)
 		p.close("add_rmsnorm out", out, 2e-2, 2e-2)
+		// Tensor-parallel partial sums arrive in float32.
+		x32 := p.random(device.F32, 2, 7, dim)
+		p.gpu.AddRMSNorm(res.g, x32.g, out.g, w.g, 1e-6)
+		p.cpu.AddRMSNorm(res.c, x32.c, out.c, w.c, 1e-6)
+		// The GPU rounds x to bf16 before adding, as a bf16 matmul output is.
+		p.close("add_rmsnorm f32 x residual", res, 5e-2, 8e-3)
+		p.close("add_rmsnorm f32 x out", out, 2e-2, 2e-2)
 	}
 }
 

@@ -91,6 +91,7 @@ func loadCUBLAS() error {
 }
 
 func loadNCCL() error {
+	setNCCLDefaults()
 	return ncclLib.load("libnccl", func(b *C.char, n C.int) C.int { return C.ebb_load_nccl(b, n) })
 }
 

@@ -135,14 +135,14 @@ int ebb_nccl_all_gather(CUdeviceptr send, CUdeviceptr recv, size_t n, int dtype,
 	return ebb_ncclAllGather((const void *)send, (void *)recv, n, dtype, c, s);
 }
 
-int ebb_nccl_init_nonblocking(ncclComm_t *c, int n, const char *id, int rank) {
+int ebb_nccl_init(ncclComm_t *c, int n, const char *id, int rank, int blocking) {
 	ebbNcclConfig cfg;
 	ncclUniqueId uid;
 	memset(&cfg, 0, sizeof cfg);
 	cfg.size = sizeof cfg;
 	cfg.magic = 0xcafebeef;
 	cfg.version = 21400; /* NCCL_VERSION(2, 14, 0) */
-	cfg.blocking = 0;
+	cfg.blocking = blocking;
 	cfg.cgaClusterSize = cfg.minCTAs = cfg.maxCTAs = (int)0x80000000; /* NCCL_CONFIG_UNDEF_INT */
 	cfg.netName = NULL;
 	memcpy(uid.internal, id, sizeof uid.internal);

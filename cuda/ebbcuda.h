@@ -177,9 +177,9 @@ int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, 
 int ebb_nccl_broadcast(CUdeviceptr buf, size_t n, int dtype, int root, ncclComm_t c, CUstream s);
 int ebb_nccl_all_reduce(CUdeviceptr send, CUdeviceptr recv, size_t n, int dtype, int op, ncclComm_t c, CUstream s);
 int ebb_nccl_all_gather(CUdeviceptr send, CUdeviceptr recv, size_t n, int dtype, ncclComm_t c, CUstream s);
-// ebb_nccl_init_nonblocking starts a communicator that can be aborted while
-// it connects: NCCL_CONFIG with blocking = 0.
-int ebb_nccl_init_nonblocking(ncclComm_t *c, int n, const char *id, int rank);
+// ebb_nccl_init starts a communicator through ncclCommInitRankConfig; with
+// blocking = 0 it can be aborted while it connects.
+int ebb_nccl_init(ncclComm_t *c, int n, const char *id, int rank, int blocking);
 
 // Device pointers stay integers on the Go side; these cast them for cuBLAS.
 int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n);

@@ -89,20 +89,33 @@ type Comm struct {
 }
 
 // NewComm joins the communicator id as rank of nranks, waiting at most
-// timeout for the other ranks.
+// timeout for the other ranks. Its calls do not block: a trainer's group
+// can die at any time.
 func (c *Context) NewComm(id [128]byte, nranks, rank int, timeout time.Duration) (*Comm, error) {
+	cm, err := c.initComm(id, nranks, rank, false)
+	if err != nil {
+		return nil, err
+	}
+	if err := cm.wait("ncclCommInitRankConfig", timeout); err != nil {
+		return nil, err
+	}
+	return cm, nil
+}
+
+func (c *Context) initComm(id [128]byte, nranks, rank int, blocking bool) (*Comm, error) {
 	if err := loadNCCL(); err != nil {
 		return nil, err
 	}
 	cm := &Comm{ctx: c, Rank: rank, Size: nranks}
 	cid := C.CBytes(id[:])
 	defer C.free(cid)
-	r := C.ebb_nccl_init_nonblocking(&cm.c, C.int(nranks), (*C.char)(cid), C.int(rank))
+	b := C.int(0)
+	if blocking {
+		b = 1
+	}
+	r := C.ebb_nccl_init(&cm.c, C.int(nranks), (*C.char)(cid), C.int(rank), b)
 	if r != ncclSuccess && r != ncclInProgress {
 		return nil, ncclCheck("ncclCommInitRankConfig", r)
-	}
-	if err := cm.wait("ncclCommInitRankConfig", timeout); err != nil {
-		return nil, err
 	}
 	return cm, nil
 }

@@ -12,12 +12,12 @@ type TrainerReport struct {
 	AllocatedBytes   int64 `json:"allocated_bytes"`    // what it could map and write
 }
 
-// FillAsTrainer stands in for a trainer sharing the GPU: it takes all the
-// device memory it can (1 GiB pieces, then 64 MiB, then 2 MiB), writes it,
-// calls hold (while the memory is held: a caller can measure it), and
+// FillAsTrainer stands in for a trainer sharing GPU ordinal: it takes all
+// the device memory it can (1 GiB pieces, then 64 MiB, then 2 MiB), writes
+// it, calls hold (while the memory is held: a caller can measure it), and
 // gives it back.
-func FillAsTrainer(hold func(*TrainerReport)) (*TrainerReport, error) {
-	ctx, err := Open(0)
+func FillAsTrainer(ordinal int, hold func(*TrainerReport)) (*TrainerReport, error) {
+	ctx, err := Open(ordinal)
 	if err != nil {
 		return nil, err
 	}

@@ -32,10 +32,11 @@ type Config struct {
 	DType             string // auto or bfloat16 (--dtype)
 	RandomSeed        *uint64
 	DisableRadixCache bool
-	// TPRank is this process's rank among TPSize, and Comm adds the ranks'
-	// partial sums (set by the process that opens a tensor-parallel rank).
-	TPRank int               `json:",omitempty"`
-	Comm   device.Collective `json:"-"`
+	// TPRank is this process's rank among TPSize, and Collective joins the
+	// ranks that add up each other's partial sums, once the device is open
+	// (set by the process that opens a tensor-parallel rank).
+	TPRank     int                                            `json:",omitempty"`
+	Collective func(device.Device) (device.Collective, error) `json:"-"`
 	// DisableOverlap waits for each step before building the next
 	// (--disable-overlap-schedule).
 	DisableOverlap bool
@@ -98,6 +99,7 @@ type Engine struct {
 	TokConfig *tokenizer.Config
 	GenConfig *model.GenerationConfig
 	EOS       []int32
+	comm      device.Collective // the tensor-parallel group's, when there is one
 }
 
 // Open loads the model and sizes the KV cache.
@@ -109,7 +111,7 @@ func Open(cfg Config) (*Engine, error) {
 	if err := CheckDType(cfg.DType); err != nil {
 		return nil, err
 	}
-	if cfg.TPSize > 1 && cfg.Comm == nil {
+	if cfg.TPSize > 1 && cfg.Collective == nil {
 		return nil, fmt.Errorf("--tp-size %d: a tensor-parallel rank needs its collective", cfg.TPSize)
 	}
 	mcfg, err := model.LoadConfig(cfg.ModelDir)
@@ -134,13 +136,14 @@ func Open(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e.Dev = dev
-	if cfg.TPSize > 1 && dev.Name() != "cpu" {
-		dev.Close()
-		return nil, fmt.Errorf("--tp-size %d: tensor parallelism runs on the CPU backend only so far; "+
-			"on GPUs use --dp-size to run engines side by side", cfg.TPSize)
+	if cfg.TPSize > 1 {
+		if e.comm, err = cfg.Collective(dev); err != nil {
+			dev.Close()
+			return nil, fmt.Errorf("tensor-parallel rank %d: %w", cfg.TPRank, err)
+		}
 	}
 	if err := e.load(mcfg); err != nil {
-		dev.Close()
+		e.Close()
 		return nil, err
 	}
 	return e, nil
@@ -150,7 +153,7 @@ func (e *Engine) load(mcfg *model.Config) error {
 	cfg := e.Config
 	opts := model.Options{ContextLen: cfg.ContextLength, CPUBackup: cfg.CPUBackup}
 	if cfg.TPSize > 1 {
-		opts.Shard, opts.Comm = model.Shard{Rank: cfg.TPRank, Size: cfg.TPSize}, cfg.Comm
+		opts.Shard, opts.Comm = model.Shard{Rank: cfg.TPRank, Size: cfg.TPSize}, e.comm
 	}
 	m, err := model.New(e.Dev, mcfg, opts)
 	if err != nil {
@@ -164,8 +167,11 @@ func (e *Engine) load(mcfg *model.Config) error {
 		MaxTokens: cfg.ChunkedPrefillSize + cfg.MaxRunningRequests, MaxSeqs: cfg.MaxRunningRequests,
 		MaxLogitRows: max(cfg.MaxRunningRequests, 256), MaxTopK: cfg.MaxTopLogprobs,
 	}
-	slots, err := e.kvSlots(mcfg, limits)
+	slots, err := e.kvSlots(limits)
 	if err != nil {
+		return err
+	}
+	if slots, err = e.agreeSlots(slots); err != nil {
 		return err
 	}
 	if err := m.AllocKV(slots); err != nil {
@@ -174,9 +180,10 @@ func (e *Engine) load(mcfg *model.Config) error {
 	if e.Runner, err = runner.New(m, limits); err != nil {
 		return err
 	}
-	// A tensor-parallel rank would run its collectives while capturing,
-	// before the other ranks exist: its decode steps run eagerly.
-	if cfg.DisableCUDAGraph || cfg.TPSize > 1 {
+	// Every rank captures the same graphs in the same order, the
+	// collectives inside included. The CPU backend's emulated graphs would
+	// run the hub's exchanges at capture: its ranks decode eagerly.
+	if cfg.DisableCUDAGraph || (cfg.TPSize > 1 && e.Dev.Name() == "cpu") {
 		return nil
 	}
 	maxBS := cfg.CUDAGraphMaxBS
@@ -194,10 +201,11 @@ func (e *Engine) load(mcfg *model.Config) error {
 
 // kvSlots sizes the KV cache: --max-total-tokens, else the GPU memory left
 // under mem_fraction_static after the weights, else (CPU) a fixed budget.
-func (e *Engine) kvSlots(mcfg *model.Config, limits runner.Limits) (int, error) {
+func (e *Engine) kvSlots(limits runner.Limits) (int, error) {
 	if e.Config.MaxTotalTokens > 0 {
 		return e.Config.MaxTotalTokens, nil
 	}
+	mcfg := e.Model.Config // this rank's share of the KV heads
 	perSlot := mcfg.KVBytesPerSlot(e.Dev.DType())
 	if mi, ok := e.Dev.(device.MemoryInfo); ok {
 		free, total, err := mi.DeviceMemory()
@@ -215,6 +223,32 @@ func (e *Engine) kvSlots(mcfg *model.Config, limits runner.Limits) (int, error) 
 	}
 	const cpuBudget = 1 << 30
 	return int(min(cpuBudget/perSlot, int64(max(4*e.Model.ContextLen(), 65536)))), nil
+}
+
+// agreeSlots makes every tensor-parallel rank size its KV cache like the
+// smallest one: the leader hands out slot indices for all of them, and
+// free GPU memory differs a little between GPUs. Each rank writes its count
+// into its own element of a vector the ranks add up.
+func (e *Engine) agreeSlots(slots int) (int, error) {
+	if _, ok := e.Dev.(device.MemoryInfo); !ok || e.comm == nil || e.Config.MaxTotalTokens > 0 {
+		return slots, nil // computed the same way on every rank
+	}
+	n := e.Config.TPSize
+	t, err := e.Dev.Alloc(memory.CUDAGraph, device.F32, n)
+	if err != nil {
+		return 0, err
+	}
+	defer e.Dev.Free(memory.CUDAGraph, t)
+	v := make([]float32, n)
+	v[e.Config.TPRank] = float32(slots) // exact: far below 2^24 slots
+	if err := e.Dev.Upload(t, model.F32Bytes(v), device.F32); err != nil {
+		return 0, err
+	}
+	e.comm.AllReduceSum(t)
+	if err := errors.Join(e.comm.Err(), e.Dev.DownloadF32(t, v)); err != nil {
+		return 0, fmt.Errorf("agreeing on the KV cache size: %w", err)
+	}
+	return int(slices.Min(v)), nil
 }
 
 func loadCheckpoint(m *model.Model, dir string) error {
@@ -244,10 +278,13 @@ func eosIDs(m *model.Config, g *model.GenerationConfig, tc *tokenizer.Config, to
 // Defaults are the model's sampling defaults.
 func (e *Engine) Defaults() *ioschema.GenerationDefaults { return &e.GenConfig.Defaults }
 
-// Close frees the device.
+// Close leaves the tensor-parallel group and frees the device.
 func (e *Engine) Close() error {
 	if e.Dev == nil {
 		return errors.New("engine is not open")
+	}
+	if c, ok := e.comm.(interface{ Close() }); ok {
+		c.Close()
 	}
 	return e.Dev.Close()
 }

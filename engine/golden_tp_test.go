@@ -7,6 +7,7 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"ebb/device"
 	"ebb/device/cpu"
 	"ebb/engine"
 	"ebb/model"
@@ -33,7 +34,8 @@ func TestGoldensCPUTensorParallel(t *testing.T) {
 			var ranks [2]*engine.Engine
 			for r := range ranks {
 				e, err := engine.Open(engine.Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
-					MaxTotalTokens: 4096, TPSize: 2, TPRank: r, Comm: comms[r]})
+					MaxTotalTokens: 4096, TPSize: 2, TPRank: r,
+					Collective: func(device.Device) (device.Collective, error) { return comms[r], nil }})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -141,15 +141,11 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var children []*child
-	defer func() { stopChildren(children, log) }()
-	for _, role := range slices.Concat(followers, roles, []string{"detokenizer"}) {
-		c, err := startChild(ctx, cfg.Executable, role, dir, log)
-		if err != nil {
-			return err
-		}
-		children = append(children, c)
+	children, err := startChildren(ctx, cfg.Executable, slices.Concat(followers, roles, []string{"detokenizer"}), dir, log)
+	if err != nil {
+		return err
 	}
+	defer func() { stopChildren(children, log) }()
 	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, TokenizerDir: cfg.Engine.TokenizerDir, ModelName: cfg.ModelName,
 		SchedulerEndpoints: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
 		DisableRadixCache: cfg.Engine.DisableRadixCache}, log.Named("tokenizer_manager"))
@@ -264,17 +260,59 @@ func startChild(ctx context.Context, exe, role, dir string, log *zap.Logger) (*c
 	}
 }
 
+// startChildren starts every role at once and waits until all are ready:
+// the ranks of a tensor-parallel engine join their NCCL group and capture
+// their graphs together. If one fails, the others are stopped.
+func startChildren(ctx context.Context, exe string, roles []string, dir string, log *zap.Logger) ([]*child, error) {
+	type started struct {
+		i   int
+		c   *child
+		err error
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	results := make(chan started, len(roles))
+	for i, role := range roles {
+		go func() {
+			c, err := startChild(ctx, exe, role, dir, log)
+			results <- started{i, c, err}
+		}()
+	}
+	children := make([]*child, len(roles))
+	var errs []error
+	for range roles {
+		r := <-results
+		children[r.i] = r.c
+		if r.err != nil && !errors.Is(r.err, context.Canceled) {
+			errs = append(errs, r.err)
+		}
+		if r.err != nil {
+			cancel() // the others stop waiting and stop their child
+		}
+	}
+	if len(errs) > 0 || ctx.Err() != nil {
+		stopChildren(slices.DeleteFunc(children, func(c *child) bool { return c == nil }), log)
+		if len(errs) == 0 {
+			errs = append(errs, ctx.Err())
+		}
+		return nil, errors.Join(errs...)
+	}
+	return children, nil
+}
+
 // stopChildren sends SIGTERM, waits a little, then SIGKILL.
 func stopChildren(children []*child, log *zap.Logger) {
 	for _, c := range children {
 		_ = c.cmd.Process.Signal(syscall.SIGTERM)
 	}
-	deadline := time.After(10 * time.Second)
+	expired := make(chan struct{}) // closed: every later wait sees it
+	timer := time.AfterFunc(10*time.Second, func() { close(expired) })
+	defer timer.Stop()
 	for _, c := range children {
 		select {
 		case err := <-c.done:
 			c.done <- err
-		case <-deadline:
+		case <-expired:
 			log.Warn("child did not stop; killing it", zap.String("child", c.name))
 			_ = c.cmd.Process.Kill()
 		}
@@ -313,6 +351,7 @@ func RunChild(role, dir string, newLog func(level, name string) (*zap.Logger, er
 	defer log.Sync()
 	ctx, stop := notifyTerm()
 	defer stop()
+	go exitIfStopStalls(ctx, log)
 	switch {
 	case role == "scheduler" || strings.HasPrefix(role, "scheduler-"):
 		i := 0
@@ -342,6 +381,20 @@ func RunChild(role, dir string, newLog func(level, name string) (*zap.Logger, er
 		return fail(err)
 	}
 	return nil
+}
+
+// childStopGrace is how long a child may take to stop after SIGTERM:
+// tearing down an NCCL communicator can wait on peers that are gone.
+const childStopGrace = 5 * time.Second
+
+// exitIfStopStalls ends the process when stopping takes longer than
+// childStopGrace; the driver reclaims what it held.
+func exitIfStopStalls(ctx context.Context, log *zap.Logger) {
+	<-ctx.Done()
+	time.Sleep(childStopGrace)
+	log.Warn("still stopping; exiting", zap.Duration("after", childStopGrace))
+	_ = log.Sync()
+	os.Exit(1)
 }
 
 // notifyTerm is cancelled by SIGTERM and ignores SIGINT (a terminal's ^C

@@ -169,6 +169,12 @@ func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, 
 		}
 		return take(device.F32, r, c.Vocab)
 	}
+	// Tensor-parallel partial sums meet in float32, so the sum is rounded
+	// once, as one GPU's matmul output is.
+	partial := dt
+	if m.Comm != nil {
+		partial = device.F32
+	}
 	return activations{
 		h:         take(dt, t, c.Hidden),
 		x:         take(dt, t, c.Hidden),
@@ -176,7 +182,7 @@ func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, 
 		attn:      take(dt, t, c.Heads, c.HeadDim),
 		gateUp:    take(dt, t, 2*c.Intermediate),
 		act:       take(dt, t, c.Intermediate),
-		tmp:       take(dt, t, c.Hidden),
+		tmp:       take(partial, t, c.Hidden),
 		sel:       take(dt, r, c.Hidden),
 		rawLogits: take(dt, r, c.Vocab),
 		logits:    logits(),

@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	"strings"
+	"sync"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
@@ -51,27 +52,35 @@ type outgoing struct {
 func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready func(info map[string]any)) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	e, hub, err := openRank(cfg)
+	zctx, err := zmq.NewContext()
 	if err != nil {
 		return err
 	}
-	defer e.Close()
-	if hub != nil {
-		defer hub.Close()
+	// The leader's links to its followers exist before its engine: on
+	// GPUs the first message carries the NCCL id the ranks join with.
+	var leader *tpLeader
+	if cfg.Engine.TPSize > 1 {
+		if leader, err = newTPLeader(zctx, cfg.TP); err != nil {
+			zctx.Term()
+			return err
+		}
 	}
+	e, err := openRank(cfg, func(id [128]byte) error { return leader.send(tpMessage{CollectiveID: id[:]}) }, nil)
+	if err != nil {
+		if leader != nil {
+			leader.close()
+		}
+		zctx.Term()
+		return err
+	}
+	defer closeEngine(e, log)
 	s, err := NewServer(e, log)
 	if err != nil {
 		return err
 	}
 	s.dpRank = cfg.DPRank
-	zctx, err := zmq.NewContext()
-	if err != nil {
-		return err
-	}
-	if hub != nil {
-		if s.tp, err = newTPLeader(zctx, cfg.TP); err != nil {
-			return err
-		}
+	if leader != nil {
+		s.tp = leader
 		e.Runner.Mirror = s.tp.sendStep
 	}
 	ctx, cancel := context.WithCancel(ctx)
@@ -87,12 +96,15 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 		inSock.Close()
 		return fmt.Errorf("bind %s: %w", cfg.InputEndpoint, err)
 	}
-	go func() { errs <- receive(ctx, inSock, inbox, outbox, log) }()
-	go func() { errs <- send(ctx, zctx, cfg, outbox) }()
+	// errs has room for both goroutines' results, whether or not the loop
+	// takes one: stopping waits for the goroutines themselves.
+	var sockets sync.WaitGroup
+	sockets.Add(2)
+	go func() { defer sockets.Done(); errs <- receive(ctx, inSock, inbox, outbox, log) }()
+	go func() { defer sockets.Done(); errs <- send(ctx, zctx, cfg, outbox) }()
 	defer func() {
 		cancel()
-		<-errs
-		<-errs
+		sockets.Wait()
 		if s.tp != nil {
 			s.tp.close() // before Term, which waits for every socket
 		}
@@ -105,6 +117,16 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 		interval = time.Second
 	}
 	return s.Loop(ctx, inbox, errs, interval)
+}
+
+// closeEngine frees the device, saying how long that took when it was
+// slow: a stopping process should be gone in moments.
+func closeEngine(e *engine.Engine, log *zap.Logger) {
+	start := time.Now()
+	err := e.Close()
+	if took := time.Since(start); took > time.Second || err != nil {
+		log.Warn("closing the engine", zap.Duration("took", took), zap.Error(err))
+	}
 }
 
 // receive owns the input socket: it decodes requests and forwards them; a
@@ -288,6 +310,9 @@ func (s *Server) Loop(ctx context.Context, inbox <-chan ioschema.Message, errs <
 		case <-ctx.Done():
 			return nil
 		case err := <-errs:
+			if ctx.Err() != nil {
+				return nil // stopping: the socket goroutines end too
+			}
 			if err == nil {
 				err = errors.New("a socket goroutine stopped")
 			}

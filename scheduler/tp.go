@@ -8,12 +8,14 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unsafe"
 
 	zmq "github.com/pebbe/zmq4"
 	"github.com/vmihailenco/msgpack/v5"
 	"go.uber.org/zap"
 
 	"ebb/collective"
+	"ebb/device"
 	"ebb/engine"
 	"ebb/ioschema"
 	"ebb/ipc"
@@ -34,37 +36,113 @@ type TPConfig struct {
 	StepEndpoints []string
 }
 
-// tpMessage is what the leader sends its followers, in order.
+// tpMessage is what the leader sends its followers, in order. On GPUs the
+// first one carries the NCCL id the ranks join with.
 type tpMessage struct {
-	Seqs    []runner.SeqStep `msgpack:"seqs,omitempty"`
-	Control []byte           `msgpack:"control,omitempty"` // an ioschema message
+	Seqs         []wireStep `msgpack:"seqs,omitempty"`
+	Control      []byte     `msgpack:"control,omitempty"` // an ioschema message
+	CollectiveID []byte     `msgpack:"collective_id,omitempty"`
+}
+
+// wireStep is a runner.SeqStep with its int32 lists as raw little-endian
+// bytes: msgpack copies those in one piece, where a list of ints costs a
+// call per element, and a step of 256 sequences carries every KV slot of
+// each (ebb runs on little-endian machines only: x86-64 and arm64).
+type wireStep struct {
+	Tokens     []byte               `msgpack:"t"`
+	Start      int                  `msgpack:"s"`
+	Slots      []byte               `msgpack:"k"`
+	Sample     bool                 `msgpack:"m"`
+	Params     runner.SampleParams  `msgpack:"p"`
+	Draw       int                  `msgpack:"d"`
+	Adjust     []runner.LogitAdjust `msgpack:"a,omitempty"`
+	NextTokens []byte               `msgpack:"n,omitempty"`
+	Follows    int                  `msgpack:"f,omitempty"`
+}
+
+func toWire(seqs []runner.SeqStep) []wireStep {
+	out := make([]wireStep, len(seqs))
+	for i, q := range seqs {
+		out[i] = wireStep{Tokens: int32Bytes(q.Tokens), Start: q.Start, Slots: int32Bytes(q.Slots), Sample: q.Sample,
+			Params: q.Params, Draw: q.Draw, Adjust: q.Adjust, NextTokens: int32Bytes(q.NextTokens), Follows: q.Follows}
+	}
+	return out
+}
+
+func fromWire(ws []wireStep) ([]runner.SeqStep, error) {
+	out := make([]runner.SeqStep, len(ws))
+	for i, w := range ws {
+		q := runner.SeqStep{Start: w.Start, Sample: w.Sample, Params: w.Params, Draw: w.Draw, Adjust: w.Adjust, Follows: w.Follows}
+		var err error
+		if q.Tokens, err = bytesInt32(w.Tokens); err == nil {
+			if q.Slots, err = bytesInt32(w.Slots); err == nil {
+				q.NextTokens, err = bytesInt32(w.NextTokens)
+			}
+		}
+		if err != nil {
+			return nil, fmt.Errorf("sequence %d of the step: %w", i, err)
+		}
+		out[i] = q
+	}
+	return out, nil
+}
+
+func int32Bytes(v []int32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+func bytesInt32(b []byte) ([]int32, error) {
+	if len(b)%4 != 0 {
+		return nil, fmt.Errorf("%d bytes of int32s", len(b))
+	}
+	if len(b) == 0 {
+		return nil, nil
+	}
+	v := make([]int32, len(b)/4)
+	copy(int32Bytes(v), b)
+	return v, nil
 }
 
 // hubTimeout bounds waiting on the other ranks inside one step.
 const hubTimeout = 10 * time.Minute
 
-// openRank opens this process's engine, joining the hub when the engine is
-// tensor-parallel.
-func openRank(cfg ProcessConfig) (*engine.Engine, *collective.Hub, error) {
+// openRank opens this process's engine. A tensor-parallel rank joins its
+// group once the device is open: the CPU backend through the hub, a GPU
+// through NCCL, whose id rank 0 makes and shares (share) and the others
+// wait for (await).
+func openRank(cfg ProcessConfig, share func(id [128]byte) error, await func() ([128]byte, error)) (*engine.Engine, error) {
 	ec := cfg.Engine
 	if ec.TPSize <= 1 {
-		e, err := engine.Open(ec)
-		return e, nil, err
+		return engine.Open(ec)
 	}
 	if cfg.TP == nil {
-		return nil, nil, errors.New("a tensor-parallel rank without its placement")
+		return nil, errors.New("a tensor-parallel rank without its placement")
 	}
-	hub, err := collective.NewHub(cfg.TP.Rank, ec.TPSize, cfg.TP.HubEndpoint, hubTimeout)
-	if err != nil {
-		return nil, nil, err
+	rank := cfg.TP.Rank
+	ec.TPRank = rank
+	ec.Collective = func(dev device.Device) (device.Collective, error) {
+		j, ok := dev.(device.CollectiveJoiner)
+		if !ok {
+			return collective.NewHub(rank, ec.TPSize, cfg.TP.HubEndpoint, hubTimeout)
+		}
+		var id [128]byte
+		var err error
+		if rank == 0 {
+			if id, err = j.NewCollectiveID(); err == nil {
+				err = share(id)
+			}
+		} else {
+			id, err = await()
+		}
+		if err != nil {
+			return nil, fmt.Errorf("sharing the NCCL id: %w", err)
+		}
+		return j.JoinCollective(id, ec.TPSize, rank)
 	}
-	ec.TPRank, ec.Comm = cfg.TP.Rank, hub
-	e, err := engine.Open(ec)
-	if err != nil {
-		hub.Close()
-		return nil, nil, err
-	}
-	return e, hub, nil
+	return engine.Open(ec)
 }
 
 // tpLeader is rank 0's link to its followers; the scheduler loop's
@@ -120,7 +198,9 @@ func (l *tpLeader) send(m tpMessage) error {
 }
 
 // sendStep is the runner's Mirror.
-func (l *tpLeader) sendStep(seqs []runner.SeqStep) error { return l.send(tpMessage{Seqs: seqs}) }
+func (l *tpLeader) sendStep(seqs []runner.SeqStep) error {
+	return l.send(tpMessage{Seqs: toWire(seqs)})
+}
 
 // control sends a control request to every follower.
 func (l *tpLeader) control(m ioschema.Message) error {
@@ -200,19 +280,6 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 	if cfg.TP == nil || len(cfg.TP.StepEndpoints) != 1 {
 		return errors.New("a tensor-parallel follower needs its step endpoint")
 	}
-	e, hub, err := openRank(cfg)
-	if err != nil {
-		return err
-	}
-	defer e.Close()
-	defer hub.Close()
-	s, err := NewServer(e, log)
-	if err != nil {
-		return err
-	}
-	s.tpRank, s.dpRank = cfg.TP.Rank, cfg.DPRank
-	replies := make(chan outgoing, 64)
-	s.out = replies
 	zctx, err := zmq.NewContext()
 	if err != nil {
 		return err
@@ -224,21 +291,51 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 	}
 	defer in.Close()
 	defer ack.Close()
+	e, err := openRank(cfg, nil, func() ([128]byte, error) { return awaitCollectiveID(in) })
+	if err != nil {
+		return err
+	}
+	defer closeEngine(e, log)
+	s, err := NewServer(e, log)
+	if err != nil {
+		return err
+	}
+	s.tpRank, s.dpRank = cfg.TP.Rank, cfg.DPRank
+	replies := make(chan outgoing, 64)
+	s.out = replies
 	ready()
+	// Steps overlap as on the leader: the next is launched before the
+	// last one's results are waited for, so packing it hides behind the
+	// GPU's work. Control requests wait for the step in flight.
+	var inFlight *runner.Pending
+	settle := func() {
+		if inFlight != nil {
+			if _, err := inFlight.Wait(); err != nil {
+				log.Error("step failed", zap.Error(err)) // the leader's fails too: the collective sees to it
+			}
+			inFlight = nil
+		}
+	}
+	defer settle()
 	return ipc.ReceiveEach(ctx, in, func(b []byte) error {
 		var m tpMessage
 		if err := msgpack.Unmarshal(b, &m); err != nil {
 			return fmt.Errorf("a message from the leader: %w", err)
 		}
 		if m.Control == nil {
-			// A failed step fails on the leader too (the hub sees to it).
-			if p, err := e.Runner.Launch(m.Seqs); err != nil {
-				log.Error("step failed", zap.Error(err))
-			} else if _, err := p.Wait(); err != nil {
+			seqs, err := fromWire(m.Seqs)
+			if err != nil {
+				return fmt.Errorf("a step from the leader: %w", err)
+			}
+			p, err := e.Runner.Launch(seqs)
+			if err != nil {
 				log.Error("step failed", zap.Error(err))
 			}
+			settle()
+			inFlight = p
 			return nil
 		}
+		settle()
 		msg, err := ioschema.Decode(m.Control)
 		if err != nil {
 			return fmt.Errorf("a control request from the leader: %w", err)
@@ -259,4 +356,31 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 		}
 		return nil
 	})
+}
+
+// awaitCollectiveID reads the leader's first message: the NCCL id.
+func awaitCollectiveID(in *zmq.Socket) ([128]byte, error) {
+	var id [128]byte
+	p := zmq.NewPoller()
+	p.Add(in, zmq.POLLIN)
+	polled, err := p.Poll(hubTimeout)
+	if err != nil {
+		return id, err
+	}
+	if len(polled) == 0 {
+		return id, fmt.Errorf("the leader sent no NCCL id in %v", hubTimeout)
+	}
+	b, err := in.RecvBytes(0)
+	if err != nil {
+		return id, err
+	}
+	var m tpMessage
+	if err := msgpack.Unmarshal(b, &m); err != nil {
+		return id, fmt.Errorf("the leader's first message: %w", err)
+	}
+	if len(m.CollectiveID) != len(id) {
+		return id, fmt.Errorf("the leader's first message has no NCCL id (%d bytes)", len(m.CollectiveID))
+	}
+	copy(id[:], m.CollectiveID)
+	return id, nil
 }

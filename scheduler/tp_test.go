@@ -13,18 +13,20 @@ import (
 )
 
 // TestTPMessageRoundTrip: what the leader sends its followers decodes to
-// the same steps and control request.
+// the same steps and control request, and a malformed step is an error.
 func TestTPMessageRoundTrip(t *testing.T) {
 	ctrl, err := ioschema.Encode(&ioschema.ReleaseMemoryOccupationReqInput{Tags: []string{"kv_cache"}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	steps := []runner.SeqStep{{Tokens: []int32{1, 2}, Start: 3, Slots: []int32{0, 1, 2, 3, 4}, Sample: true, Draw: 7,
+		Params:     runner.SampleParams{Temperature: 0.7, TopP: 0.9, TopK: 20, Seed: 42, TopLogprobs: 2},
+		Adjust:     []runner.LogitAdjust{{Token: 5, Count: 2, Bias: -1}},
+		NextTokens: []int32{-1, 9}}, {Tokens: []int32{0}, Start: 0, Slots: []int32{5, -7, 1 << 30}, Sample: true, Follows: 1}}
 	for _, m := range []tpMessage{
-		{Seqs: []runner.SeqStep{{Tokens: []int32{1, 2}, Start: 3, Slots: []int32{0, 1, 2, 3, 4}, Sample: true, Draw: 7,
-			Params:     runner.SampleParams{Temperature: 0.7, TopP: 0.9, TopK: 20, Seed: 42, TopLogprobs: 2},
-			Adjust:     []runner.LogitAdjust{{Token: 5, Count: 2, Bias: -1}},
-			NextTokens: []int32{-1, 9}}, {Tokens: []int32{0}, Start: 0, Slots: []int32{5}, Sample: true, Follows: 1}}},
+		{Seqs: toWire(steps)},
 		{Control: ctrl},
+		{CollectiveID: make([]byte, 128)},
 	} {
 		b, err := msgpack.Marshal(&m)
 		if err != nil {
@@ -37,9 +39,18 @@ func TestTPMessageRoundTrip(t *testing.T) {
 		if !reflect.DeepEqual(got, m) {
 			t.Fatalf("round trip: %+v\nwant %+v", got, m)
 		}
+		if m.Seqs != nil {
+			back, err := fromWire(got.Seqs)
+			if err != nil || !reflect.DeepEqual(back, steps) {
+				t.Fatalf("steps: %+v, %v\nwant %+v", back, err, steps)
+			}
+		}
 	}
 	if _, err := ioschema.Decode(ctrl); err != nil {
 		t.Fatal(err)
+	}
+	if _, err := fromWire([]wireStep{{Slots: []byte{1, 2, 3}}}); err == nil {
+		t.Fatal("a slot list of 3 bytes was accepted")
 	}
 }
 

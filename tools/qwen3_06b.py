@@ -36,21 +36,31 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 
-def make_model(path, ebb, seed):
-    if os.path.exists(os.path.join(path, "model.safetensors")):
+# Qwen3 shapes by name: the default 0.6B, and 8B for tensor parallelism.
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def make_model(path, ebb, seed, shape="0.6b"):
+    if os.path.exists(os.path.join(path, "tokenizer.json")):  # written last
         return
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
-                      eos_token_id=151645, attention_bias=False, hidden_act="silu")
+    cfg = Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643,
+                      eos_token_id=151645, attention_bias=False, hidden_act="silu", **SHAPES[shape])
     torch.manual_seed(seed)
+    torch.set_default_dtype(torch.bfloat16)  # an 8B model in float32 would be 32 GB
     with torch.device("cuda"):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        model = Qwen3ForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.1)
-            elif "embed_tokens" in name:
+            elif "embed_tokens" in name or "lm_head" in name:
                 p.normal_(0.0, 4.8 / math.sqrt(cfg.hidden_size))
             else:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
@@ -106,9 +116,10 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="qwen3_06b_report.json")
+    ap.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
     ap.add_argument("--make-only", action="store_true", help="write the model directory and stop")
     args = ap.parse_args()
-    make_model(args.dir, args.ebb, args.seed)
+    make_model(args.dir, args.ebb, args.seed, args.shape)
     if args.make_only:
         return
     rng = random.Random(args.seed)

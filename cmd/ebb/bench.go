@@ -44,12 +44,13 @@ func rlCycleCmd() *cobra.Command {
 }
 
 func trainerCmd() *cobra.Command {
-	return &cobra.Command{
+	gpu := 0
+	cmd := &cobra.Command{
 		Use:    "__trainer",
 		Hidden: true,
 		Short:  "Stand in for a trainer: take all the GPU memory possible, write it, report JSON, wait for a line on stdin, free it",
 		RunE: func(*cobra.Command, []string) error {
-			_, err := cuda.FillAsTrainer(func(rep *cuda.TrainerReport) {
+			_, err := cuda.FillAsTrainer(gpu, func(rep *cuda.TrainerReport) {
 				_ = json.NewEncoder(os.Stdout).Encode(rep)
 				// Hold the memory until the caller has measured it.
 				_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
@@ -57,6 +58,8 @@ func trainerCmd() *cobra.Command {
 			return err
 		},
 	}
+	cmd.Flags().IntVar(&gpu, "gpu", 0, "GPU ordinal")
+	return cmd
 }
 
 func parseInts(s string) ([]int, error) {

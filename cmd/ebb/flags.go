@@ -22,7 +22,7 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.IntVar(&cfg.GPU, "base-gpu-id", 0, "the first GPU to use")
 	f.IntVar(&cfg.GPU, "gpu", 0, "same as --base-gpu-id")
 	_ = f.MarkHidden("gpu")
-	f.IntVar(&cfg.TPSize, "tp-size", 1, "tensor-parallel ranks per engine (so far on the CPU backend only)")
+	f.IntVar(&cfg.TPSize, "tp-size", 1, "tensor-parallel ranks per engine, one GPU each (NCCL), or processes on the CPU backend")
 	f.IntVar(&cfg.DPSize, "dp-size", 1, "data-parallel engines, one GPU each from --base-gpu-id, behind one HTTP/ZMQ front")
 	// SGLang's aliases (server_args.py), and the abbreviations its argparse
 	// accepts and its docs use.

@@ -41,18 +41,24 @@ extern "C" __global__ void rmsnorm(bf16 *out, const bf16 *x, const bf16 *w, int 
 }
 
 // add_rmsnorm: residual += x (rounded to bf16), out = rmsnorm(residual).
-extern "C" __global__ void add_rmsnorm(bf16 *residual, const bf16 *x, bf16 *out, const bf16 *w, int dim, float eps) {
+// X is bf16, or float32 for tensor-parallel partial sums added up in float32
+// (rounded to bf16 first, as one GPU's matmul output is).
+__device__ __forceinline__ float x_value(const bf16 *x, long long i) { return bf2f(x[i]); }
+__device__ __forceinline__ float x_value(const float *x, long long i) { return rbf(x[i]); }
+
+template <typename X>
+__device__ void add_rmsnorm_impl(bf16 *residual, const X *x, bf16 *out, const bf16 *w, int dim, float eps) {
 	__shared__ float red[32];
 	long long off = (long long)blockIdx.x * dim;
 	bf16 *r = residual + off;
-	const bf16 *xr = x + off;
+	const X *xr = x + off;
 	bf16 *o = out + off;
 	float v[NORM_VPT], wv[NORM_VPT];
 	float ss = 0.f;
 #pragma unroll
 	for (int k = 0; k < NORM_VPT; k++) {
 		int i = threadIdx.x + k * blockDim.x;
-		v[k] = i < dim ? rbf(bf2f(r[i]) + bf2f(xr[i])) : 0.f;
+		v[k] = i < dim ? rbf(bf2f(r[i]) + x_value(xr, i)) : 0.f;
 		wv[k] = i < dim ? bf2f(w[i]) : 0.f;
 		ss += v[k] * v[k];
 	}
@@ -65,6 +71,14 @@ extern "C" __global__ void add_rmsnorm(bf16 *residual, const bf16 *x, bf16 *out,
 			o[i] = f2bf(wv[k] * rbf(v[k] * inv));
 		}
 	}
+}
+
+extern "C" __global__ void add_rmsnorm(bf16 *residual, const bf16 *x, bf16 *out, const bf16 *w, int dim, float eps) {
+	add_rmsnorm_impl(residual, x, out, w, dim, eps);
+}
+
+extern "C" __global__ void add_rmsnorm_f32x(bf16 *residual, const float *x, bf16 *out, const bf16 *w, int dim, float eps) {
+	add_rmsnorm_impl(residual, x, out, w, dim, eps);
 }
 
 // add_bias: x[row, j] += b[j] over rows of n.

@@ -1,0 +1,80 @@
+package cuda
+
+import (
+	"fmt"
+	"os"
+	"time"
+
+	"ebb/device"
+)
+
+var _ device.CollectiveJoiner = (*Device)(nil)
+
+// NewCollectiveID implements device.CollectiveJoiner: rank 0 calls it, and
+// its process answers the other ranks' bootstrap until they have joined.
+func (d *Device) NewCollectiveID() ([128]byte, error) {
+	return NCCLUniqueID()
+}
+
+// JoinCollective implements device.CollectiveJoiner with a blocking NCCL
+// communicator on the device's stream: its all-reduces are queued with the
+// model's kernels and captured into the decode graphs with them. A rank
+// that dies is not waited for here: the launcher stops the whole group.
+func (d *Device) JoinCollective(id [128]byte, nranks, rank int) (device.Collective, error) {
+	cm, err := d.ctx.initComm(id, nranks, rank, true)
+	if err != nil {
+		if v, verr := NCCLVersion(); verr == nil {
+			err = fmt.Errorf("%w (NCCL %d.%d.%d)", err, v/10000, v%10000/100, v%100)
+		}
+		return nil, fmt.Errorf("tensor-parallel rank %d of %d: %w", rank, nranks, err)
+	}
+	return &tpComm{d: d, cm: cm}, nil
+}
+
+// setNCCLDefaults keeps NVLink multicast (NVLS) off unless the user asks
+// for it (NCCL reads it at each communicator's start): creating multicast
+// objects can take a shared host's GPUs out of service, and the small
+// all-reduces of decoding gain nothing from it.
+func setNCCLDefaults() {
+	if _, ok := os.LookupEnv("NCCL_NVLS_ENABLE"); !ok {
+		_ = os.Setenv("NCCL_NVLS_ENABLE", "0")
+	}
+}
+
+// tpComm is a tensor-parallel group's all-reduce; its error is sticky and
+// also fails the device, so the step that needed the sum reports it.
+type tpComm struct {
+	d   *Device
+	cm  *Comm
+	err error
+}
+
+// AllReduceSum implements device.Collective.
+func (t *tpComm) AllReduceSum(x device.Tensor) {
+	if t.err != nil {
+		return
+	}
+	if err := t.cm.AllReduceSum(x); err != nil {
+		t.err = fmt.Errorf("tensor-parallel all-reduce (rank %d of %d): %w", t.cm.Rank, t.cm.Size, err)
+		t.d.fail(t.err)
+	}
+}
+
+// Err implements device.Collective.
+func (t *tpComm) Err() error { return t.err }
+
+// Close tears the communicator down, giving up after commAbortWait: an
+// abort can wait on peers that stopped first, and a stopping rank must not.
+func (t *tpComm) Close() {
+	done := make(chan struct{})
+	go func() { // NCCL picks the device itself: no context needed here
+		t.cm.Abort()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(commAbortWait):
+	}
+}
+
+const commAbortWait = 2 * time.Second
