@@ -147,3 +147,48 @@ func (s *server) stop(t *testing.T) {
 	<-s.exited
 	s.exited <- nil
 }
+
+// TestWeightsFromTrainerTensorParallelCPU: a two-rank server takes one
+// payload per rank of whole tensors (SGLang's convention), each rank keeps
+// its part, and it then generates as a server started on those weights.
+func TestWeightsFromTrainerTensorParallelCPU(t *testing.T) {
+	if err := exec.Command("/usr/bin/python3", "-c", "import torch").Run(); err != nil {
+		t.Skip("no PyTorch for /usr/bin/python3 (scripts/install-deps.sh installs python3-torch)")
+	}
+	other := filepath.Join(t.TempDir(), "other")
+	spec, _ := tinymodel.Default("qwen3")
+	spec.Tie, spec.Seed = false, 78
+	if err := tinymodel.Write(other, spec); err != nil {
+		t.Fatal(err)
+	}
+	want := func() []int32 {
+		ref := startServer(t, "--model-path", other, "--tp-size", "2")
+		defer ref.stop(t)
+		return ref.greedy(t)
+	}()
+	s := startServer(t, "--tp-size", "2")
+	defer s.stop(t)
+	original := s.greedy(t)
+	if slices.Equal(original, want) {
+		t.Fatal("the two models generate alike: the test would prove nothing")
+	}
+	for _, format := range []string{"list", "flattened"} {
+		out, err := exec.Command("/usr/bin/python3", "../tools/weight_update_trainer.py", "--url", s.url, "--model", other,
+			"--transport", "shm", "--bucket-mb", "1", "--format", format, "--tp-size", "2").CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s: %v\n%s\nserver:\n%s", format, err, out, s.log.String())
+		}
+		if got := s.greedy(t); !slices.Equal(got, want) {
+			t.Fatalf("%s: after the update %v, a server on the same weights %v", format, got, want)
+		}
+		s.mustPost(t, "/update_weights_from_disk", map[string]any{"model_path": modelDir})
+		if got := s.greedy(t); !slices.Equal(got, original) {
+			t.Fatalf("%s: restoring from disk did not give the original output", format)
+		}
+	}
+	var res map[string]any
+	code := s.post(t, "/update_weights_from_tensor", map[string]any{"serialized_named_tensors": []string{"eA=="}}, &res)
+	if code != 400 || !strings.Contains(fmtJSON(res), "none for TP rank 1") {
+		t.Fatalf("one payload for two ranks: status %d %v", code, res)
+	}
+}

@@ -72,9 +72,17 @@ func ignoredWeight(name string) bool {
 // weightWrite is one checkpoint tensor's place on the device.
 type weightWrite struct {
 	name  string
-	dst   device.Tensor
+	t     model.Target // with tensor parallelism, this rank's part of the tensor
 	srcDT device.DType
 	src   *weightsync.Tensor // the tensor path's source
+}
+
+// newPlacer places whole tensors into this rank's weights, with scratch
+// from the workspace.
+func (s *Server) newPlacer() *model.Placer {
+	dev := s.e.Dev
+	return model.NewPlacer(dev, func(dt device.DType, n int) (device.Tensor, error) { return dev.Alloc(memory.Workspace, dt, n) },
+		func(t device.Tensor) { dev.Free(memory.Workspace, t) })
 }
 
 // plan finds name's target and checks the shape and dtype a sender gives.
@@ -82,9 +90,6 @@ func (s *Server) plan(name string, shape []int, dtype device.DType) (model.Targe
 	t, ok := s.e.Model.TargetByName(name)
 	if !ok {
 		return t, fmt.Errorf("no parameter named %q", name)
-	}
-	if !t.Whole() {
-		return t, fmt.Errorf("%s is split over tensor-parallel ranks: updating a shard from a whole tensor is not implemented yet", name)
 	}
 	if !slices.Equal(shape, t.Shape) {
 		return t, fmt.Errorf("%s has shape %v, want %v", name, shape, t.Shape)
@@ -105,14 +110,12 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 		return out
 	}
 	start := time.Now()
-	if s.e.Config.TPSize > 1 {
-		// Before any payload is opened: every rank would give the
-		// producer's reference counts back, and shards take slices.
-		return fail(fmt.Errorf("update_weights_from_tensor with --tp-size %d is not implemented yet: update from disk", s.e.Config.TPSize))
-	}
+	// SGLang's convention: one payload per tensor-parallel rank, each with
+	// whole tensors (on that rank's GPU when they are CUDA tensors).
 	rank := s.tpRank
-	if rank >= len(r.SerializedNamedTensors) {
-		return fail(fmt.Errorf("serialized_named_tensors has %d payloads, none for TP rank %d", len(r.SerializedNamedTensors), rank))
+	if n, tp := len(r.SerializedNamedTensors), s.e.Config.TPSize; n < tp {
+		// Every rank refuses alike, before any touches its weights.
+		return fail(fmt.Errorf("serialized_named_tensors has %d payloads for %d tensor-parallel ranks (none for TP rank %d): weights unchanged", n, tp, tp-1))
 	}
 	format := ""
 	if r.LoadFormat != nil {
@@ -144,7 +147,7 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 		if err == nil {
 			var t model.Target
 			if t, err = s.plan(nt.Name, nt.Tensor.Shape, dt); err == nil {
-				writes = append(writes, weightWrite{name: nt.Name, dst: t.Dst, srcDT: dt, src: nt.Tensor})
+				writes = append(writes, weightWrite{name: nt.Name, t: t, srcDT: dt, src: nt.Tensor})
 			}
 		}
 		if err == nil && !nt.Tensor.Contiguous() {
@@ -160,14 +163,16 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 	if err := errors.Join(errs...); err != nil {
 		return fail(fmt.Errorf("weights unchanged: %w", err))
 	}
+	placer := s.newPlacer()
 	for _, w := range writes {
-		if err := s.writeTensor(w, src); err != nil {
+		if err := s.writeTensor(w, src, placer); err != nil {
+			_ = placer.Close()
 			return fail(s.weightsIncomplete(fmt.Errorf("%s: %w", w.name, err)))
 		}
 		out.Tensors++
-		out.Bytes += w.dst.Bytes()
+		out.Bytes += w.t.Dst.Bytes()
 	}
-	if err := s.e.Dev.Sync(); err != nil {
+	if err := placer.Close(); err != nil {
 		return fail(s.weightsIncomplete(err))
 	}
 	if err := s.finishUpdate(r.FlushCache, r.WeightVersion); err != nil {
@@ -180,27 +185,21 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 	return out
 }
 
-// writeTensor copies one shared tensor into its place, converting dtype.
-func (s *Server) writeTensor(w weightWrite, src *weightsync.Sources) error {
-	dev := s.e.Dev
+// writeTensor copies (this rank's part of) one shared tensor into its
+// place, converting dtype.
+func (s *Server) writeTensor(w weightWrite, src *weightsync.Sources, placer *model.Placer) error {
 	if !w.src.Storage.CUDA() {
 		b, err := src.HostBytes(w.src)
 		if err != nil {
 			return err
 		}
-		return dev.Upload(w.dst, b, w.srcDT)
+		return s.e.Dev.Upload(w.t.Dst, w.t.HostPart(b, w.srcDT.Size()), w.srcDT)
 	}
 	p, err := src.DevicePtr(w.src)
 	if err != nil {
 		return err
 	}
-	from := device.Tensor{Ptr: p, DType: w.srcDT, Shape: w.dst.Shape}
-	if w.srcDT == w.dst.DType {
-		dev.Copy(w.dst, from)
-	} else {
-		dev.Convert(w.dst, from)
-	}
-	return nil
+	return placer.Place(w.t, device.Tensor{Ptr: p, DType: w.srcDT, Shape: w.t.Shape})
 }
 
 // weightGroup is a process group joined with a trainer.
@@ -302,7 +301,7 @@ func (s *Server) updateFromDistributed(r *ioschema.UpdateWeightsFromDistributedR
 		if err != nil {
 			errs = append(errs, err)
 		}
-		writes[i] = weightWrite{name: name, dst: t.Dst, srcDT: dt}
+		writes[i] = weightWrite{name: name, t: t, srcDT: dt}
 	}
 	if flattened {
 		for i := range writes {
@@ -377,7 +376,7 @@ func (s *Server) receive(g *weightGroup, shapes [][]int, writes []weightWrite, f
 		switch {
 		case flattened:
 			need += n
-		case discard || !w.dst.Valid() || w.srcDT != w.dst.DType:
+		case discard || !w.t.Dst.Valid() || w.srcDT != w.t.Dst.DType || !w.t.Whole():
 			need = max(need, n)
 		}
 	}
@@ -401,18 +400,19 @@ func (s *Server) receive(g *weightGroup, shapes [][]int, writes []weightWrite, f
 	}
 	var count int
 	var bytes int64
-	place := func(w weightWrite, from device.Tensor) {
-		if discard || !w.dst.Valid() {
-			return
+	placer := s.newPlacer()
+	defer placer.Close()
+	// Each rank receives whole tensors and keeps its part.
+	place := func(w weightWrite, from device.Tensor) error {
+		if discard || !w.t.Dst.Valid() {
+			return nil
 		}
-		from = from.View(w.dst.Shape...)
-		if from.DType == w.dst.DType {
-			dev.Copy(w.dst, from)
-		} else {
-			dev.Convert(w.dst, from)
+		if err := placer.Place(w.t, from); err != nil {
+			return err
 		}
 		count++
-		bytes += w.dst.Bytes()
+		bytes += w.t.Dst.Bytes()
+		return nil
 	}
 	if flattened {
 		total := 0
@@ -429,25 +429,29 @@ func (s *Server) receive(g *weightGroup, shapes [][]int, writes []weightWrite, f
 		off := 0
 		for i, w := range writes {
 			n := numel(shapes[i])
-			place(w, buf.Rows(off, off+n))
+			if err := place(w, buf.Rows(off, off+n)); err != nil {
+				return count, bytes, err
+			}
 			off += n
 		}
 	} else {
 		for i, w := range writes {
 			n := numel(shapes[i])
-			if !discard && w.dst.Valid() && w.srcDT == w.dst.DType {
-				if err := g.comm.Broadcast(w.dst, 0, s.distTimeout); err != nil {
+			if !discard && w.t.Dst.Valid() && w.srcDT == w.t.Dst.DType && w.t.Whole() {
+				if err := g.comm.Broadcast(w.t.Dst, 0, s.distTimeout); err != nil {
 					return count, bytes, err
 				}
 				count++
-				bytes += w.dst.Bytes()
+				bytes += w.t.Dst.Bytes()
 				continue
 			}
 			buf := temp(w.srcDT, n)
 			if err := g.comm.Broadcast(buf, 0, s.distTimeout); err != nil {
 				return count, bytes, err
 			}
-			place(w, buf)
+			if err := place(w, buf); err != nil {
+				return count, bytes, err
+			}
 		}
 	}
 	if err := g.comm.Synchronize(s.distTimeout); err != nil {

@@ -144,23 +144,32 @@ def post(url, path, body, timeout=600):
 # ---- transports -------------------------------------------------------------
 
 def send_tensors(args, named, version):
-    """update_weights_from_tensor, one request per bucket."""
+    """update_weights_from_tensor, one request per bucket, one payload per
+    tensor-parallel rank. CUDA tensors go to rank r from a copy on GPU r, as
+    a colocated trainer's rank r shares its own."""
+    per_rank = [named] * args.tp_size
+    if args.transport == "ipc":
+        per_rank = [named] + [[(k, v.to(f"cuda:{r}")) for k, v in named] for r in range(1, args.tp_size)]
+        torch.cuda.synchronize()
     results = []
-    for bucket in buckets(named, args.bucket_mb << 20):
-        if args.format == "flattened":
-            payload, load_format = flatten(bucket), "flattened_bucket"
-        elif args.format == "local":
-            payload = [(n, LocalSerializedTensor([base64.b64decode(serialize(t))] * args.tp_size)) for n, t in bucket]
-            load_format = None
-        else:
-            payload, load_format = bucket, None
-        body = {"serialized_named_tensors": [serialize(payload) for _ in range(args.tp_size)],
-                "load_format": load_format, "flush_cache": True, "weight_version": version}
+    for rank_buckets in zip(*[buckets(n, args.bucket_mb << 20) for n in per_rank]):
+        payloads, load_format = [], None
+        if args.format == "local":  # verl's: each rank's own entry inside one payload, sent to every rank
+            bucket = rank_buckets[0]
+            payloads = [serialize([(n, LocalSerializedTensor([base64.b64decode(serialize(t))] * args.tp_size))
+                                   for n, t in bucket])] * args.tp_size
+        for bucket in rank_buckets if not payloads else []:
+            if args.format == "flattened":
+                payload, load_format = flatten(bucket), "flattened_bucket"
+            else:
+                payload = bucket
+            payloads.append(serialize(payload))
+        body = {"serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": True,
+                "weight_version": version}
         status, out = post(args.url, "/update_weights_from_tensor", body)
         results.append((status, out))
         if status != 200 or not out.get("success"):
             raise SystemExit(f"update_weights_from_tensor: {status} {out}")
-        del payload
     return results
 
 
@@ -186,11 +195,12 @@ def init_nccl(args):
 
     def ask():
         reply["r"] = post(args.url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": args.master_port,
-                                                                   "rank_offset": 1, "world_size": 2, "group_name": group,
+                                                                   "rank_offset": 1, "world_size": 1 + args.tp_size, "group_name": group,
                                                                    "backend": "nccl"})
     th = threading.Thread(target=ask)
     th.start()
-    pg = init_custom_process_group("nccl", f"tcp://127.0.0.1:{args.master_port}", 2, 0, group, timedelta(seconds=120))
+    pg = init_custom_process_group("nccl", f"tcp://127.0.0.1:{args.master_port}", 1 + args.tp_size, 0, group,
+                                   timedelta(seconds=120))
     th.join()
     status, out = reply["r"]
     if status != 200 or not out.get("success"):
