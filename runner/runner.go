@@ -138,6 +138,9 @@ type Stats struct {
 	ChainedSteps int64
 }
 
+// weightUpdateHeadroom is workspace address space for weight updates.
+const weightUpdateHeadroom = 4 << 30
+
 // New creates a runner and plans its workspace: the region is sized for the
 // largest step so that serving never grows it.
 func New(m *model.Model, limits Limits) (*Runner, error) {
@@ -149,8 +152,11 @@ func New(m *model.Model, limits Limits) (*Runner, error) {
 	r := &Runner{Model: m, dev: m.Device(), limits: limits, vocab: m.Config.Vocab}
 	plan := WorkspaceBytes(m, limits)
 	if r.dev.Memory().Region(memory.Workspace) == nil {
+		// Address space only beyond what is mapped: the headroom takes a
+		// trainer's weight buckets (a flattened broadcast lands whole in
+		// scratch), given back after each update.
 		if _, err := r.dev.Memory().Create(memory.Workspace, memory.RegionOptions{
-			Capacity: 2 * plan, GrowStep: plan,
+			Capacity: 2*plan + weightUpdateHeadroom, GrowStep: plan,
 		}); err != nil {
 			return nil, fmt.Errorf("workspace region: %w", err)
 		}

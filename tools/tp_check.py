@@ -43,10 +43,10 @@ def post(url, body, timeout=600):
         return json.loads(r.read())
 
 
-def serve(ebb, path, tp, log):
+def serve(ebb, path, tp, log, extra=()):
     port = free_port()
     cmd = [ebb, "serve", "--model", path, "--tp-size", str(tp), "--port", str(port), "--zmq-endpoint", "none",
-           "--skip-server-warmup", "--log-level", "info", "--context-length", "4096"]
+           "--skip-server-warmup", "--log-level", "info", "--context-length", "4096", *extra]
     p = subprocess.Popen(cmd, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
