@@ -20,20 +20,7 @@ import (
 // started on those weights. Hostile and malformed payloads are refused
 // and leave the weights as they were.
 func TestWeightsFromTrainerCPU(t *testing.T) {
-	if err := exec.Command("/usr/bin/python3", "-c", "import torch").Run(); err != nil {
-		t.Skip("no PyTorch for /usr/bin/python3 (scripts/install-deps.sh installs python3-torch)")
-	}
-	other := filepath.Join(t.TempDir(), "other")
-	spec, _ := tinymodel.Default("qwen3")
-	spec.Tie, spec.Seed = false, 77
-	if err := tinymodel.Write(other, spec); err != nil {
-		t.Fatal(err)
-	}
-	want := func() []int32 {
-		ref := startServer(t, "--model-path", other)
-		defer ref.stop(t)
-		return ref.greedy(t)
-	}()
+	other, want := trainerModel(t, 77)
 	s := startServer(t)
 	original := s.greedy(t)
 	if slices.Equal(original, want) {
@@ -152,20 +139,7 @@ func (s *server) stop(t *testing.T) {
 // payload per rank of whole tensors (SGLang's convention), each rank keeps
 // its part, and it then generates as a server started on those weights.
 func TestWeightsFromTrainerTensorParallelCPU(t *testing.T) {
-	if err := exec.Command("/usr/bin/python3", "-c", "import torch").Run(); err != nil {
-		t.Skip("no PyTorch for /usr/bin/python3 (scripts/install-deps.sh installs python3-torch)")
-	}
-	other := filepath.Join(t.TempDir(), "other")
-	spec, _ := tinymodel.Default("qwen3")
-	spec.Tie, spec.Seed = false, 78
-	if err := tinymodel.Write(other, spec); err != nil {
-		t.Fatal(err)
-	}
-	want := func() []int32 {
-		ref := startServer(t, "--model-path", other, "--tp-size", "2")
-		defer ref.stop(t)
-		return ref.greedy(t)
-	}()
+	other, want := trainerModel(t, 78, "--tp-size", "2")
 	s := startServer(t, "--tp-size", "2")
 	defer s.stop(t)
 	original := s.greedy(t)
@@ -191,4 +165,23 @@ func TestWeightsFromTrainerTensorParallelCPU(t *testing.T) {
 	if code != 400 || !strings.Contains(fmtJSON(res), "none for TP rank 1") {
 		t.Fatalf("one payload for two ranks: status %d %v", code, res)
 	}
+}
+
+// trainerModel skips without PyTorch, else writes the model a trainer
+// sends (seed) and returns it with the greedy output of a server started
+// on it (with extra flags).
+func trainerModel(t *testing.T, seed uint64, extra ...string) (string, []int32) {
+	t.Helper()
+	if err := exec.Command("/usr/bin/python3", "-c", "import torch").Run(); err != nil {
+		t.Skip("no PyTorch for /usr/bin/python3 (scripts/install-deps.sh installs python3-torch)")
+	}
+	other := filepath.Join(t.TempDir(), "other")
+	spec, _ := tinymodel.Default("qwen3")
+	spec.Tie, spec.Seed = false, seed
+	if err := tinymodel.Write(other, spec); err != nil {
+		t.Fatal(err)
+	}
+	ref := startServer(t, append([]string{"--model-path", other}, extra...)...)
+	defer ref.stop(t)
+	return other, ref.greedy(t)
 }
