@@ -136,10 +136,19 @@ func TestTensorParallelCPU(t *testing.T) {
 			if code := s.post(t, "/get_weights_by_name", map[string]any{"name": "model.layers.0.mlp.down_proj.weight"}, &out); code != 400 {
 				t.Fatalf("reading a sharded weight: status %d %v", code, out)
 			}
+			// Malformed payloads, one per rank: every rank refuses, nothing
+			// changes (with several engines the manager refuses first).
+			refusal := "weights unchanged"
+			if slices.Contains(args, "--dp-size") {
+				refusal = "--dp-size 2 is not supported"
+			}
 			out = nil
 			if code := s.post(t, "/update_weights_from_tensor", map[string]any{"serialized_named_tensors": []string{"AA==", "AA=="}}, &out); code != 400 ||
-				!strings.Contains(fmt.Sprint(out), "update_weights_from_tensor with --") {
-				t.Fatalf("update_weights_from_tensor with tensor parallelism: %d %v", code, out)
+				!strings.Contains(fmt.Sprint(out), refusal) {
+				t.Fatalf("malformed payloads with tensor parallelism: %d %v", code, out)
+			}
+			if got := s.greedy(t); !slices.Equal(got, wantGreedy) {
+				t.Fatalf("after refused payloads: %v, one process: %v", got, wantGreedy)
 			}
 		})
 	}
