@@ -75,8 +75,9 @@ func TestSGLangLaunchFlagsAndAPIKey(t *testing.T) {
 	}
 }
 
-// TestUnsupportedLaunchFlagsAreErrors: a flag ebb does not take, or a
-// dtype it does not run, stops `ebb serve` with an error naming it.
+// TestUnsupportedLaunchFlagsAreErrors: a flag ebb does not take, a dtype
+// it does not run, or a model that does not split over the ranks asked for
+// stops `ebb serve` with an error naming it.
 func TestUnsupportedLaunchFlagsAreErrors(t *testing.T) {
 	for _, c := range []struct {
 		args []string
@@ -84,6 +85,8 @@ func TestUnsupportedLaunchFlagsAreErrors(t *testing.T) {
 	}{
 		{[]string{"--model-path", modelDir, "--speculative-algorithm", "EAGLE"}, "--speculative-algorithm"},
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--dtype", "float16"}, "--dtype float16"},
+		// Every rank fails at start (the children start together): the error names why.
+		{[]string{"--model-path", modelDir, "--device", "cpu", "--tp-size", "3"}, "do not split over 3 ranks"},
 	} {
 		out, err := exec.Command(ebbBin, append([]string{"serve", "--port", "0"}, c.args...)...).CombinedOutput()
 		if err == nil || !strings.Contains(string(out), c.want) {
