@@ -59,18 +59,19 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 	// The leader's links to its followers exist before its engine: on
 	// GPUs the first message carries the NCCL id the ranks join with.
 	var leader *tpLeader
+	defer func() {
+		if leader != nil {
+			leader.close() // before Term, which waits for every socket
+		}
+		zctx.Term()
+	}()
 	if cfg.Engine.TPSize > 1 {
 		if leader, err = newTPLeader(zctx, cfg.TP); err != nil {
-			zctx.Term()
 			return err
 		}
 	}
 	e, err := openRank(cfg, func(id [128]byte) error { return leader.send(tpMessage{CollectiveID: id[:]}) }, nil)
 	if err != nil {
-		if leader != nil {
-			leader.close()
-		}
-		zctx.Term()
 		return err
 	}
 	defer closeEngine(e, log)
@@ -105,10 +106,6 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 	defer func() {
 		cancel()
 		sockets.Wait()
-		if s.tp != nil {
-			s.tp.close() // before Term, which waits for every socket
-		}
-		zctx.Term()
 	}()
 	s.out = outbox
 	ready(s.Info())

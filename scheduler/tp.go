@@ -154,33 +154,43 @@ type tpLeader struct {
 
 func newTPLeader(zctx *zmq.Context, cfg *TPConfig) (*tpLeader, error) {
 	l := &tpLeader{}
-	var err error
-	if l.acks, err = zctx.NewSocket(zmq.PULL); err != nil {
+	if err := l.open(zctx, cfg); err != nil {
+		l.close() // the context's Term would wait for what was opened
 		return nil, err
-	}
-	if err := l.acks.SetRcvtimeo(hubTimeout); err != nil {
-		return nil, err
-	}
-	if err := l.acks.Bind(cfg.AckEndpoint); err != nil {
-		return nil, fmt.Errorf("bind %s: %w", cfg.AckEndpoint, err)
-	}
-	for _, ep := range cfg.StepEndpoints {
-		s, err := zctx.NewSocket(zmq.PUSH)
-		if err != nil {
-			return nil, err
-		}
-		l.steps = append(l.steps, s)
-		if err := s.Connect(ep); err != nil {
-			return nil, fmt.Errorf("connect %s: %w", ep, err)
-		}
 	}
 	return l, nil
 }
 
+func (l *tpLeader) open(zctx *zmq.Context, cfg *TPConfig) error {
+	var err error
+	if l.acks, err = zctx.NewSocket(zmq.PULL); err != nil {
+		return err
+	}
+	if err := l.acks.SetRcvtimeo(hubTimeout); err != nil {
+		return err
+	}
+	if err := l.acks.Bind(cfg.AckEndpoint); err != nil {
+		return fmt.Errorf("bind %s: %w", cfg.AckEndpoint, err)
+	}
+	for _, ep := range cfg.StepEndpoints {
+		s, err := zctx.NewSocket(zmq.PUSH)
+		if err != nil {
+			return err
+		}
+		l.steps = append(l.steps, s)
+		if err := s.Connect(ep); err != nil {
+			return fmt.Errorf("connect %s: %w", ep, err)
+		}
+	}
+	return nil
+}
+
 func (l *tpLeader) close() {
 	for _, s := range append(l.steps, l.acks) {
-		_ = s.SetLinger(0)
-		s.Close()
+		if s != nil {
+			_ = s.SetLinger(0)
+			s.Close()
+		}
 	}
 }
 
