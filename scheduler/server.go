@@ -70,16 +70,12 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 			return err
 		}
 	}
-	e, err := openRank(cfg, func(id [128]byte) error { return leader.send(tpMessage{CollectiveID: id[:]}) }, nil)
+	s, err := openServer(cfg, log, func(id [128]byte) error { return leader.send(tpMessage{CollectiveID: id[:]}) }, nil)
 	if err != nil {
 		return err
 	}
+	e := s.e
 	defer closeEngine(e, log)
-	s, err := NewServer(e, log)
-	if err != nil {
-		return err
-	}
-	s.dpRank = cfg.DPRank
 	if leader != nil {
 		s.tp = leader
 		e.Runner.Mirror = s.tp.sendStep

@@ -109,10 +109,28 @@ func bytesInt32(b []byte) ([]int32, error) {
 // hubTimeout bounds waiting on the other ranks inside one step.
 const hubTimeout = 10 * time.Minute
 
-// openRank opens this process's engine. A tensor-parallel rank joins its
+// openServer opens this process's engine and its scheduler state; the
+// caller closes the engine (closeEngine). A tensor-parallel rank joins its
 // group once the device is open: the CPU backend through the hub, a GPU
 // through NCCL, whose id rank 0 makes and shares (share) and the others
 // wait for (await).
+func openServer(cfg ProcessConfig, log *zap.Logger, share func(id [128]byte) error, await func() ([128]byte, error)) (*Server, error) {
+	e, err := openRank(cfg, share, await)
+	if err != nil {
+		return nil, err
+	}
+	s, err := NewServer(e, log)
+	if err != nil {
+		closeEngine(e, log)
+		return nil, err
+	}
+	s.dpRank = cfg.DPRank
+	if cfg.TP != nil {
+		s.tpRank = cfg.TP.Rank
+	}
+	return s, nil
+}
+
 func openRank(cfg ProcessConfig, share func(id [128]byte) error, await func() ([128]byte, error)) (*engine.Engine, error) {
 	ec := cfg.Engine
 	if ec.TPSize <= 1 {
@@ -301,16 +319,12 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 	}
 	defer in.Close()
 	defer ack.Close()
-	e, err := openRank(cfg, nil, func() ([128]byte, error) { return awaitCollectiveID(in) })
+	s, err := openServer(cfg, log, nil, func() ([128]byte, error) { return awaitCollectiveID(in) })
 	if err != nil {
 		return err
 	}
+	e := s.e
 	defer closeEngine(e, log)
-	s, err := NewServer(e, log)
-	if err != nil {
-		return err
-	}
-	s.tpRank, s.dpRank = cfg.TP.Rank, cfg.DPRank
 	replies := make(chan outgoing, 64)
 	s.out = replies
 	ready()
