@@ -16,6 +16,20 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	hk, dim := kCache.Dim(1), kCache.Dim(2)
 	hq := qkv.Dim(1) - 2*hk
 	g := hq / hk
+	if meta.MaxQLen > 1 && meta.Decodes > 0 && meta.Decodes < meta.NumSeqs {
+		// A mixed step: the prefill kernel would give each decode a whole
+		// tile of queries; the decodes go to the decode kernel instead.
+		if _, ok := decodeVecKernel(g, dim); ok {
+			dec, pre := meta, meta
+			dec.NumSeqs, dec.MaxQLen = meta.Decodes, 1
+			pre.NumSeqs, pre.Decodes = meta.NumSeqs-meta.Decodes, 0
+			pre.QIndptr = meta.QIndptr.Rows(meta.Decodes, meta.NumSeqs+1)
+			pre.KVIndptr = meta.KVIndptr.Rows(meta.Decodes, meta.NumSeqs+1)
+			d.Attention(out, qkv, kCache, vCache, dec, scale)
+			d.Attention(out, qkv, kCache, vCache, pre, scale)
+			return
+		}
+	}
 	if meta.MaxQLen == 1 {
 		if name, ok := decodeVecKernel(g, dim); ok {
 			d.attnDecode(name, 4, 32, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)

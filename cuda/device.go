@@ -572,8 +572,8 @@ func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCac
 	if qNorm.Valid() {
 		hasNorm = 1
 	}
-	if dim > 256 {
-		d.fail(fmt.Errorf("prepare_qkv: head_dim %d above 256", dim))
+	if dim > 256 || dim%4 != 0 {
+		d.fail(fmt.Errorf("prepare_qkv: head_dim %d (a multiple of 4 up to 256)", dim))
 		return
 	}
 	d.launch("prepare_qkv", Dim3{uint32(t), uint32((hq + 2*hk + 3) / 4), 1}, D1(128), 0,

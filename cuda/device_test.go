@@ -327,8 +327,11 @@ func attnCase(p *pair, hq, hk, d int, qlens, kvlens []int) (out, qkv, kc, vc bot
 	slots := total + 10
 	perm := p.rng.Perm(slots)
 	qptr, kvptr, idx := []int32{0}, []int32{0}, []int32{}
-	maxQ, maxKV := 0, 0
+	maxQ, maxKV, decodes := 0, 0, 0
 	for i := range qlens {
+		if decodes == i && qlens[i] == 1 {
+			decodes++
+		}
 		for j := 0; j < kvlens[i]; j++ {
 			idx = append(idx, int32(perm[len(idx)]))
 		}
@@ -342,7 +345,8 @@ func attnCase(p *pair, hq, hk, d int, qlens, kvlens []int) (out, qkv, kc, vc bot
 	out = p.random(device.BF16, 1, tokens, hq, d)
 	q, kv, ix := p.ints(qptr), p.ints(kvptr), p.ints(idx)
 	for i, pick := range []func(both) device.Tensor{func(b both) device.Tensor { return b.g }, func(b both) device.Tensor { return b.c }} {
-		meta[i] = device.AttnMeta{NumSeqs: len(qlens), MaxQLen: maxQ, MaxKVLen: maxKV, QIndptr: pick(q), KVIndptr: pick(kv), KVIndices: pick(ix)}
+		meta[i] = device.AttnMeta{NumSeqs: len(qlens), MaxQLen: maxQ, MaxKVLen: maxKV, Decodes: decodes, QIndptr: pick(q),
+			KVIndptr: pick(kv), KVIndices: pick(ix)}
 	}
 	return
 }
@@ -369,6 +373,10 @@ func TestAttention(t *testing.T) {
 		{"prefill-mma-d128-ragged", 16, 8, 128, []int{1, 63, 64, 65, 130, 7}, []int{1, 63, 100, 65, 300, 500}},
 		{"prefill-mma-d64-g3", 6, 2, 64, []int{200, 33}, []int{200, 97}},
 		{"prefill-mma-d128-long", 16, 8, 128, []int{700}, []int{1000}},
+		// A mixed step: decodes first (decode kernel), then prompts (a
+		// one-token chunk among them stays with the prefill kernel).
+		{"mixed-decodes-first", 16, 8, 128, []int{1, 1, 1, 40, 1, 70}, []int{90, 1, 600, 40, 33, 200}},
+		{"mixed-d64-g3", 6, 2, 64, []int{1, 1, 129}, []int{4000, 7, 129}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -17,6 +17,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"sync"
 	"unsafe"
@@ -113,6 +114,10 @@ type Context struct {
 	SMs         int
 	TotalMemory int64
 	PCIBusID    string
+	// PDL launches kernels with programmatic dependent launch (Hopper and
+	// later; EBB_PDL=0 turns it off): a kernel's launch and its loads of
+	// weights overlap the end of the kernel before it.
+	PDL bool
 
 	dev    C.CUdevice
 	ctx    C.CUcontext
@@ -144,6 +149,7 @@ func Open(ordinal int) (*Context, error) {
 	c.PCIBusID = C.GoString((*C.char)(unsafe.Pointer(&bus[0])))
 	c.CCMajor, c.CCMinor = c.attr(attrCCMajor), c.attr(attrCCMinor)
 	c.SMs = c.attr(attrMultiprocessors)
+	c.PDL = c.CCMajor >= 9 && C.ebb_has_launch_ex() != 0 && os.Getenv("EBB_PDL") != "0"
 	var total C.size_t
 	C.ebb_cuDeviceTotalMem(&total, c.dev)
 	c.TotalMemory = int64(total)

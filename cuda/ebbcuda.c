@@ -22,6 +22,9 @@ EBB_NCCL_FUNCS(EBB_WRAP)
 #undef EBB_WRAP
 
 static int (*p_cuGetErrorName)(int, const char **);
+// cuLaunchKernelEx (CUDA 12.0+) is optional: without it kernels launch the
+// classic way and programmatic dependent launch is off.
+static int (*p_cuLaunchKernelEx)(const ebbLaunchConfig *, CUfunction, void **, void **);
 static const char *(*p_nvrtcGetErrorString)(int);
 static const char *(*p_ncclGetErrorString)(int);
 
@@ -53,6 +56,7 @@ int ebb_load_cuda(char *err, int n) {
 	if (!h) return -1;
 	EBB_CU_FUNCS(EBB_RESOLVE)
 	p_cuGetErrorName = (int (*)(int, const char **))dlsym(h, "cuGetErrorName");
+	p_cuLaunchKernelEx = (int (*)(const ebbLaunchConfig *, CUfunction, void **, void **))dlsym(h, "cuLaunchKernelEx");
 	return 0;
 }
 
@@ -116,12 +120,28 @@ const char *ebb_nccl_error_string(int code) {
 }
 
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs) {
+	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl) {
 	void *params[32];
 	if (nargs > 32) return 1; // CUDA_ERROR_INVALID_VALUE
 	for (int i = 0; i < nargs; i++) params[i] = &args[i];
+	if (pdl && p_cuLaunchKernelEx) {
+		ebbLaunchAttribute attr;
+		ebbLaunchConfig cfg;
+		memset(&attr, 0, sizeof attr);
+		attr.id = 6; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+		attr.value.programmaticStreamSerializationAllowed = 1;
+		cfg.gridDimX = gx, cfg.gridDimY = gy, cfg.gridDimZ = gz;
+		cfg.blockDimX = bx, cfg.blockDimY = by, cfg.blockDimZ = bz;
+		cfg.sharedMemBytes = shmem;
+		cfg.hStream = s;
+		cfg.attrs = &attr;
+		cfg.numAttrs = 1;
+		return p_cuLaunchKernelEx(&cfg, f, params, NULL);
+	}
 	return ebb_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL);
 }
+
+int ebb_has_launch_ex(void) { return p_cuLaunchKernelEx != NULL; }
 
 int ebb_nccl_broadcast(CUdeviceptr buf, size_t n, int dtype, int root, ncclComm_t c, CUstream s) {
 	return ebb_ncclBroadcast((const void *)buf, (void *)buf, n, dtype, root, c, s);

@@ -56,6 +56,24 @@ typedef struct {
 	const char *netName;
 } ebbNcclConfig;
 
+// CUlaunchAttribute and CUlaunchConfig for cuLaunchKernelEx.
+typedef struct {
+	int id;
+	char pad[4];
+	union {
+		char pad[64];
+		int programmaticStreamSerializationAllowed;
+	} value;
+} ebbLaunchAttribute;
+typedef struct {
+	unsigned int gridDimX, gridDimY, gridDimZ;
+	unsigned int blockDimX, blockDimY, blockDimZ;
+	unsigned int sharedMemBytes;
+	CUstream hStream;
+	ebbLaunchAttribute *attrs;
+	unsigned int numAttrs;
+} ebbLaunchConfig;
+
 // X(name, symbol, args, call)
 #define EBB_CU_FUNCS(X) \
 	X(cuInit, "cuInit", (unsigned int f), (f)) \
@@ -169,9 +187,12 @@ const char *ebb_cu_error_name(int code);
 const char *ebb_nvrtc_error_string(int code);
 const char *ebb_nccl_error_string(int code);
 
-// ebb_launch passes nargs 8-byte kernel arguments packed in args.
+// ebb_launch passes nargs 8-byte kernel arguments packed in args. With pdl
+// (and cuLaunchKernelEx in the driver) the kernel may start while the
+// previous one in the stream finishes (programmatic dependent launch).
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs);
+	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl);
+int ebb_has_launch_ex(void);
 
 // NCCL calls with device pointers as integers.
 int ebb_nccl_broadcast(CUdeviceptr buf, size_t n, int dtype, int root, ncclComm_t c, CUstream s);

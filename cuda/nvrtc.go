@@ -248,6 +248,13 @@ func I(v int) uint64 { return uint64(uint32(int32(v))) }
 // F is a float argument.
 func F(v float32) uint64 { return uint64(*(*uint32)(unsafe.Pointer(&v))) }
 
+func cBool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
 // LaunchKernel queues k on the stream.
 func (c *Context) LaunchKernel(k *Kernel, grid, block Dim3, shmem int, args ...uint64) error {
 	var a *C.ulonglong
@@ -255,7 +262,7 @@ func (c *Context) LaunchKernel(k *Kernel, grid, block Dim3, shmem int, args ...u
 		a = (*C.ulonglong)(unsafe.Pointer(&args[0]))
 	}
 	r := C.ebb_launch(k.f, C.uint(grid.X), C.uint(grid.Y), C.uint(grid.Z), C.uint(block.X), C.uint(block.Y),
-		C.uint(block.Z), C.uint(shmem), c.stream, a, C.int(len(args)))
+		C.uint(block.Z), C.uint(shmem), c.stream, a, C.int(len(args)), cBool(c.PDL))
 	if r != 0 {
 		return &Error{Call: "cuLaunchKernel(" + k.Name + ")", Code: int(r), Name: C.GoString(C.ebb_cu_error_name(r))}
 	}

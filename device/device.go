@@ -131,9 +131,13 @@ func (t Tensor) String() string { return fmt.Sprintf("%s%v@%#x", t.DType, t.Shap
 // slots KVIndices[KVIndptr[s]:KVIndptr[s+1]], in position order; its queries
 // are the last tokens of that range (causal).
 type AttnMeta struct {
-	NumSeqs   int
-	MaxQLen   int // upper bounds, for launch shapes
-	MaxKVLen  int
+	NumSeqs  int
+	MaxQLen  int // upper bounds, for launch shapes
+	MaxKVLen int
+	// Decodes is how many leading sequences have one query each at their
+	// last position (a mixed step's decodes, scheduled first); a backend
+	// may run them with its decode kernel and the rest with prefill's.
+	Decodes   int
 	QIndptr   Tensor // [NumSeqs+1] int32
 	KVIndptr  Tensor // [NumSeqs+1] int32
 	KVIndices Tensor // [>= total KV] int32

@@ -99,6 +99,40 @@ func TestGoldensCUDA(t *testing.T) {
 	}
 }
 
+// seededRequests are twelve prompts of different lengths, sampled at
+// temperature 1 with seeds, some stopping at EOS.
+func seededRequests(t *testing.T, e *engine.Engine) []scheduler.Request {
+	var reqs []scheduler.Request
+	for i := range 12 {
+		temp, seed, maxNew := 1.0, uint64(i+1), 20+7*i
+		params, err := (&ioschema.SamplingParams{Temperature: &temp, SamplingSeed: &seed, MaxNewTokens: &maxNew,
+			IgnoreEOS: i%3 != 0}).Resolve(e.Defaults())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := make([]int32, 10+13*i)
+		for j := range ids {
+			ids[j] = int32((i*7919 + j*104729) % 4000)
+		}
+		reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: ids, Params: params, LogprobStartLen: -1})
+	}
+	return reqs
+}
+
+func generateSeeded(t *testing.T, disableOverlap bool) ([]scheduler.Output, runner.Stats) {
+	e, err := engine.Open(engine.Config{ModelDir: defaultModelDir, Device: "cuda", MaxRunningRequests: 16,
+		MaxTotalTokens: 8192, CUDAGraphMaxBS: 16, DisableOverlap: disableOverlap})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	outs, err := scheduler.Generate(e, seededRequests(t, e))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return outs, e.Runner.Stats
+}
+
 // TestOverlapCUDA: with overlapped scheduling, decode graphs read their
 // tokens from the previous graph's samples on the device; the outputs of
 // seeded sampling must equal those of step-by-step scheduling.
@@ -106,35 +140,8 @@ func TestOverlapCUDA(t *testing.T) {
 	if err := cuda.Available(); err != nil {
 		t.Skip("no GPU:", err)
 	}
-	run := func(disable bool) ([]scheduler.Output, runner.Stats) {
-		e, err := engine.Open(engine.Config{ModelDir: defaultModelDir, Device: "cuda", MaxRunningRequests: 16,
-			MaxTotalTokens: 8192, CUDAGraphMaxBS: 16, DisableOverlap: disable})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer e.Close()
-		var reqs []scheduler.Request
-		for i := range 12 {
-			temp, seed, maxNew := 1.0, uint64(i+1), 20+7*i
-			params, err := (&ioschema.SamplingParams{Temperature: &temp, SamplingSeed: &seed, MaxNewTokens: &maxNew,
-				IgnoreEOS: i%3 != 0}).Resolve(e.Defaults())
-			if err != nil {
-				t.Fatal(err)
-			}
-			ids := make([]int32, 10+13*i)
-			for j := range ids {
-				ids[j] = int32((i*7919 + j*104729) % 4000)
-			}
-			reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: ids, Params: params, LogprobStartLen: -1})
-		}
-		outs, err := scheduler.Generate(e, reqs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return outs, e.Runner.Stats
-	}
-	want, _ := run(true)
-	got, stats := run(false)
+	want, _ := generateSeeded(t, true)
+	got, stats := generateSeeded(t, false)
 	if stats.ChainedSteps == 0 {
 		t.Fatalf("no step was chained on the device (%+v)", stats)
 	}
@@ -144,4 +151,32 @@ func TestOverlapCUDA(t *testing.T) {
 		}
 	}
 	t.Logf("%d of %d graph steps chained on the device", stats.ChainedSteps, stats.GraphSteps)
+}
+
+// TestDependentLaunchCUDA: kernels that start while the previous one
+// finishes (programmatic dependent launch) must compute exactly what
+// kernels launched one after the other do: same tokens, same logprob bits.
+func TestDependentLaunchCUDA(t *testing.T) {
+	if err := cuda.Available(); err != nil {
+		t.Skip("no GPU:", err)
+	}
+	ctx, err := cuda.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pdl := ctx.PDL
+	ctx.Close()
+	if !pdl {
+		t.Skip("this GPU or driver has no programmatic dependent launch")
+	}
+	got, _ := generateSeeded(t, false)
+	t.Setenv("EBB_PDL", "0")
+	want, _ := generateSeeded(t, false)
+	for i := range want {
+		if !slices.Equal(got[i].OutputIDs, want[i].OutputIDs) || !slices.Equal(got[i].OutputLogprobs, want[i].OutputLogprobs) ||
+			!slices.Equal(got[i].InputLogprobs, want[i].InputLogprobs) {
+			t.Errorf("request %d: dependent launch %v %v\nserial %v %v", i, got[i].OutputIDs, got[i].OutputLogprobs,
+				want[i].OutputIDs, want[i].OutputLogprobs)
+		}
+	}
 }

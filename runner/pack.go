@@ -170,6 +170,7 @@ func (h *hostStep) upload(dev device.Device, s *device.Scratch) (model.Inputs, d
 		},
 		LogitRows: iv(l.rows, h.numRows),
 	}
+	in.Attn.Decodes = leadingDecodes(h.ints[l.qptr : l.qptr+h.numSeqs+1])
 	for i := 0; i < h.numSeqs; i++ {
 		in.Attn.MaxQLen = max(in.Attn.MaxQLen, int(h.ints[l.qptr+i+1]-h.ints[l.qptr+i]))
 		in.Attn.MaxKVLen = max(in.Attn.MaxKVLen, int(h.ints[l.kvptr+i+1]-h.ints[l.kvptr+i]))
@@ -272,4 +273,15 @@ func splitmix(x uint64) uint64 {
 	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
 	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
 	return x ^ (x >> 31)
+}
+
+// leadingDecodes counts the sequences at the front of a step with one query
+// each (qptr holds the query offsets): the scheduler puts a mixed step's
+// decodes first.
+func leadingDecodes(qptr []int32) int {
+	n := 0
+	for n+1 < len(qptr) && qptr[n+1]-qptr[n] == 1 {
+		n++
+	}
+	return n
 }

@@ -33,3 +33,20 @@ func TestLayoutFieldsDoNotOverlap(t *testing.T) {
 		t.Fatalf("ints length %d, fields end at %d", l.intsLen, end)
 	}
 }
+
+func TestLeadingDecodes(t *testing.T) {
+	for _, tc := range []struct {
+		qptr []int32
+		want int
+	}{
+		{[]int32{0}, 0},
+		{[]int32{0, 1, 2, 3}, 3},        // all decodes
+		{[]int32{0, 1, 2, 130, 131}, 2}, // decodes, a prompt chunk, a one-token chunk
+		{[]int32{0, 128, 129}, 0},       // a prompt first
+		{[]int32{0, 1, 1, 2}, 1},        // an empty sequence ends the run
+	} {
+		if got := leadingDecodes(tc.qptr); got != tc.want {
+			t.Errorf("leadingDecodes(%v) = %d, want %d", tc.qptr, got, tc.want)
+		}
+	}
+}

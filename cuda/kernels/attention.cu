@@ -122,6 +122,7 @@ __device__ void attn_decode_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, con
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,          \
 	    const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits,      \
 	    float scale) {                                                                                         \
+		DEP(); \
 		attn_decode_impl<MG, DL>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, d,  \
 		                         splits, scale);                                                               \
 	}
@@ -152,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(bf16 *out, const 
                                                                const bf16 *vc, const int *qptr, const int *kvptr,
                                                                const int *kvidx, int hq, int hk, int d, int qt,
                                                                float scale) {
+	DEP();
 	extern __shared__ float smem[];
 	const int QS = PF_QS(d), KS = PF_KS(d);
 	float *qs = smem;                          // [PF_ROWS][QS]

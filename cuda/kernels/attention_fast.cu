@@ -180,6 +180,7 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
 	    const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits,         \
 	    float scale) {                                                                                            \
+		DEP(); \
 		attn_decode_vec_impl<D, MG>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk,     \
 		                            splits, scale);                                                           \
 	}
@@ -302,6 +303,8 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int gi = lane >> 2, ti = lane & 3;
 	// Absolute positions of this thread's two query rows.
 	const int qpos0 = kvlen - qlen + q0 + w0 + gi, qpos1 = qpos0 + 8;
+	// The warp's last query position; a warp past qlen has nothing to do.
+	const int wlast = q0 + w0 < qlen ? kvlen - qlen + q0 + w0 + 15 : -1;
 
 	for (int tile = 0; tile < ntiles; tile++) {
 		const int buf = tile & 1;
@@ -312,77 +315,79 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 			cp_async_wait<0>();
 		}
 		__syncthreads();
-		const unsigned char *kt = ks + buf * FA_BN * D * 2, *vt = vs + buf * FA_BN * D * 2;
-		float sacc[FA_BN / 8][4];
-#pragma unroll
-		for (int n = 0; n < FA_BN / 8; n++) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.f;
-#pragma unroll
-		for (int kk = 0; kk < D / 16; kk++) {
-#pragma unroll
-			for (int np = 0; np < FA_BN / 16; np++) {
-				unsigned b[4];
-				ldmatrix_x4(b, smem_u32(kt + swz<D>(np * 16 + (lane & 7) + 8 * (lane >> 4), kk * 16 + 8 * ((lane >> 3) & 1))));
-				mma_bf16(sacc[2 * np], qf[kk], b[0], b[1]);
-				mma_bf16(sacc[2 * np + 1], qf[kk], b[2], b[3]);
-			}
-		}
 		const int k0 = tile * FA_BN;
-		float mx[2] = {-EBB_INF, -EBB_INF};
+		if (k0 <= wlast) { // else every key of the tile is after the warp's queries
+			const unsigned char *kt = ks + buf * FA_BN * D * 2, *vt = vs + buf * FA_BN * D * 2;
+			float sacc[FA_BN / 8][4];
 #pragma unroll
-		for (int n = 0; n < FA_BN / 8; n++) {
+			for (int n = 0; n < FA_BN / 8; n++) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.f;
 #pragma unroll
-			for (int e = 0; e < 4; e++) {
-				const int kpos = k0 + n * 8 + ti * 2 + (e & 1);
-				const int qpos = e < 2 ? qpos0 : qpos1;
-				float v = sacc[n][e] * sl2;
-				if (kpos > qpos || kpos >= kvlen) v = -EBB_INF;
-				sacc[n][e] = v;
-				mx[e >> 1] = fmaxf(mx[e >> 1], v);
+			for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+				for (int np = 0; np < FA_BN / 16; np++) {
+					unsigned b[4];
+					ldmatrix_x4(b, smem_u32(kt + swz<D>(np * 16 + (lane & 7) + 8 * (lane >> 4), kk * 16 + 8 * ((lane >> 3) & 1))));
+					mma_bf16(sacc[2 * np], qf[kk], b[0], b[1]);
+					mma_bf16(sacc[2 * np + 1], qf[kk], b[2], b[3]);
+				}
 			}
-		}
-		float alpha[2], muse[2];
+			float mx[2] = {-EBB_INF, -EBB_INF};
 #pragma unroll
-		for (int i = 0; i < 2; i++) {
-			mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
-			mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
-			const float mn = fmaxf(mrow[i], mx[i]);
-			muse[i] = mn == -EBB_INF ? 0.f : mn;
-			alpha[i] = exp2f(mrow[i] - muse[i]);
-			mrow[i] = mn;
-			lrow[i] *= alpha[i];
-		}
+			for (int n = 0; n < FA_BN / 8; n++) {
 #pragma unroll
-		for (int n = 0; n < D / 8; n++) {
-			o[n][0] *= alpha[0];
-			o[n][1] *= alpha[0];
-			o[n][2] *= alpha[1];
-			o[n][3] *= alpha[1];
-		}
-		unsigned pa[FA_BN / 16][4];
-#pragma unroll
-		for (int n = 0; n < FA_BN / 8; n++) {
-#pragma unroll
-			for (int e = 0; e < 4; e++) {
-				const float p = exp2f(sacc[n][e] - muse[e >> 1]);
-				sacc[n][e] = p;
-				lrow[e >> 1] += p;
+				for (int e = 0; e < 4; e++) {
+					const int kpos = k0 + n * 8 + ti * 2 + (e & 1);
+					const int qpos = e < 2 ? qpos0 : qpos1;
+					float v = sacc[n][e] * sl2;
+					if (kpos > qpos || kpos >= kvlen) v = -EBB_INF;
+					sacc[n][e] = v;
+					mx[e >> 1] = fmaxf(mx[e >> 1], v);
+				}
 			}
-		}
+			float alpha[2], muse[2];
 #pragma unroll
-		for (int kk = 0; kk < FA_BN / 16; kk++) {
-			pa[kk][0] = pack_bf16x2(sacc[2 * kk][0], sacc[2 * kk][1]);
-			pa[kk][1] = pack_bf16x2(sacc[2 * kk][2], sacc[2 * kk][3]);
-			pa[kk][2] = pack_bf16x2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-			pa[kk][3] = pack_bf16x2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
-		}
+			for (int i = 0; i < 2; i++) {
+				mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
+				mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
+				const float mn = fmaxf(mrow[i], mx[i]);
+				muse[i] = mn == -EBB_INF ? 0.f : mn;
+				alpha[i] = exp2f(mrow[i] - muse[i]);
+				mrow[i] = mn;
+				lrow[i] *= alpha[i];
+			}
 #pragma unroll
-		for (int kk = 0; kk < FA_BN / 16; kk++) {
+			for (int n = 0; n < D / 8; n++) {
+				o[n][0] *= alpha[0];
+				o[n][1] *= alpha[0];
+				o[n][2] *= alpha[1];
+				o[n][3] *= alpha[1];
+			}
+			unsigned pa[FA_BN / 16][4];
 #pragma unroll
-			for (int dp = 0; dp < D / 16; dp++) {
-				unsigned b[4];
-				ldmatrix_x4_trans(b, smem_u32(vt + swz<D>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), dp * 16 + 8 * (lane >> 4))));
-				mma_bf16(o[2 * dp], pa[kk], b[0], b[1]);
-				mma_bf16(o[2 * dp + 1], pa[kk], b[2], b[3]);
+			for (int n = 0; n < FA_BN / 8; n++) {
+#pragma unroll
+				for (int e = 0; e < 4; e++) {
+					const float p = exp2f(sacc[n][e] - muse[e >> 1]);
+					sacc[n][e] = p;
+					lrow[e >> 1] += p;
+				}
+			}
+#pragma unroll
+			for (int kk = 0; kk < FA_BN / 16; kk++) {
+				pa[kk][0] = pack_bf16x2(sacc[2 * kk][0], sacc[2 * kk][1]);
+				pa[kk][1] = pack_bf16x2(sacc[2 * kk][2], sacc[2 * kk][3]);
+				pa[kk][2] = pack_bf16x2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+				pa[kk][3] = pack_bf16x2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+			}
+#pragma unroll
+			for (int kk = 0; kk < FA_BN / 16; kk++) {
+#pragma unroll
+				for (int dp = 0; dp < D / 16; dp++) {
+					unsigned b[4];
+					ldmatrix_x4_trans(b, smem_u32(vt + swz<D>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), dp * 16 + 8 * (lane >> 4))));
+					mma_bf16(o[2 * dp], pa[kk], b[0], b[1]);
+					mma_bf16(o[2 * dp + 1], pa[kk], b[2], b[3]);
+				}
 			}
 		}
 		__syncthreads(); // the next prefetch overwrites this buffer
@@ -408,6 +413,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_d##D(                                       \
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
 	    const int *kvidx, int hq, int hk, float scale) {                                                          \
+		DEP(); \
 		attn_prefill_mma_impl<D>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale);                           \
 	}
 ATTN_PREFILL_MMA(64)

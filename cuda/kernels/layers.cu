@@ -3,6 +3,7 @@
 // bf16 tensor op), so outputs track transformers' bf16 forward closely.
 
 extern "C" __global__ void embedding(bf16 *out, const bf16 *table, const int *ids, int hidden) {
+	DEP();
 	const bf16 *row = table + (long long)ids[blockIdx.x] * hidden;
 	bf16 *o = out + (long long)blockIdx.x * hidden;
 	if ((hidden & 7) == 0) {
@@ -20,6 +21,7 @@ extern "C" __global__ void embedding(bf16 *out, const bf16 *table, const int *id
 
 // rmsnorm: one block per row; out may alias x.
 extern "C" __global__ void rmsnorm(bf16 *out, const bf16 *x, const bf16 *w, int dim, float eps) {
+	DEP();
 	__shared__ float red[32];
 	const bf16 *xr = x + (long long)blockIdx.x * dim;
 	bf16 *o = out + (long long)blockIdx.x * dim;
@@ -74,20 +76,24 @@ __device__ void add_rmsnorm_impl(bf16 *residual, const X *x, bf16 *out, const bf
 }
 
 extern "C" __global__ void add_rmsnorm(bf16 *residual, const bf16 *x, bf16 *out, const bf16 *w, int dim, float eps) {
+	DEP();
 	add_rmsnorm_impl(residual, x, out, w, dim, eps);
 }
 
 extern "C" __global__ void add_rmsnorm_f32x(bf16 *residual, const float *x, bf16 *out, const bf16 *w, int dim, float eps) {
+	DEP();
 	add_rmsnorm_impl(residual, x, out, w, dim, eps);
 }
 
 // add_bias: x[row, j] += b[j] over rows of n.
 extern "C" __global__ void add_bias(bf16 *x, const bf16 *b, long long total, int n) {
+	DEP();
 	FOR_GRID(i, total) x[i] = f2bf(bf2f(x[i]) + bf2f(b[i % n]));
 }
 
 // add_bias_f32 is add_bias for float32 outputs (logits).
 extern "C" __global__ void add_bias_f32(float *x, const bf16 *b, long long total, int n) {
+	DEP();
 	FOR_GRID(i, total) x[i] += bf2f(b[i % n]);
 }
 
@@ -96,64 +102,89 @@ extern "C" __global__ void add_bias_f32(float *x, const bf16 *b, long long total
 // heads, then hk v heads):
 // per-head RMSNorm of q and k when has_norm, rotary embedding of q and k
 // (rotate-half, as transformers with cos/sin cast to bf16), and the store of
-// k and v into the paged cache. Lanes hold the pairs (j, j + d/2).
-#define QKV_MAX_PAIRS 4 // d <= 256
+// k and v into the paged cache. Lanes hold two adjacent pairs (j, j + d/2)
+// and (j + 1, j + 1 + d/2), j even, read and written as bf16x2 (d % 4 == 0).
+#define QKV_ROUNDS 2 // d <= 256
+
+__device__ __forceinline__ void bf16x2_unpack(unsigned u, float &lo, float &hi) {
+	lo = __uint_as_float(u << 16);
+	hi = __uint_as_float(u & 0xffff0000u);
+}
+
+__device__ __forceinline__ unsigned bf16x2_pack(float lo, float hi) {
+	return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     prepare_qkv(bf16 *qkv, const bf16 *qnorm, const bf16 *knorm, const int *pos, const float *cos_t,
                 const float *sin_t, bf16 *kc, bf16 *vc, const int *slots, int hq, int hk, int d, float eps,
                 int has_norm) {
+	DEP();
 	const int t = blockIdx.x, lane = threadIdx.x & 31, half = d / 2;
 	const int h = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+	if (h >= hq + 2 * hk) return;
 	const long long p = pos[t], slot = slots[t];
-	if (h < hq + 2 * hk) {
-		bf16 *v = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
-		float x1[QKV_MAX_PAIRS], x2[QKV_MAX_PAIRS];
-		float ss = 0.f;
+	bf16 *v = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
+	// x1 holds dims j, j + 1 of the first half, x2 the same of the second.
+	float x1[QKV_ROUNDS][2], x2[QKV_ROUNDS][2];
+	float ss = 0.f;
 #pragma unroll
-		for (int i = 0; i < QKV_MAX_PAIRS; i++) {
-			int j = lane + 32 * i;
-			x1[i] = j < half ? bf2f(v[j]) : 0.f;
-			x2[i] = j < half ? bf2f(v[j + half]) : 0.f;
-			ss += x1[i] * x1[i] + x2[i] * x2[i];
+	for (int i = 0; i < QKV_ROUNDS; i++) {
+		const int j = 2 * (lane + 32 * i);
+		x1[i][0] = x1[i][1] = x2[i][0] = x2[i][1] = 0.f;
+		if (j < half) {
+			bf16x2_unpack(*(const unsigned *)(v + j), x1[i][0], x1[i][1]);
+			bf16x2_unpack(*(const unsigned *)(v + j + half), x2[i][0], x2[i][1]);
 		}
-		if (h < hq + hk) {
-			if (has_norm) {
-				const bf16 *w = h < hq ? qnorm : knorm;
-				float inv = rsqrtf(warp_sum(ss) / d + eps);
+		ss += x1[i][0] * x1[i][0] + x1[i][1] * x1[i][1] + x2[i][0] * x2[i][0] + x2[i][1] * x2[i][1];
+	}
+	if (h < hq + hk) {
+		if (has_norm) {
+			const bf16 *w = h < hq ? qnorm : knorm;
+			const float inv = rsqrtf(warp_sum(ss) / d + eps);
 #pragma unroll
-				for (int i = 0; i < QKV_MAX_PAIRS; i++) {
-					int j = lane + 32 * i;
-					if (j < half) {
-						x1[i] = rbf(bf2f(w[j]) * rbf(x1[i] * inv));
-						x2[i] = rbf(bf2f(w[j + half]) * rbf(x2[i] * inv));
+			for (int i = 0; i < QKV_ROUNDS; i++) {
+				const int j = 2 * (lane + 32 * i);
+				if (j < half) {
+					float w1[2], w2[2];
+					bf16x2_unpack(*(const unsigned *)(w + j), w1[0], w1[1]);
+					bf16x2_unpack(*(const unsigned *)(w + j + half), w2[0], w2[1]);
+#pragma unroll
+					for (int e = 0; e < 2; e++) {
+						x1[i][e] = rbf(w1[e] * rbf(x1[i][e] * inv));
+						x2[i][e] = rbf(w2[e] * rbf(x2[i][e] * inv));
 					}
 				}
 			}
+		}
 #pragma unroll
-			for (int i = 0; i < QKV_MAX_PAIRS; i++) {
-				int j = lane + 32 * i;
-				if (j < half) {
-					float c = rbf(cos_t[p * half + j]), s = rbf(sin_t[p * half + j]);
-					float o1 = rbf(rbf(x1[i] * c) + rbf(-x2[i] * s));
-					float o2 = rbf(rbf(x2[i] * c) + rbf(x1[i] * s));
-					x1[i] = o1;
-					x2[i] = o2;
-					v[j] = f2bf(o1);
-					v[j + half] = f2bf(o2);
+		for (int i = 0; i < QKV_ROUNDS; i++) {
+			const int j = 2 * (lane + 32 * i);
+			if (j < half) {
+				const float2 cs = *(const float2 *)(cos_t + p * half + j), sn = *(const float2 *)(sin_t + p * half + j);
+				const float c[2] = {rbf(cs.x), rbf(cs.y)}, sv[2] = {rbf(sn.x), rbf(sn.y)};
+#pragma unroll
+				for (int e = 0; e < 2; e++) {
+					const float o1 = rbf(rbf(x1[i][e] * c[e]) + rbf(-x2[i][e] * sv[e]));
+					const float o2 = rbf(rbf(x2[i][e] * c[e]) + rbf(x1[i][e] * sv[e]));
+					x1[i][e] = o1;
+					x2[i][e] = o2;
 				}
+				*(unsigned *)(v + j) = bf16x2_pack(x1[i][0], x1[i][1]);
+				*(unsigned *)(v + j + half) = bf16x2_pack(x2[i][0], x2[i][1]);
 			}
 		}
-		if (h >= hq) {
-			bool is_k = h < hq + hk;
-			int kvh = is_k ? h - hq : h - hq - hk;
-			bf16 *dst = (is_k ? kc : vc) + (slot * hk + kvh) * d;
+	}
+	if (h >= hq) {
+		const bool is_k = h < hq + hk;
+		const int kvh = is_k ? h - hq : h - hq - hk;
+		bf16 *dst = (is_k ? kc : vc) + (slot * hk + kvh) * d;
 #pragma unroll
-			for (int i = 0; i < QKV_MAX_PAIRS; i++) {
-				int j = lane + 32 * i;
-				if (j < half) {
-					dst[j] = f2bf(x1[i]);
-					dst[j + half] = f2bf(x2[i]);
-				}
+		for (int i = 0; i < QKV_ROUNDS; i++) {
+			const int j = 2 * (lane + 32 * i);
+			if (j < half) {
+				*(unsigned *)(dst + j) = bf16x2_pack(x1[i][0], x1[i][1]);
+				*(unsigned *)(dst + j + half) = bf16x2_pack(x2[i][0], x2[i][1]);
 			}
 		}
 	}
@@ -180,6 +211,28 @@ __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
 	return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
+// gemv_chunk adds one 16-byte chunk i of a weight row times the rows of x.
+template <int M>
+__device__ __forceinline__ void gemv_chunk(float acc[M], uint4 wv, const uint4 *xr, long long xstride, int kv, int i,
+                                           int silu) {
+	const unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+	for (int m = 0; m < M; m++) {
+		uint4 xv = __ldg(xr + m * xstride + i);
+		if (silu) xv = silu_mul8(xv, __ldg(xr + m * xstride + kv + i));
+		const unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			acc[m] += __uint_as_float(wu[e] << 16) * __uint_as_float(xu[e] << 16);
+			acc[m] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(xu[e] & 0xffff0000u);
+		}
+	}
+}
+
+// Weight chunks per thread that gemv loads before it waits for the
+// previous kernel (a 1024-wide row is 128 chunks, four warps' worth).
+#define GEMV_PRELOAD 4
+
 // gemv_group computes this thread's group's output n (valid when n < N)
 // and returns the sum to lane 0 of the group's first warp (part 0). With
 // silu the rows of x are [gate | up], 2K wide, and the activation is formed
@@ -191,30 +244,30 @@ __device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int part = warp % wpo;
 	const long long n = (long long)blockIdx.x * (8 / wpo) + warp / wpo;
-	const int kv = K / 8;
+	const int kv = K / 8, first = part * 32 + lane, step = 32 * wpo;
+	const uint4 *wr = (const uint4 *)(w + (n < N ? n : 0) * K);
+	const uint4 *xr = (const uint4 *)x;
+	const long long xstride = silu ? 2 * kv : kv;
+	// The weights do not depend on earlier kernels: the first chunks are
+	// loaded while the previous kernel finishes (dep_wait comes after).
+	uint4 pre[GEMV_PRELOAD];
+#pragma unroll
+	for (int j = 0; j < GEMV_PRELOAD; j++) {
+		const int i = first + j * step;
+		if (n < N && i < kv) pre[j] = __ldcs(wr + i);
+	}
+	DEP();
 	float acc[M];
 #pragma unroll
 	for (int m = 0; m < M; m++) acc[m] = 0.f;
 	if (n < N) {
-		const uint4 *wr = (const uint4 *)(w + n * K);
-		const uint4 *xr = (const uint4 *)x;
-		const long long xstride = silu ? 2 * kv : kv;
-#pragma unroll 4
-		for (int i = part * 32 + lane; i < kv; i += 32 * wpo) {
-			const uint4 wv = __ldcs(wr + i);
-			const unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-			for (int m = 0; m < M; m++) {
-				uint4 xv = __ldg(xr + m * xstride + i);
-				if (silu) xv = silu_mul8(xv, __ldg(xr + m * xstride + kv + i));
-				const unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-				for (int e = 0; e < 4; e++) {
-					acc[m] += __uint_as_float(wu[e] << 16) * __uint_as_float(xu[e] << 16);
-					acc[m] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(xu[e] & 0xffff0000u);
-				}
-			}
+		for (int j = 0; j < GEMV_PRELOAD; j++) {
+			const int i = first + j * step;
+			if (i < kv) gemv_chunk<M>(acc, pre[j], xr, xstride, kv, i, silu);
 		}
+#pragma unroll 4
+		for (int i = first + GEMV_PRELOAD * step; i < kv; i += step) gemv_chunk<M>(acc, __ldcs(wr + i), xr, xstride, kv, i, silu);
 	}
 #pragma unroll
 	for (int m = 0; m < M; m++) {
@@ -320,6 +373,7 @@ GEMV_FUSED(4)
 // silu_mul: out = silu(gate) * up with gate_up rows [gate | up], rounded as
 // transformers' act_fn(gate) * up in bf16. Grid-stride over rows * inter.
 extern "C" __global__ void silu_mul(bf16 *out, const bf16 *gate_up, int inter, long long total) {
+	DEP();
 	FOR_GRID(i, total) {
 		const long long r = i / inter, j = i % inter;
 		float g = bf2f(gate_up[r * 2 * inter + j]), u = bf2f(gate_up[r * 2 * inter + inter + j]);
@@ -330,6 +384,7 @@ extern "C" __global__ void silu_mul(bf16 *out, const bf16 *gate_up, int inter, l
 // silu_mul_v8 is silu_mul eight elements at a time (inter % 8 == 0):
 // prefill chunks are bandwidth-bound here.
 extern "C" __global__ void silu_mul_v8(bf16 *out, const bf16 *gate_up, int inter8, long long total8) {
+	DEP();
 	FOR_GRID(i, total8) {
 		const long long r = i / inter8, j = i % inter8;
 		const uint4 *gu = (const uint4 *)gate_up + r * 2 * inter8;
@@ -339,22 +394,33 @@ extern "C" __global__ void silu_mul_v8(bf16 *out, const bf16 *gate_up, int inter
 
 // gather_rows: out[i] = x[rows[i]] (bf16 rows of n).
 extern "C" __global__ void gather_rows(bf16 *out, const bf16 *x, const int *rows, int n) {
+	DEP();
 	const bf16 *src = x + (long long)rows[blockIdx.x] * n;
 	bf16 *dst = out + (long long)blockIdx.x * n;
 	for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
 extern "C" __global__ void fill_bf16(bf16 *x, long long n, float v) {
+	DEP();
 	bf16 b = f2bf(v);
 	FOR_GRID(i, n) x[i] = b;
 }
 
-extern "C" __global__ void fill_f32(float *x, long long n, float v) { FOR_GRID(i, n) x[i] = v; }
+extern "C" __global__ void fill_f32(float *x, long long n, float v) {
+	DEP();
+	FOR_GRID(i, n) x[i] = v;
+}
 
 // f32_to_bf16 and bf16_to_f32 convert on the device (staging for uploads).
-extern "C" __global__ void f32_to_bf16(bf16 *out, const float *in, long long n) { FOR_GRID(i, n) out[i] = f2bf(in[i]); }
+extern "C" __global__ void f32_to_bf16(bf16 *out, const float *in, long long n) {
+	DEP();
+	FOR_GRID(i, n) out[i] = f2bf(in[i]);
+}
 
-extern "C" __global__ void bf16_to_f32(float *out, const bf16 *in, long long n) { FOR_GRID(i, n) out[i] = bf2f(in[i]); }
+extern "C" __global__ void bf16_to_f32(float *out, const bf16 *in, long long n) {
+	DEP();
+	FOR_GRID(i, n) out[i] = bf2f(in[i]);
+}
 
 // f16 sources (a trainer's float16 weights) convert through float32.
 __device__ __forceinline__ float h2f(unsigned short x) {
@@ -363,6 +429,12 @@ __device__ __forceinline__ float h2f(unsigned short x) {
 	return f;
 }
 
-extern "C" __global__ void f16_to_bf16(bf16 *out, const unsigned short *in, long long n) { FOR_GRID(i, n) out[i] = f2bf(h2f(in[i])); }
+extern "C" __global__ void f16_to_bf16(bf16 *out, const unsigned short *in, long long n) {
+	DEP();
+	FOR_GRID(i, n) out[i] = f2bf(h2f(in[i]));
+}
 
-extern "C" __global__ void f16_to_f32(float *out, const unsigned short *in, long long n) { FOR_GRID(i, n) out[i] = h2f(in[i]); }
+extern "C" __global__ void f16_to_f32(float *out, const unsigned short *in, long long n) {
+	DEP();
+	FOR_GRID(i, n) out[i] = h2f(in[i]);
+}

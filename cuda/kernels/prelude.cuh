@@ -52,6 +52,31 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
 // Round through bf16, as a bf16 tensor operation in PyTorch does.
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
 
+// Programmatic dependent launch (sm_90 and later): a kernel launched with
+// it may start while the previous kernel of the stream is still running.
+// dep_wait blocks until that kernel has finished and its writes are
+// visible; dep_launch lets the next kernel start. Every kernel waits in
+// every block before it reads what earlier kernels wrote, or writes what
+// they read, and before it exits, so the waits chain from kernel to kernel.
+// Without the launch attribute (older GPUs, EBB_PDL=0) both are no-ops.
+__device__ __forceinline__ void dep_wait() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void dep_launch() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#define DEP()            \
+	do {                 \
+		dep_wait();      \
+		dep_launch();    \
+	} while (0)
+
 // Grid-stride loop over [0, n).
 #define FOR_GRID(i, n) \
 	for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)

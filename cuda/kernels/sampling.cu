@@ -241,12 +241,14 @@ __device__ void sample_finish_impl(const T *logits, int V, const float *temp, co
 	extern "C" __global__ void __launch_bounds__(256) sample_scan_##NAME(const T *logits, int V, const float *temp, \
 	                                                                     const int *top_k, const unsigned *keys,  \
 	                                                                     float *part) {                           \
+		DEP(); \
 		sample_scan_impl<T>(logits, V, temp, top_k, keys, part);                                                   \
 	}                                                                                                            \
 	extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                 \
 	    sample_finish_##NAME(const T *logits, int V, const float *temp, const float *top_p, const int *top_k,      \
 	                         const float *min_p, const unsigned *keys, int *out_ids, float *out_lp, int *top_ids,  \
 	                         float *top_lps, int ntop, const float *part, int parts) {                             \
+		DEP(); \
 		sample_finish_impl<T>(logits, V, temp, top_p, top_k, min_p, keys, out_ids, out_lp, top_ids, top_lps, ntop, \
 		                      part, parts);                                                                        \
 	}
@@ -255,6 +257,7 @@ SAMPLE_KERNELS(bf16, bf16)
 
 extern "C" __global__ void apply_penalties(float *logits, int V, const int *rowptr, const int *toks, const int *counts,
                                            const float *bias, const float *rep, const float *freq, const float *pres) {
+	DEP();
 	const int r = blockIdx.x;
 	float *row = logits + (long long)r * V;
 	for (int j = rowptr[r] + threadIdx.x; j < rowptr[r + 1]; j += blockDim.x) {
@@ -267,6 +270,7 @@ extern "C" __global__ void apply_penalties(float *logits, int V, const int *rowp
 }
 
 extern "C" __global__ void token_logprobs(float *out, const float *logits, const int *targets, int V) {
+	DEP();
 	__shared__ float shared[64];
 	const int r = blockIdx.x;
 	const float *x = logits + (long long)r * V;
@@ -283,6 +287,7 @@ extern "C" __global__ void token_logprobs(float *out, const float *logits, const
 // outputs, still on the device (overlapped scheduling): tokens[i] =
 // prev[src[i]] where src[i] >= 0.
 extern "C" __global__ void resolve_tokens(int *tokens, const int *src, const int *prev, int n) {
+	DEP();
 	const int i = blockIdx.x * blockDim.x + threadIdx.x;
 	if (i < n && src[i] >= 0) tokens[i] = prev[src[i]];
 }
