@@ -26,14 +26,15 @@ type Device struct {
 	nvml *NVML
 	err  error
 
-	partO, partML device.Tensor // split-KV attention partials (fixed addresses, for graphs)
-	counters      device.Tensor // split-KV merge counters, zero between launches
-	samplePart    device.Tensor // per-slice row reductions for sampling
-	pinned        []*pinned     // host staging buffers handed out by AllocPinned
-	savedStack    int64         // stack limit to restore on resume (0: not shrunk)
-	prefillShared int           // dynamic shared memory the prefill kernel is allowed
-	mmaShared     map[int]bool  // head sizes whose tensor-core prefill kernel was allowed its shared memory
-	fences        []*Event      // idle events for Fence
+	partO, partML device.Tensor  // split-KV attention partials (fixed addresses, for graphs)
+	counters      device.Tensor  // split-KV merge counters, zero between launches
+	samplePart    device.Tensor  // per-slice row reductions for sampling
+	pinned        []*pinned      // host staging buffers handed out by AllocPinned
+	savedStack    int64          // stack limit to restore on resume (0: not shrunk)
+	prefillShared int            // dynamic shared memory the prefill kernel is allowed
+	mmaShared     map[int]bool   // head sizes whose tensor-core prefill kernel was allowed its shared memory
+	fences        []*Event       // idle events for Fence
+	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
 }
 
 var (
@@ -99,6 +100,7 @@ var kernelNames = []string{
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
 	"gemv_fused_m1", "gemv_fused_m2", "gemv_fused_m3", "gemv_fused_m4",
+	"allreduce_f32", "allreduce_f32_v4",
 }
 
 // OpenDevice opens GPU ordinal: context, kernels, cuBLAS, and the cuda_graph
@@ -364,9 +366,18 @@ func (d *Device) MemoryReport() (device.MemoryReport, error) {
 
 // AfterRelease implements device.ResumeHook. With cuda_graph released no
 // kernel can run, so the context's local-memory reservation (stack size
-// times every resident thread: 264 MiB on an H100) goes back too.
+// times every resident thread: 264 MiB on an H100) goes back too, and so
+// does the tensor-parallel all-reduce's memory.
 func (d *Device) AfterRelease(tags []memory.Tag) error {
-	if !slices.Contains(tags, memory.CUDAGraph) || d.savedStack > 0 {
+	if !slices.Contains(tags, memory.CUDAGraph) {
+		return nil
+	}
+	if d.peers != nil {
+		if err := d.peers.release(); err != nil {
+			return fmt.Errorf("tensor-parallel all-reduce memory: %w", err)
+		}
+	}
+	if d.savedStack > 0 {
 		return nil
 	}
 	limit, err := d.ctx.StackLimit()
@@ -392,6 +403,11 @@ func (d *Device) AfterResume(tags []memory.Tag) error {
 			return err
 		}
 		d.savedStack = 0
+	}
+	if d.peers != nil {
+		if err := d.peers.resume(); err != nil {
+			return fmt.Errorf("tensor-parallel all-reduce memory: %w", err)
+		}
 	}
 	return d.ctx.MemsetD32(d.counters.Ptr, 0, int64(d.counters.Numel()))
 }

@@ -181,3 +181,7 @@ int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdevice
 	return ebb_cublasGemmEx(h, 1 /* T */, 0 /* N */, n, m, k, &alpha, (const void *)w, 14 /* bf16 */, k,
 		(const void *)x, 14, k, &beta, (void *)out, out_type, n, 68 /* CUBLAS_COMPUTE_32F */, -1 /* default */);
 }
+
+int ebb_mem_import_fd(CUmemGenericAllocationHandle *h, int fd) {
+	return ebb_cuMemImportFromShareableHandle(h, (void *)(long)fd, 1 /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */);
+}

@@ -132,6 +132,8 @@ typedef struct {
 	X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *p, size_t n), (p, n)) \
 	X(cuMemFree, "cuMemFree_v2", (CUdeviceptr p), (p)) \
 	X(cuDeviceGetUuid, "cuDeviceGetUuid_v2", (CUuuid *u, CUdevice d), (u, d)) \
+	X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", (void *sh, CUmemGenericAllocationHandle h, int type, unsigned long long f), (sh, h, type, f)) \
+	X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", (CUmemGenericAllocationHandle *h, void *os, int type), (h, os, type)) \
 	X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", (int *can, CUdevice d, CUdevice peer), (can, d, peer)) \
 	X(cuProfilerStart, "cuProfilerStart", (void), ()) \
 	X(cuCtxSetLimit, "cuCtxSetLimit", (int limit, size_t v), (limit, v)) \
@@ -193,6 +195,10 @@ const char *ebb_nccl_error_string(int code);
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
 	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl);
 int ebb_has_launch_ex(void);
+
+// ebb_mem_import_fd imports an allocation exported as a POSIX file
+// descriptor (the driver takes the descriptor in place of a pointer).
+int ebb_mem_import_fd(CUmemGenericAllocationHandle *h, int fd);
 
 // NCCL calls with device pointers as integers.
 int ebb_nccl_broadcast(CUdeviceptr buf, size_t n, int dtype, int root, ncclComm_t c, CUstream s);

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"time"
@@ -10,17 +11,35 @@ import (
 
 var _ device.CollectiveJoiner = (*Device)(nil)
 
-// NewCollectiveID implements device.CollectiveJoiner: rank 0 calls it, and
-// its process answers the other ranks' bootstrap until they have joined.
+// NewCollectiveID implements device.CollectiveJoiner: rank 0 calls it.
+// Where every GPU of the host can map every other's memory, the group adds
+// up through peer memory (peerAllReduce: no communicator whose memory
+// stays after a release); otherwise, or with EBB_TP_ALLREDUCE=nccl, it
+// joins an NCCL communicator, and rank 0's process answers the other
+// ranks' bootstrap until they have joined.
 func (d *Device) NewCollectiveID() ([128]byte, error) {
+	if os.Getenv("EBB_TP_ALLREDUCE") != "nccl" && d.ctx.peerAccessible() {
+		return newPeerID()
+	}
 	return NCCLUniqueID()
 }
 
-// JoinCollective implements device.CollectiveJoiner with a blocking NCCL
-// communicator on the device's stream: its all-reduces are queued with the
-// model's kernels and captured into the decode graphs with them. A rank
-// that dies is not waited for here: the launcher stops the whole group.
+// JoinCollective implements device.CollectiveJoiner. Either way the
+// all-reduces are queued with the model's kernels on the device's stream
+// and captured into the decode graphs with them. A rank that dies is not
+// waited for here: the launcher stops the whole group.
 func (d *Device) JoinCollective(id [128]byte, nranks, rank int) (device.Collective, error) {
+	if isPeerID(id) {
+		if d.peers != nil {
+			return nil, errors.New("this GPU is in a tensor-parallel group already")
+		}
+		p, err := d.joinPeerAllReduce(id, nranks, rank)
+		if err != nil {
+			return nil, fmt.Errorf("tensor-parallel rank %d of %d: %w", rank, nranks, err)
+		}
+		d.peers = p
+		return p, nil
+	}
 	cm, err := d.ctx.initComm(id, nranks, rank, true)
 	if err != nil {
 		if v, verr := NCCLVersion(); verr == nil {

@@ -52,6 +52,7 @@ type Core struct {
 	rng     *rand.Rand
 	events  []Event // produced while scheduling, returned by the next Step
 	flight  *flight // launched, results not absorbed yet
+	owners  []int32 // CheckInvariants' table of slot owners, kept between checks
 	Stats   Stats
 }
 
@@ -563,12 +564,15 @@ func (c *Core) KVUsage() (total, free, cached, private int) {
 	return c.pool.total, c.pool.available(), c.cache.Size(), private
 }
 
+// Slot owners in CheckInvariants' table; running request i is i+1.
+const (
+	ownerFree   = -1
+	ownerCached = -2
+)
+
 // CheckInvariants verifies that every KV slot is accounted for exactly once:
 // free + cached + held by requests = total.
 func (c *Core) CheckInvariants() error {
-	if err := c.pool.checkFree(); err != nil {
-		return err
-	}
 	if err := c.cache.check(); err != nil {
 		return err
 	}
@@ -576,27 +580,51 @@ func (c *Core) CheckInvariants() error {
 	if free+cached+private != total {
 		return fmt.Errorf("KV slots: free %d + cached %d + in use %d != total %d", free, cached, private, total)
 	}
-	owner := make(map[int32]string, total)
-	claim := func(s int32, who string) error {
-		if prev, ok := owner[s]; ok {
-			return fmt.Errorf("KV slot %d is both %s and %s", s, prev, who)
+	// Every slot has at most one owner. A flat table rather than a map:
+	// an H200's pool holds millions of slots, and this runs every idle
+	// second, ahead of whatever request arrives next.
+	if len(c.owners) != total {
+		c.owners = make([]int32, total)
+	}
+	clear(c.owners)
+	name := func(o int32) string {
+		switch {
+		case o == ownerFree:
+			return "free"
+		case o == ownerCached:
+			return "cached"
 		}
-		owner[s] = who
+		return "held by " + c.running[o-1].Rid
+	}
+	claim := func(s, who int32) error {
+		if s < 0 || int(s) >= total {
+			return fmt.Errorf("KV slot %d (%s) outside [0,%d)", s, name(who), total)
+		}
+		if prev := c.owners[s]; prev != 0 {
+			return fmt.Errorf("KV slot %d is both %s and %s", s, name(prev), name(who))
+		}
+		c.owners[s] = who
 		return nil
 	}
 	for _, s := range c.pool.free {
-		if err := claim(s, "free"); err != nil {
+		if err := claim(s, ownerFree); err != nil {
 			return err
 		}
 	}
-	for _, s := range c.cache.slotsInTree() {
-		if err := claim(s, "cached"); err != nil {
-			return err
+	var err error
+	c.cache.walk(func(n *radixNode) {
+		for _, s := range n.slots {
+			if err == nil {
+				err = claim(s, ownerCached)
+			}
 		}
+	})
+	if err != nil {
+		return err
 	}
-	for _, r := range c.running {
+	for i, r := range c.running {
 		for _, s := range r.slots[r.nodeTokens:] {
-			if err := claim(s, "held by "+r.Rid); err != nil {
+			if err := claim(s, int32(i+1)); err != nil {
 				return err
 			}
 		}

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 
 	"ebb/ioschema"
@@ -146,5 +147,45 @@ func TestKVExhaustionRetracts(t *testing.T) {
 	sameOutputs(t, h.tokens, want)
 	if err := h.s.core.CheckInvariants(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestCheckInvariantsFindsBrokenAccounts breaks the slot accounting in each
+// way the idle check must notice.
+func TestCheckInvariantsFindsBrokenAccounts(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		corrupt func(c *Core)
+		want    string
+	}{
+		{"intact", func(c *Core) {}, ""},
+		{"free twice", func(c *Core) { c.pool.free[0] = c.pool.free[1] }, "is both free and free"},
+		{"out of range", func(c *Core) { c.pool.free[0] = 99 }, "outside [0,16)"},
+		{"free and cached", func(c *Core) {
+			s, _ := c.pool.alloc(2)
+			c.cache.Insert([]int32{7, 8}, s)
+			c.pool.free[0] = s[1]
+		}, "is both free and cached"},
+		{"lost", func(c *Core) { c.pool.alloc(1) }, "!= total 16"},
+		{"cached and held", func(c *Core) {
+			s, _ := c.pool.alloc(3)
+			c.cache.Insert([]int32{7, 8}, s[:2])
+			c.running = append(c.running, &request{Request: Request{Rid: "r1"}, slots: []int32{s[1]}})
+		}, "is both cached and held by r1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &Core{pool: newKVPool(16), cache: NewRadixCache()}
+			tc.corrupt(c)
+			err := c.CheckInvariants()
+			if tc.want == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v, want %q", err, tc.want)
+			}
+		})
 	}
 }

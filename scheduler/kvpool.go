@@ -1,7 +1,5 @@
 package scheduler
 
-import "fmt"
-
 // kvPool hands out KV cache slots (one per token).
 type kvPool struct {
 	free  []int32
@@ -31,19 +29,4 @@ func (p *kvPool) alloc(n int) ([]int32, bool) {
 
 func (p *kvPool) release(slots []int32) {
 	p.free = append(p.free, slots...)
-}
-
-// checkFree verifies that free slots are distinct and in range.
-func (p *kvPool) checkFree() error {
-	seen := make(map[int32]bool, len(p.free))
-	for _, s := range p.free {
-		if s < 0 || int(s) >= p.total {
-			return fmt.Errorf("free slot %d outside [0,%d)", s, p.total)
-		}
-		if seen[s] {
-			return fmt.Errorf("slot %d is free twice", s)
-		}
-		seen[s] = true
-	}
-	return nil
 }

@@ -205,13 +205,6 @@ func (c *RadixCache) walk(f func(*radixNode)) {
 	}
 }
 
-// slotsInTree lists every cached slot, for invariant checks.
-func (c *RadixCache) slotsInTree() []int32 {
-	var out []int32
-	c.walk(func(n *radixNode) { out = append(out, n.slots...) })
-	return out
-}
-
 // check verifies counters and structure.
 func (c *RadixCache) check() error {
 	ev, pr := 0, 0

@@ -1,0 +1,140 @@
+// Tensor-parallel all-reduce over peer memory (NVLink): every rank's
+// staging buffers are mapped into every rank's address space, so one kernel
+// adds the ranks' partial sums without NCCL. Its buffers are ebb's own
+// memory, given back at release and mapped again at the same addresses on
+// resume, so the decode graphs that hold these kernels stay valid.
+//
+// Block b of every rank handles the same element range, and waits only for
+// block b of the other ranks: barriers pair blocks, not grids. Every call
+// moves the group's call counter on by two (the last block to finish does),
+// and consecutive calls use alternate staging halves, so a rank may start
+// its next call while a slower peer still reads the previous one; it cannot
+// be two calls ahead, since every call has a block 0 that waits for all.
+
+#define AR_MAX_RANKS 8
+#define AR_MAX_BLOCKS 256
+#define AR_TABLE_BYTES 256
+
+// ArPeers is one rank's view of the group (AR_TABLE_BYTES apart when a test
+// runs several ranks in one grid, one per blockIdx.y).
+struct ArPeers {
+	float *stage[AR_MAX_RANKS];       // each rank's staging: 4 areas of stage_elems
+	unsigned *signal[AR_MAX_RANKS];   // each rank's slots [AR_MAX_BLOCKS][AR_MAX_RANKS]
+	unsigned *epoch;                  // this rank's call counter and blocks done
+	int rank, nranks;
+	long long stage_elems;
+};
+
+__device__ __forceinline__ void st_release_sys(unsigned *p, unsigned v) {
+	asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned *p) {
+	unsigned v;
+	asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+	return v;
+}
+
+// ar_barrier: this block's writes become visible to block b of every rank,
+// and theirs to it, once every rank's block b has reached value e.
+__device__ __forceinline__ void ar_barrier(const ArPeers *t, unsigned e) {
+	__syncthreads();
+	if (threadIdx.x < t->nranks) {
+		st_release_sys(t->signal[threadIdx.x] + blockIdx.x * AR_MAX_RANKS + t->rank, e);
+		const unsigned *mine = t->signal[t->rank] + blockIdx.x * AR_MAX_RANKS + threadIdx.x;
+		while ((int)(ld_acquire_sys(mine) - e) < 0) {
+		}
+	}
+	__syncthreads();
+}
+
+template <typename V> struct ArVec;
+template <> struct ArVec<float> {
+	static __device__ __forceinline__ float load(const float *p) { return __ldcg(p); }
+	static __device__ __forceinline__ void add(float &a, float b) { a += b; }
+};
+template <> struct ArVec<float4> {
+	static __device__ __forceinline__ float4 load(const float4 *p) { return __ldcg(p); }
+	static __device__ __forceinline__ void add(float4 &a, float4 b) {
+		a.x += b.x;
+		a.y += b.y;
+		a.z += b.z;
+		a.w += b.w;
+	}
+};
+
+// ar_sum adds element i of every rank in rank order, so that every rank
+// (and the CPU reference) gets the same bits; this rank's own value comes
+// from its input.
+template <typename V>
+__device__ __forceinline__ V ar_sum(const ArPeers *t, long long area, const V *in, long long i) {
+	V s = t->rank == 0 ? in[i] : ArVec<V>::load((const V *)(t->stage[0] + area) + i);
+	for (int p = 1; p < t->nranks; p++) ArVec<V>::add(s, p == t->rank ? in[i] : ArVec<V>::load((const V *)(t->stage[p] + area) + i));
+	return s;
+}
+
+// allreduce: out = sum over ranks of in, n floats (n a multiple of V's). out may be in. two_shot: each rank adds up 1/nranks
+// of the block's range and the others copy it (less peer traffic for more
+// than two ranks); otherwise every rank adds up everything.
+template <typename V>
+__device__ void allreduce(const ArPeers *tabs, const float *in_, float *out_, long long n, long long stride,
+                          int two_shot) {
+	const ArPeers *t = (const ArPeers *)((const char *)tabs + blockIdx.y * AR_TABLE_BYTES);
+	const int units_per = sizeof(V) / sizeof(float);
+	const V *in = (const V *)(in_ + blockIdx.y * stride);
+	V *out = (V *)(out_ + blockIdx.y * stride);
+	long long units = n / units_per;
+	int R = t->nranks;
+	__shared__ unsigned e0;
+	DEP();
+	if (threadIdx.x == 0) e0 = *(volatile unsigned *)t->epoch;
+	__syncthreads();
+	long long S = t->stage_elems;
+	long long in_area = ((e0 >> 1) & 1) * 2 * S, out_area = in_area + S;
+	V *mine = (V *)(t->stage[t->rank] + in_area);
+
+	long long per = (units + gridDim.x - 1) / gridDim.x;
+	long long lo = min(units, blockIdx.x * per), hi = min(units, lo + per);
+	for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) mine[i] = in[i];
+	if (!two_shot) {
+		ar_barrier(t, e0 + 2);
+		for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) out[i] = ar_sum<V>(t, in_area, in, i);
+	} else {
+		ar_barrier(t, e0 + 1);
+		long long slice = (hi - lo + R - 1) / R;
+		long long a = min(hi, lo + t->rank * slice), b = min(hi, a + slice);
+		V *reduced = (V *)(t->stage[t->rank] + out_area);
+		for (long long i = a + threadIdx.x; i < b; i += blockDim.x) {
+			V s = ar_sum<V>(t, in_area, in, i);
+			reduced[i] = s;
+			out[i] = s;
+		}
+		ar_barrier(t, e0 + 2);
+		for (int q = 0; q < R; q++) {
+			if (q == t->rank) continue;
+			const V *theirs = (const V *)(t->stage[q] + out_area);
+			long long qa = min(hi, lo + q * slice), qb = min(hi, qa + slice);
+			for (long long i = qa + threadIdx.x; i < qb; i += blockDim.x) out[i] = ArVec<V>::load(theirs + i);
+		}
+	}
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		__threadfence();
+		if (atomicAdd(t->epoch + 1, 1u) == gridDim.x - 1) {
+			t->epoch[1] = 0;
+			t->epoch[0] = e0 + 2;
+		}
+	}
+}
+
+// stride: elements between the tensors of the ranks a test runs in one grid
+// (blockIdx.y); 0 otherwise.
+extern "C" __global__ void allreduce_f32(const ArPeers *tabs, const float *in, float *out, long long n,
+                                         long long stride, int two_shot) {
+	allreduce<float>(tabs, in, out, n, stride, two_shot);
+}
+
+extern "C" __global__ void allreduce_f32_v4(const ArPeers *tabs, const float *in, float *out, long long n,
+                                            long long stride, int two_shot) {
+	allreduce<float4>(tabs, in, out, n, stride, two_shot);
+}

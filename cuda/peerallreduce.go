@@ -1,0 +1,306 @@
+package cuda
+
+/*
+#include "ebbcuda.h"
+*/
+import "C"
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"ebb/device"
+	"ebb/peerfd"
+)
+
+// The all-reduce kernel's limits and buffer sizes (allreduce.cu).
+const (
+	arMaxRanks   = 8
+	arMaxBlocks  = 256
+	arTableBytes = 256
+	arThreads    = 512
+	// arStageElems is one staging area in floats (8 MiB): larger sums go
+	// through it in pieces. Each rank holds four (two calls in flight, each
+	// with its inputs and, for two-shot, its reduced slice).
+	arStageElems = 2 << 20
+	arStageBytes = 4 * arStageElems * 4
+	arSignalOff  = arStageBytes
+	arEpochOff   = arSignalOff + arMaxBlocks*arMaxRanks*4
+	arTableOff   = arEpochOff + arTableBytes
+	arUsedBytes  = arTableOff + arTableBytes
+	// arTwoShotBytes: from this size on, groups of more than two ranks add
+	// up one slice each and exchange the sums: each rank reads 2(N-1)/N
+	// times the data from its peers instead of N-1 times.
+	arTwoShotBytes = 512 << 10
+	// peerExchangeTimeout bounds the wait for the other ranks' memory, at
+	// start and at every resume.
+	peerExchangeTimeout = 2 * time.Minute
+)
+
+// peerIDMagic opens a collective id that names a peer-memory group rather
+// than an NCCL one.
+var peerIDMagic = []byte("ebb-peer-allreduce\x00")
+
+// peerAllReduce is a tensor-parallel group's all-reduce through memory the
+// ranks map from each other (NVLink or PCIe peer access), with no NCCL
+// communicator: its memory is released with cuda_graph and mapped again at
+// the same addresses on resume, so the graphs stay valid and a released
+// rank holds nothing for it.
+type peerAllReduce struct {
+	d          *Device
+	rank, size int
+	fds        *peerfd.Group
+	bytes      int64   // each rank's allocation
+	va         uintptr // size*bytes of address space: rank p's memory at va+p*bytes
+	handles    []C.CUmemGenericAllocationHandle
+	mapped     bool
+	err        error
+}
+
+var _ device.Collective = (*peerAllReduce)(nil)
+
+// peerAccessible reports whether this GPU can map the memory of every other
+// GPU on the host.
+func (c *Context) peerAccessible() bool {
+	var n C.int
+	if C.ebb_cuDeviceGetCount(&n) != 0 {
+		return false
+	}
+	for o := 0; o < int(n); o++ {
+		var dev C.CUdevice
+		var can C.int
+		if o == c.Ordinal {
+			continue
+		}
+		if C.ebb_cuDeviceGet(&dev, C.int(o)) != 0 || C.ebb_cuDeviceCanAccessPeer(&can, c.dev, dev) != 0 || can == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// newPeerID makes a peer group's id: the magic and a random name.
+func newPeerID() ([128]byte, error) {
+	var id [128]byte
+	copy(id[:], peerIDMagic)
+	_, err := rand.Read(id[len(peerIDMagic) : len(peerIDMagic)+16])
+	return id, err
+}
+
+func isPeerID(id [128]byte) bool { return string(id[:len(peerIDMagic)]) == string(peerIDMagic) }
+
+// joinPeerAllReduce sets rank's memory up, listens for the others, and
+// maps theirs.
+func (d *Device) joinPeerAllReduce(id [128]byte, size, rank int) (*peerAllReduce, error) {
+	if size > arMaxRanks {
+		return nil, fmt.Errorf("peer all-reduce: %d ranks (at most %d)", size, arMaxRanks)
+	}
+	name := "ebb-allreduce-" + hex.EncodeToString(id[len(peerIDMagic):len(peerIDMagic)+16])
+	fds, err := peerfd.Listen(name, rank, size)
+	if err != nil {
+		return nil, err
+	}
+	p := &peerAllReduce{d: d, rank: rank, size: size, fds: fds, handles: make([]C.CUmemGenericAllocationHandle, size)}
+	p.bytes = (arUsedBytes + d.vmm.gran - 1) / d.vmm.gran * d.vmm.gran
+	var va C.CUdeviceptr
+	if err := check("cuMemAddressReserve", C.ebb_cuMemAddressReserve(&va, C.size_t(p.bytes*int64(size)), 0, 0, 0)); err != nil {
+		fds.Close()
+		return nil, err
+	}
+	p.va = uintptr(va)
+	if err := p.mapAll(); err != nil {
+		p.Close()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *peerAllReduce) base(rank int) uintptr { return p.va + uintptr(int64(rank)*p.bytes) }
+
+// mapAll creates this rank's memory, starts its counters at zero, and maps
+// every other rank's at its fixed place.
+func (p *peerAllReduce) mapAll() error {
+	ctx := p.d.ctx
+	prop := p.d.vmm.prop
+	prop.requestedHandleTypes = 1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+	own := &p.handles[p.rank]
+	if err := check("cuMemCreate", C.ebb_cuMemCreate(own, C.size_t(p.bytes), &prop, 0)); err != nil {
+		return fmt.Errorf("peer all-reduce memory: %w", err)
+	}
+	p.mapped = true
+	if err := p.mapAt(p.rank); err != nil {
+		return err
+	}
+	mine := p.base(p.rank)
+	if err := errors.Join(ctx.MemsetD32(mine+arSignalOff, 0, (arTableOff-arSignalOff)/4),
+		ctx.CopyHtoD(mine+arTableOff, p.table()), ctx.SyncStream()); err != nil {
+		return err
+	}
+	var fd C.int
+	if err := check("cuMemExportToShareableHandle", C.ebb_cuMemExportToShareableHandle(unsafe.Pointer(&fd), *own, 1, 0)); err != nil {
+		return fmt.Errorf("peer all-reduce memory: %w", err)
+	}
+	theirs, err := p.fds.Exchange(int(fd), peerExchangeTimeout)
+	syscall.Close(int(fd))
+	if err != nil {
+		return fmt.Errorf("tensor-parallel rank %d: %w", p.rank, err)
+	}
+	var errs []error
+	for r, f := range theirs {
+		if r == p.rank {
+			continue
+		}
+		if err := check("cuMemImportFromShareableHandle", C.ebb_mem_import_fd(&p.handles[r], C.int(f))); err != nil {
+			errs = append(errs, fmt.Errorf("rank %d's memory: %w", r, err))
+		} else if err := p.mapAt(r); err != nil {
+			errs = append(errs, fmt.Errorf("rank %d's memory: %w", r, err))
+		}
+		syscall.Close(f)
+	}
+	return errors.Join(errs...)
+}
+
+// mapAt maps rank r's memory (its handle already here) for this GPU.
+func (p *peerAllReduce) mapAt(r int) error {
+	va := C.CUdeviceptr(p.base(r))
+	if err := check("cuMemMap", C.ebb_cuMemMap(va, C.size_t(p.bytes), 0, p.handles[r], 0)); err != nil {
+		return err
+	}
+	access := C.CUmemAccessDesc{flags: 3} // read and write, from this GPU
+	access.location = p.d.vmm.prop.location
+	if err := check("cuMemSetAccess", C.ebb_cuMemSetAccess(va, C.size_t(p.bytes), &access, 1)); err != nil {
+		return fmt.Errorf("%w (no peer access between these GPUs? EBB_TP_ALLREDUCE=nccl uses NCCL instead)", err)
+	}
+	return nil
+}
+
+// unmapAll gives every mapping and this rank's memory back; the address
+// space stays for the next mapAll.
+func (p *peerAllReduce) unmapAll() error {
+	if !p.mapped {
+		return nil
+	}
+	var errs []error
+	for r, h := range p.handles {
+		if h == 0 {
+			continue
+		}
+		// A mapping that never happened reports an error that says nothing.
+		_ = C.ebb_cuMemUnmap(C.CUdeviceptr(p.base(r)), C.size_t(p.bytes))
+		errs = append(errs, check("cuMemRelease", C.ebb_cuMemRelease(h)))
+		p.handles[r] = 0
+	}
+	p.mapped = false
+	return errors.Join(errs...)
+}
+
+// table is this rank's ArPeers (allreduce.cu).
+func (p *peerAllReduce) table() []byte {
+	stage, signal := make([]uintptr, p.size), make([]uintptr, p.size)
+	for r := range stage {
+		stage[r], signal[r] = p.base(r), p.base(r)+arSignalOff
+	}
+	return arTable(stage, signal, p.base(p.rank)+arEpochOff, p.rank)
+}
+
+// arTable lays an ArPeers out.
+func arTable(stage, signal []uintptr, epoch uintptr, rank int) []byte {
+	b := make([]byte, arTableBytes)
+	for r := range stage {
+		binary.LittleEndian.PutUint64(b[8*r:], uint64(stage[r]))
+		binary.LittleEndian.PutUint64(b[64+8*r:], uint64(signal[r]))
+	}
+	binary.LittleEndian.PutUint64(b[128:], uint64(epoch))
+	binary.LittleEndian.PutUint32(b[136:], uint32(rank))
+	binary.LittleEndian.PutUint32(b[140:], uint32(len(stage)))
+	binary.LittleEndian.PutUint64(b[144:], arStageElems)
+	return b
+}
+
+// AllReduceSum implements device.Collective for float32 tensors.
+func (p *peerAllReduce) AllReduceSum(x device.Tensor) {
+	if p.err != nil {
+		return
+	}
+	if x.DType != device.F32 {
+		p.err = fmt.Errorf("tensor-parallel all-reduce of %s: only float32 partial sums", x.DType)
+	} else if !p.mapped {
+		p.err = errors.New("tensor-parallel all-reduce while its memory is released (resume cuda_graph first)")
+	}
+	if p.err != nil {
+		p.d.fail(p.err)
+		return
+	}
+	p.d.allReduce(p.base(p.rank)+arTableOff, 1, p.size, x.Ptr, int64(x.Numel()), 0)
+}
+
+// allReduce queues the kernel over n floats at ptr (in place), in pieces
+// that fit a staging area. ranksInGrid > 1 runs that many ranks in one grid
+// (tests, on one GPU), their tables arTableBytes apart and their tensors
+// stride elements apart.
+func (d *Device) allReduce(tab uintptr, ranksInGrid, nranks int, ptr uintptr, n, stride int64) {
+	for off := int64(0); off < n; off += arStageElems {
+		m := min(n-off, arStageElems)
+		at := ptr + uintptr(4*off)
+		name, units := "allreduce_f32", m
+		if m%4 == 0 && at%16 == 0 && stride%4 == 0 {
+			name, units = "allreduce_f32_v4", m/4
+		}
+		blocks := int64(min(arMaxBlocks, d.ctx.SMs/ranksInGrid))
+		blocks = max(1, min(blocks, (units+2*arThreads-1)/(2*arThreads)))
+		twoShot := nranks > 2 && 4*m >= arTwoShotBytes
+		d.launch(name, Dim3{uint32(blocks), uint32(ranksInGrid), 1}, D1(arThreads), 0,
+			P(tab), P(at), P(at), uint64(m), uint64(stride), I(b2i(twoShot)))
+	}
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// Err implements device.Collective.
+func (p *peerAllReduce) Err() error { return p.err }
+
+// release gives the memory back (with cuda_graph); the peers' mappings of
+// this rank's memory keep it alive until they release too.
+func (p *peerAllReduce) release() error {
+	if err := p.d.ctx.SyncStream(); err != nil {
+		return err
+	}
+	return p.unmapAll()
+}
+
+// resume maps the group's memory again, at the same addresses: every rank
+// does it in the same control request, and each waits for the others.
+func (p *peerAllReduce) resume() error {
+	if p.mapped {
+		return nil
+	}
+	if err := p.mapAll(); err != nil {
+		return errors.Join(err, p.unmapAll())
+	}
+	return nil
+}
+
+// Close gives everything back. It does not wait for the stream: a kernel
+// waiting for a rank that died would never finish.
+func (p *peerAllReduce) Close() {
+	_ = p.unmapAll()
+	if p.va != 0 {
+		C.ebb_cuMemAddressFree(C.CUdeviceptr(p.va), C.size_t(p.bytes*int64(p.size)))
+		p.va = 0
+	}
+	p.fds.Close()
+	if p.d.peers == p {
+		p.d.peers = nil
+	}
+}

@@ -1,0 +1,163 @@
+// Package peerfd passes file descriptors among the processes of a group on
+// one host: how the ranks of a tensor-parallel group hand each other the
+// CUDA memory they share (exported as POSIX file descriptors), at start and
+// again after every release of that memory.
+package peerfd
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"syscall"
+	"time"
+)
+
+// Group is one process's end: a listening socket in the abstract namespace
+// (nothing on disk to clean up), named after the group and the rank.
+type Group struct {
+	name       string
+	rank, size int
+	ln         *net.UnixListener
+	round      uint32
+}
+
+const magic = 0x65626266 // "ebbf"
+
+func address(name string, rank int) *net.UnixAddr {
+	return &net.UnixAddr{Name: fmt.Sprintf("@%s-%d", name, rank), Net: "unix"}
+}
+
+// Listen opens rank's end of the group name of size processes.
+func Listen(name string, rank, size int) (*Group, error) {
+	if rank < 0 || rank >= size {
+		return nil, fmt.Errorf("peerfd: rank %d of %d", rank, size)
+	}
+	ln, err := net.ListenUnix("unix", address(name, rank))
+	if err != nil {
+		return nil, fmt.Errorf("peerfd: listen as rank %d: %w", rank, err)
+	}
+	return &Group{name: name, rank: rank, size: size, ln: ln}, nil
+}
+
+// Close stops listening.
+func (g *Group) Close() error { return g.ln.Close() }
+
+// Exchange sends fd to every other rank and returns theirs, by rank (-1 at
+// this rank's place); the caller closes them. Every rank calls it the same
+// number of times: each call is a round, and a message from another round
+// is an error. It gives up after timeout.
+func (g *Group) Exchange(fd int, timeout time.Duration) ([]int, error) {
+	g.round++
+	deadline := time.Now().Add(timeout)
+	sent := make(chan error, 1)
+	go func() { sent <- g.sendAll(fd, deadline) }()
+
+	fds := make([]int, g.size)
+	for i := range fds {
+		fds[i] = -1
+	}
+	fail := func(err error) ([]int, error) {
+		closeAll(fds)
+		return nil, errors.Join(err, <-sent)
+	}
+	if err := g.ln.SetDeadline(deadline); err != nil {
+		return fail(err)
+	}
+	for got := 0; got < g.size-1; got++ {
+		c, err := g.ln.AcceptUnix()
+		if err != nil {
+			return fail(fmt.Errorf("peerfd: rank %d heard from %d of %d ranks (round %d): %w", g.rank, got, g.size-1, g.round, err))
+		}
+		from, rfd, err := g.receive(c, deadline)
+		c.Close()
+		if err == nil && (from == g.rank || fds[from] >= 0) {
+			err = fmt.Errorf("peerfd: rank %d sent twice in round %d", from, g.round)
+			syscall.Close(rfd)
+		}
+		if err != nil {
+			return fail(err)
+		}
+		fds[from] = rfd
+	}
+	if err := <-sent; err != nil {
+		closeAll(fds)
+		return nil, err
+	}
+	return fds, nil
+}
+
+func closeAll(fds []int) {
+	for _, f := range fds {
+		if f >= 0 {
+			syscall.Close(f)
+		}
+	}
+}
+
+// sendAll connects to every other rank, retrying while it does not listen
+// yet, and sends fd with this rank and round.
+func (g *Group) sendAll(fd int, deadline time.Time) error {
+	msg := make([]byte, 12)
+	binary.LittleEndian.PutUint32(msg, magic)
+	binary.LittleEndian.PutUint32(msg[4:], uint32(g.rank))
+	binary.LittleEndian.PutUint32(msg[8:], g.round)
+	var errs []error
+	for p := 0; p < g.size; p++ {
+		if p == g.rank {
+			continue
+		}
+		c, err := dial(address(g.name, p), deadline)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("peerfd: rank %d cannot reach rank %d: %w", g.rank, p, err))
+			continue
+		}
+		if err := c.SetDeadline(deadline); err == nil {
+			_, _, err = c.WriteMsgUnix(msg, syscall.UnixRights(fd), nil)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("peerfd: rank %d sending to rank %d: %w", g.rank, p, err))
+		}
+		c.Close()
+	}
+	return errors.Join(errs...)
+}
+
+func dial(a *net.UnixAddr, deadline time.Time) (*net.UnixConn, error) {
+	for {
+		c, err := net.DialUnix("unix", nil, a)
+		if err == nil {
+			return c, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, err
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// receive reads one message: the sender's rank and its descriptor.
+func (g *Group) receive(c *net.UnixConn, deadline time.Time) (int, int, error) {
+	if err := c.SetDeadline(deadline); err != nil {
+		return 0, -1, err
+	}
+	msg, oob := make([]byte, 16), make([]byte, syscall.CmsgSpace(4))
+	n, oobn, _, _, err := c.ReadMsgUnix(msg, oob)
+	if err != nil {
+		return 0, -1, fmt.Errorf("peerfd: rank %d receiving: %w", g.rank, err)
+	}
+	var fds []int
+	if cms, perr := syscall.ParseSocketControlMessage(oob[:oobn]); perr == nil && len(cms) == 1 {
+		fds, _ = syscall.ParseUnixRights(&cms[0])
+	}
+	if n != 12 || len(fds) != 1 || binary.LittleEndian.Uint32(msg) != magic {
+		closeAll(fds)
+		return 0, -1, fmt.Errorf("peerfd: rank %d got a malformed message (%d bytes, %d descriptors)", g.rank, n, len(fds))
+	}
+	from, round := int(binary.LittleEndian.Uint32(msg[4:])), binary.LittleEndian.Uint32(msg[8:])
+	if from < 0 || from >= g.size || round != g.round {
+		syscall.Close(fds[0])
+		return 0, -1, fmt.Errorf("peerfd: rank %d got rank %d's round %d during round %d", g.rank, from, round, g.round)
+	}
+	return from, fds[0], nil
+}
