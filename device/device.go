@@ -355,8 +355,9 @@ type Collective interface {
 }
 
 // CollectiveJoiner is implemented by devices whose tensor-parallel ranks
-// add up their partial sums among themselves (NCCL): rank 0 makes the id,
-// the launcher's processes hand it to the others, and every rank joins.
+// add up their partial sums among themselves (through each other's memory
+// or NCCL): rank 0 makes the id, the launcher's processes hand it to the
+// others, and every rank joins.
 type CollectiveJoiner interface {
 	NewCollectiveID() ([128]byte, error)
 	JoinCollective(id [128]byte, nranks, rank int) (Collective, error)

@@ -57,7 +57,7 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 		return err
 	}
 	// The leader's links to its followers exist before its engine: on
-	// GPUs the first message carries the NCCL id the ranks join with.
+	// GPUs the first message carries the collective id the ranks join with.
 	var leader *tpLeader
 	defer func() {
 		if leader != nil {

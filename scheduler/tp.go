@@ -37,7 +37,8 @@ type TPConfig struct {
 }
 
 // tpMessage is what the leader sends its followers, in order. On GPUs the
-// first one carries the NCCL id the ranks join with.
+// first one carries the collective id the ranks join with (a peer-memory
+// group's or NCCL's).
 type tpMessage struct {
 	Seqs         []wireStep `msgpack:"seqs,omitempty"`
 	Control      []byte     `msgpack:"control,omitempty"` // an ioschema message
@@ -156,7 +157,7 @@ func openRank(cfg ProcessConfig, share func(id [128]byte) error, await func() ([
 			id, err = await()
 		}
 		if err != nil {
-			return nil, fmt.Errorf("sharing the NCCL id: %w", err)
+			return nil, fmt.Errorf("sharing the collective id: %w", err)
 		}
 		return j.JoinCollective(id, ec.TPSize, rank)
 	}
@@ -382,7 +383,7 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 	})
 }
 
-// awaitCollectiveID reads the leader's first message: the NCCL id.
+// awaitCollectiveID reads the leader's first message: the collective id.
 func awaitCollectiveID(in *zmq.Socket) ([128]byte, error) {
 	var id [128]byte
 	p := zmq.NewPoller()
@@ -392,7 +393,7 @@ func awaitCollectiveID(in *zmq.Socket) ([128]byte, error) {
 		return id, err
 	}
 	if len(polled) == 0 {
-		return id, fmt.Errorf("the leader sent no NCCL id in %v", hubTimeout)
+		return id, fmt.Errorf("the leader sent no collective id in %v", hubTimeout)
 	}
 	b, err := in.RecvBytes(0)
 	if err != nil {
@@ -403,7 +404,7 @@ func awaitCollectiveID(in *zmq.Socket) ([128]byte, error) {
 		return id, fmt.Errorf("the leader's first message: %w", err)
 	}
 	if len(m.CollectiveID) != len(id) {
-		return id, fmt.Errorf("the leader's first message has no NCCL id (%d bytes)", len(m.CollectiveID))
+		return id, fmt.Errorf("the leader's first message has no collective id (%d bytes)", len(m.CollectiveID))
 	}
 	copy(id[:], m.CollectiveID)
 	return id, nil
