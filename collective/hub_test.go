@@ -20,6 +20,7 @@ func TestHubSumsInRankOrder(t *testing.T) {
 	var wg sync.WaitGroup
 	got := make([][]float32, n)
 	errs := make([]error, n)
+	full := make([]device.Tensor, n)
 	for r := range n {
 		wg.Add(1)
 		go func() {
@@ -48,12 +49,39 @@ func TestHubSumsInRankOrder(t *testing.T) {
 				h.AllReduceSum(x)
 			}
 			got[r], errs[r] = append([]float32(nil), buf...), h.Err()
+			if errs[r] != nil {
+				return
+			}
+			// The logits' gather: [2, 3] per rank side by side.
+			local, err := dev.Alloc(memory.Workspace, device.F32, 2, 3)
+			if err == nil {
+				full[r], err = dev.Alloc(memory.Workspace, device.F32, 2, 3*n)
+			}
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			for i := range cpu.F32(local) {
+				cpu.F32(local)[i] = float32(100*r + i)
+			}
+			h.AllGatherColumns(full[r], local)
+			errs[r] = h.Err()
 		}()
 	}
 	wg.Wait()
 	for r := range n {
 		if errs[r] != nil {
 			t.Fatalf("rank %d: %v", r, errs[r])
+		}
+		f := cpu.F32(full[r])
+		for row := range 2 {
+			for q := range n {
+				for j := range 3 {
+					if v, want := f[row*3*n+q*3+j], float32(100*q+row*3+j); v != want {
+						t.Fatalf("rank %d gathered [%d, %d] = %v, want %v", r, row, q*3+j, v, want)
+					}
+				}
+			}
 		}
 		for i, v := range got[r] {
 			if want := float32(6 * (i + 2)); v != want {

@@ -100,7 +100,7 @@ var kernelNames = []string{
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
 	"gemv_fused_m1", "gemv_fused_m2", "gemv_fused_m3", "gemv_fused_m4",
-	"allreduce_f32", "allreduce_f32_v4",
+	"allreduce_f32", "allreduce_f32_v4", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
 
 // OpenDevice opens GPU ordinal: context, kernels, cuBLAS, and the cuda_graph
@@ -482,8 +482,9 @@ func (d *Device) ProfilerStart() error { return d.ctx.ProfilerStart() }
 func (d *Device) ProfilerStop() error { return d.ctx.ProfilerStop() }
 
 // Embedding implements device.Device.
-func (d *Device) Embedding(out, table, ids device.Tensor) {
-	d.launch("embedding", D1(ids.Numel()), D1(128), 0, P(out.Ptr), P(table.Ptr), P(ids.Ptr), I(table.Dim(-1)))
+func (d *Device) Embedding(out, table, ids device.Tensor, first, vocab int) {
+	d.launch("embedding", D1(ids.Numel()), D1(128), 0, P(out.Ptr), P(table.Ptr), P(ids.Ptr), I(table.Dim(-1)),
+		I(first), I(table.Dim(0)))
 }
 
 // RMSNorm implements device.Device.

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -152,9 +153,19 @@ func TestEmbeddingGatherCopyFill(t *testing.T) {
 	table := p.random(device.BF16, 1, 100, 72)
 	ids := p.ints([]int32{5, 99, 0, 5, 42})
 	out := p.random(device.BF16, 1, 5, 72)
-	p.gpu.Embedding(out.g, table.g, ids.g)
-	p.cpu.Embedding(out.c, table.c, ids.c)
+	p.gpu.Embedding(out.g, table.g, ids.g, 0, 100)
+	p.cpu.Embedding(out.c, table.c, ids.c, 0, 100)
 	p.close("embedding", out, 0, 0)
+	// A tensor-parallel rank's part of a vocabulary of 200: ids 100..199;
+	// 5, 99 and 0 give zero rows (hidden 36 takes the kernel's scalar path).
+	for _, hidden := range []int{72, 36} {
+		part := p.random(device.BF16, 1, 100, hidden)
+		ids := p.ints([]int32{5, 199, 0, 100, 142, 99})
+		emb := p.random(device.BF16, 1, 6, hidden)
+		p.gpu.Embedding(emb.g, part.g, ids.g, 100, 200)
+		p.cpu.Embedding(emb.c, part.c, ids.c, 100, 200)
+		p.close(fmt.Sprint("embedding of part of the vocabulary, hidden ", hidden), emb, 0, 0)
+	}
 	rows := p.ints([]int32{4, 0, 2})
 	sel := p.random(device.BF16, 1, 3, 72)
 	p.gpu.GatherRows(sel.g, out.g, rows.g)

@@ -260,6 +260,57 @@ func (d *Device) allReduce(tab uintptr, ranksInGrid, nranks int, ptr uintptr, n,
 	}
 }
 
+// AllGatherColumns implements device.Collective.
+func (p *peerAllReduce) AllGatherColumns(full, local device.Tensor) {
+	if p.err != nil {
+		return
+	}
+	if err := gatherShapes(full, local, p.size); err != nil {
+		p.err = err
+	} else if !p.mapped {
+		p.err = errors.New("tensor-parallel all-gather while its memory is released (resume cuda_graph first)")
+	}
+	if p.err != nil {
+		p.d.fail(p.err)
+		return
+	}
+	rows := local.Dim(0)
+	p.d.allGatherColumns(p.base(p.rank)+arTableOff, 1, local.Ptr, full.Ptr, rows, local.Bytes()/int64(rows), p.size, 0, 0)
+}
+
+// gatherShapes checks an all-gather's tensors: local [rows, cols], full
+// [rows, ranks*cols], one dtype.
+func gatherShapes(full, local device.Tensor, ranks int) error {
+	if len(local.Shape) != 2 || len(full.Shape) != 2 || full.Dim(0) != local.Dim(0) ||
+		full.Dim(1) != ranks*local.Dim(1) || full.DType != local.DType {
+		return fmt.Errorf("tensor-parallel all-gather of %s %v into %s %v over %d ranks",
+			local.DType, local.Shape, full.DType, full.Shape, ranks)
+	}
+	return nil
+}
+
+// allGatherColumns queues the gather of rows rows of rowBytes each, in
+// pieces of rows that fit two staging areas. ranksInGrid and the strides
+// (bytes between the ranks' tensors) are for tests, as in allReduce.
+func (d *Device) allGatherColumns(tab uintptr, ranksInGrid int, local, full uintptr, rows int, rowBytes int64,
+	nranks int, localStride, fullStride int64) {
+	unit := int64(2)
+	name := "allgather_cols_u16"
+	if rowBytes%16 == 0 && local%16 == 0 && full%16 == 0 && localStride%16 == 0 && fullStride%16 == 0 {
+		unit, name = 16, "allgather_cols_v16"
+	}
+	per := max(1, int(2*arStageElems*4/rowBytes))
+	for r0 := 0; r0 < rows; r0 += per {
+		n := min(per, rows-r0)
+		units := int64(n) * rowBytes / unit
+		blocks := int64(min(arMaxBlocks, d.ctx.SMs/ranksInGrid))
+		blocks = max(1, min(blocks, (units+2*arThreads-1)/(2*arThreads)))
+		d.launch(name, Dim3{uint32(blocks), uint32(ranksInGrid), 1}, D1(arThreads), 0,
+			P(tab), P(local+uintptr(int64(r0)*rowBytes)), P(full+uintptr(int64(r0)*rowBytes*int64(nranks))),
+			uint64(n), uint64(rowBytes/unit), uint64(localStride/unit), uint64(fullStride/unit))
+	}
+}
+
 func b2i(b bool) int {
 	if b {
 		return 1

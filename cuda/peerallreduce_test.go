@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
 	"math"
 	"testing"
@@ -18,27 +20,7 @@ func TestPeerAllReduce(t *testing.T) {
 	p := newPair(t)
 	d := p.gpu
 	for _, ranks := range []int{2, 4} {
-		mem, err := d.Alloc(memory.Workspace, device.F32, ranks, arUsedBytes/4)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tabs, err := d.Alloc(memory.Workspace, device.F32, ranks, arTableBytes/4)
-		if err != nil {
-			t.Fatal(err)
-		}
-		base := func(r int) uintptr { return mem.Ptr + uintptr(r*arUsedBytes) }
-		stage, signal := make([]uintptr, ranks), make([]uintptr, ranks)
-		for r := range stage {
-			stage[r], signal[r] = base(r), base(r)+arSignalOff
-			if err := d.ctx.MemsetD32(base(r)+arSignalOff, 0, (arTableOff-arSignalOff)/4); err != nil {
-				t.Fatal(err)
-			}
-		}
-		for r := range stage {
-			if err := d.ctx.CopyHtoD(tabs.Ptr+uintptr(r*arTableBytes), arTable(stage, signal, base(r)+arEpochOff, r)); err != nil {
-				t.Fatal(err)
-			}
-		}
+		tabs := simulatedGroup(t, d, ranks)
 		// Sizes: not a multiple of 4 (scalar kernel), one block, many
 		// blocks (two-shot from 512 KiB with 4 ranks), more than one
 		// staging area; small again after large.
@@ -69,6 +51,78 @@ func TestPeerAllReduce(t *testing.T) {
 					}
 				}
 			}
+		}
+	}
+}
+
+// simulatedGroup sets up ranks' staging memory and tables on one GPU, to
+// run them in one grid (a rank per blockIdx.y).
+func simulatedGroup(t *testing.T, d *Device, ranks int) device.Tensor {
+	t.Helper()
+	mem, err := d.Alloc(memory.Workspace, device.F32, ranks, arUsedBytes/4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tabs, err := d.Alloc(memory.Workspace, device.F32, ranks, arTableBytes/4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := func(r int) uintptr { return mem.Ptr + uintptr(r*arUsedBytes) }
+	stage, signal := make([]uintptr, ranks), make([]uintptr, ranks)
+	for r := range stage {
+		stage[r], signal[r] = base(r), base(r)+arSignalOff
+		if err := d.ctx.MemsetD32(base(r)+arSignalOff, 0, (arTableOff-arSignalOff)/4); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for r := range stage {
+		if err := d.ctx.CopyHtoD(tabs.Ptr+uintptr(r*arTableBytes), arTable(stage, signal, base(r)+arEpochOff, r)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return tabs
+}
+
+// TestPeerAllGatherColumns gathers the ranks' [rows, cols] bf16 parts side
+// by side, as the vocabulary-parallel logits are, for ranks run in one
+// grid: every rank must hold every part at its columns, bit for bit, with
+// 16-byte and 2-byte units and more rows than fit the staging at once.
+func TestPeerAllGatherColumns(t *testing.T) {
+	p := newPair(t)
+	d := p.gpu
+	for _, ranks := range []int{2, 4} {
+		tabs := simulatedGroup(t, d, ranks)
+		for _, shape := range [][2]int{{1, 8}, {3, 7}, {5, 4096}, {300, 20000}, {2, 8}} {
+			rows, cols := shape[0], shape[1]
+			name := fmt.Sprintf("%d-ranks/%dx%d", ranks, rows, cols)
+			local := p.random(device.BF16, 1, ranks, rows, cols)
+			full, err := d.Alloc(memory.Workspace, device.BF16, ranks, rows, ranks*cols)
+			if err != nil {
+				t.Fatal(err)
+			}
+			d.allGatherColumns(tabs.Ptr, ranks, local.g.Ptr, full.Ptr, rows, int64(2*cols), ranks,
+				int64(2*rows*cols), int64(2*rows*ranks*cols))
+			in := make([]byte, local.g.Bytes())
+			out := make([]byte, full.Bytes())
+			if err := errors.Join(d.ctx.CopyDtoH(in, local.g.Ptr), d.ctx.CopyDtoH(out, full.Ptr)); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			bad := 0
+			for r := 0; r < ranks; r++ { // the rank holding the result
+				for q := 0; q < ranks; q++ { // the part's rank
+					for row := 0; row < rows; row++ {
+						want := in[2*((q*rows+row)*cols) : 2*((q*rows+row+1)*cols)]
+						at := 2 * ((r*rows+row)*ranks*cols + q*cols)
+						if !bytes.Equal(out[at:at+2*cols], want) {
+							if bad++; bad <= 5 {
+								t.Errorf("%s: rank %d row %d: rank %d's part differs", name, r, row, q)
+							}
+						}
+					}
+				}
+			}
+			d.Free(memory.Workspace, full)
+			d.Free(memory.Workspace, local.g)
 		}
 	}
 }

@@ -79,6 +79,26 @@ func (t *tpComm) AllReduceSum(x device.Tensor) {
 	}
 }
 
+// AllGatherColumns implements device.Collective: NCCL's all-gather puts
+// the ranks' parts one after another, so each rank lays its part into
+// zeros at its columns and the ranks add (x + 0 is x).
+func (t *tpComm) AllGatherColumns(full, local device.Tensor) {
+	if t.err != nil {
+		return
+	}
+	if err := gatherShapes(full, local, t.cm.Size); err != nil {
+		t.err = err
+		t.d.fail(err)
+		return
+	}
+	rows, size := int64(local.Dim(0)), int64(local.DType.Size())
+	cols := int64(local.Dim(1)) * size / 2
+	t.d.Fill(full, 0)
+	t.d.launch("copy_cols_u16", gridFor(rows*cols), D1(256), 0, P(full.Ptr), P(local.Ptr), uint64(rows), uint64(cols),
+		uint64(int64(t.cm.Size)*cols), uint64(int64(t.cm.Rank)*cols))
+	t.AllReduceSum(full)
+}
+
 // Err implements device.Collective.
 func (t *tpComm) Err() error { return t.err }
 

@@ -196,7 +196,10 @@ type Device interface {
 	// float dtypes (bf16 to float32 is exact).
 	Convert(dst, src Tensor)
 
-	Embedding(out, table, ids Tensor)
+	// Embedding: out[i] = the embedding of ids[i], each id in [0, vocab).
+	// The table's rows are the ids first, first+1, ...: a tensor-parallel
+	// rank's part of the vocabulary; ids outside it give zero rows.
+	Embedding(out, table, ids Tensor, first, vocab int)
 	RMSNorm(out, x, w Tensor, eps float32)
 	// AddRMSNorm: residual += x (rounded to the activation dtype), then
 	// out = rmsnorm(residual) * w.
@@ -351,6 +354,9 @@ type Fused interface {
 type Collective interface {
 	// AllReduceSum replaces t on every rank with the sum of every rank's t.
 	AllReduceSum(t Tensor)
+	// AllGatherColumns puts every rank's local [rows, cols] side by side
+	// in full [rows, ranks*cols], in rank order (vocabulary-parallel logits).
+	AllGatherColumns(full, local Tensor)
 	Err() error
 }
 

@@ -35,14 +35,17 @@ type RopeScaling struct {
 
 // Config is the part of config.json the forward pass needs.
 type Config struct {
-	Arch          Arch
-	Hidden        int
-	Intermediate  int
-	Layers        int
-	Heads         int
-	KVHeads       int
-	HeadDim       int
-	Vocab         int
+	Arch         Arch
+	Hidden       int
+	Intermediate int
+	Layers       int
+	Heads        int
+	KVHeads      int
+	HeadDim      int
+	Vocab        int
+	// VocabRows is how many rows of the embedding and lm_head this rank
+	// holds when tensor parallelism splits the vocabulary; 0 is all.
+	VocabRows     int
 	RMSNormEps    float64
 	RopeTheta     float64
 	Rope          RopeScaling
@@ -54,6 +57,14 @@ type Config struct {
 	BOSTokenID    int32
 	EOSTokenIDs   []int32
 	TorchDType    string
+}
+
+// LocalVocab is the number of embedding and lm_head rows this rank holds.
+func (c *Config) LocalVocab() int {
+	if c.VocabRows > 0 {
+		return c.VocabRows
+	}
+	return c.Vocab
 }
 
 // QKVRows is the number of output rows of the fused q/k/v projection.

@@ -158,6 +158,7 @@ func (m *Model) scratchBytes(t, r int, f32 bool) int64 {
 
 type activations struct {
 	h, x, qkv, attn, gateUp, act, tmp, sel, rawLogits, logits device.Tensor
+	localLogits                                               device.Tensor // this rank's part of the vocabulary, when split
 }
 
 func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, ...int) device.Tensor) activations {
@@ -175,17 +176,22 @@ func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, 
 	if m.Comm != nil {
 		partial = device.F32
 	}
+	var local device.Tensor
+	if c.LocalVocab() != c.Vocab {
+		local = take(dt, r, c.LocalVocab())
+	}
 	return activations{
-		h:         take(dt, t, c.Hidden),
-		x:         take(dt, t, c.Hidden),
-		qkv:       take(dt, t, c.Heads+2*c.KVHeads, c.HeadDim),
-		attn:      take(dt, t, c.Heads, c.HeadDim),
-		gateUp:    take(dt, t, 2*c.Intermediate),
-		act:       take(dt, t, c.Intermediate),
-		tmp:       take(partial, t, c.Hidden),
-		sel:       take(dt, r, c.Hidden),
-		rawLogits: take(dt, r, c.Vocab),
-		logits:    logits(),
+		localLogits: local,
+		h:           take(dt, t, c.Hidden),
+		x:           take(dt, t, c.Hidden),
+		qkv:         take(dt, t, c.Heads+2*c.KVHeads, c.HeadDim),
+		attn:        take(dt, t, c.Heads, c.HeadDim),
+		gateUp:      take(dt, t, 2*c.Intermediate),
+		act:         take(dt, t, c.Intermediate),
+		tmp:         take(partial, t, c.Hidden),
+		sel:         take(dt, r, c.Hidden),
+		rawLogits:   take(dt, r, c.Vocab),
+		logits:      logits(),
 	}
 }
 
@@ -225,7 +231,15 @@ func (m *Model) forward(in Inputs, a activations) {
 			m.Comm.AllReduceSum(t)
 		}
 	}
-	dev.Embedding(a.h, w.Embed, in.Tokens)
+	first := m.Shard.vocabSpan(c).from
+	dev.Embedding(a.h, w.Embed, in.Tokens, first, c.Vocab)
+	if a.localLogits.Valid() {
+		// Each token's row is on one rank and zeros on the others: their
+		// sum is that row exactly.
+		dev.Convert(a.tmp, a.h)
+		reduce(a.tmp)
+		dev.Convert(a.h, a.tmp)
+	}
 	dev.RMSNorm(a.x, a.h, w.Layers[0].InputNorm, eps)
 	for i, l := range w.Layers {
 		dev.MatMul(flat(a.qkv), a.x, l.QKV, l.QKVBias)
@@ -252,7 +266,12 @@ func (m *Model) forward(in Inputs, a activations) {
 	dev.GatherRows(a.sel, a.x, in.LogitRows)
 	// Logits are computed in the activation dtype, as transformers does (a
 	// bf16 lm_head gives bf16 logits), so logprobs match the trainer's.
-	dev.MatMul(a.rawLogits, a.sel, w.LMHead, device.Tensor{})
+	if !a.localLogits.Valid() {
+		dev.MatMul(a.rawLogits, a.sel, w.LMHead, device.Tensor{})
+		return
+	}
+	dev.MatMul(a.localLogits, a.sel, w.LMHead, device.Tensor{})
+	m.Comm.AllGatherColumns(a.rawLogits, a.localLogits)
 }
 
 func f32Bytes(v []float32) []byte {

@@ -6,7 +6,9 @@ import "fmt"
 // and MLP columns are split over Size ranks (KV heads too, or replicated
 // when there are fewer of them than ranks), so o_proj and down_proj give
 // partial sums that a device.Collective adds up. The embedding and lm_head
-// are whole on every rank.
+// are split by vocabulary when it divides evenly (each rank embeds the
+// tokens it holds, zeros for the rest, and the ranks add; the logits of
+// the ranks' parts are gathered), else whole on every rank.
 type Shard struct{ Rank, Size int }
 
 // Sharded reports whether the model is split over several ranks.
@@ -30,7 +32,19 @@ func (s Shard) LocalConfig(c *Config) (*Config, error) {
 	l.Heads = c.Heads / s.Size
 	l.KVHeads = max(c.KVHeads/s.Size, 1)
 	l.Intermediate = c.Intermediate / s.Size
+	if c.Vocab%s.Size == 0 {
+		l.VocabRows = c.Vocab / s.Size
+	}
 	return &l, nil
+}
+
+// vocabSpan is this rank's rows of the embedding and lm_head; zero when it
+// holds them whole.
+func (s Shard) vocabSpan(local *Config) span {
+	if local.VocabRows == 0 {
+		return span{}
+	}
+	return span{s.Rank * local.VocabRows, (s.Rank + 1) * local.VocabRows}
 }
 
 // kvHead0 is the first global KV head of this rank: the one its first

@@ -15,7 +15,8 @@ import (
 
 // TestTensorParallelMatchesOneRank: a model split over 2 or 4 CPU ranks
 // (heads, KV heads split or replicated, MLP columns; o_proj and down_proj
-// partial sums added by a collective) prefills and decodes greedily to the
+// partial sums added by a collective; embedding and lm_head by vocabulary,
+// or whole when it does not divide) prefills and decodes greedily to the
 // tokens of the whole model, with logprobs within float32 rounding.
 func TestTensorParallelMatchesOneRank(t *testing.T) {
 	cases := []struct {
@@ -28,6 +29,7 @@ func TestTensorParallelMatchesOneRank(t *testing.T) {
 		{"qwen2", 2, nil}, // q/k/v bias
 		{"llama", 2, func(s *tinymodel.Spec) { s.AttentionBias = true }}, // o_proj bias: added once
 		{"llama", 4, func(s *tinymodel.Spec) { s.KVHeads = 1 }},          // MQA
+		{"qwen3", 2, func(s *tinymodel.Spec) { s.Vocab = 513 }},          // vocabulary whole on each rank
 	}
 	for _, c := range cases {
 		t.Run(fmt.Sprintf("%s-tp%d", c.arch, c.ranks), func(t *testing.T) {

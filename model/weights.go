@@ -47,12 +47,13 @@ func (m *Model) Targets() []Target {
 	w := &m.W
 	d := c.HeadDim
 	var none span
+	vocab := m.Shard.vocabSpan(c)
 	targets := []Target{
-		{"model.embed_tokens.weight", []int{c.Vocab, c.Hidden}, w.Embed, none, none},
+		{"model.embed_tokens.weight", []int{c.Vocab, c.Hidden}, w.Embed, vocab, none},
 		{"model.norm.weight", []int{c.Hidden}, w.Norm, none, none},
 	}
 	if !c.TieEmbeddings {
-		targets = append(targets, Target{"lm_head.weight", []int{c.Vocab, c.Hidden}, w.LMHead, none, none})
+		targets = append(targets, Target{"lm_head.weight", []int{c.Vocab, c.Hidden}, w.LMHead, vocab, none})
 	}
 	// Local row counts, the global ones of the checkpoint, and where this
 	// rank's rows start in it (all zero offsets without tensor parallelism).
@@ -125,11 +126,11 @@ func (m *Model) allocWeights(ropePositions int) error {
 		return t
 	}
 	w := &m.W
-	w.Embed = alloc(dt, c.Vocab, c.Hidden)
+	w.Embed = alloc(dt, c.LocalVocab(), c.Hidden)
 	w.Norm = alloc(dt, c.Hidden)
 	w.LMHead = w.Embed
 	if !c.TieEmbeddings {
-		w.LMHead = alloc(dt, c.Vocab, c.Hidden)
+		w.LMHead = alloc(dt, c.LocalVocab(), c.Hidden)
 	}
 	w.Layers = make([]Layer, c.Layers)
 	for i := range w.Layers {
@@ -168,9 +169,9 @@ func WeightBytes(c *Config, dt device.DType, ropePositions int) int64 {
 	if c.QKNorm {
 		perLayer += int64(2 * c.HeadDim)
 	}
-	n := int64(c.Vocab*c.Hidden+c.Hidden) + int64(c.Layers)*perLayer
+	n := int64(c.LocalVocab()*c.Hidden+c.Hidden) + int64(c.Layers)*perLayer
 	if !c.TieEmbeddings {
-		n += int64(c.Vocab * c.Hidden)
+		n += int64(c.LocalVocab() * c.Hidden)
 	}
 	tensors := int64(c.Layers*13 + 6)
 	return n*int64(dt.Size()) + int64(ropePositions*c.HeadDim)*4 + tensors*512

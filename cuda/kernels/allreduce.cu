@@ -48,6 +48,28 @@ __device__ __forceinline__ void ar_barrier(const ArPeers *t, unsigned e) {
 	__syncthreads();
 }
 
+// ar_begin waits for the kernels before (DEP) and reads the group's call
+// counter; ar_end, in every block, moves it on by two once all blocks are
+// done.
+__device__ __forceinline__ unsigned ar_begin(const ArPeers *t) {
+	__shared__ unsigned e0;
+	DEP();
+	if (threadIdx.x == 0) e0 = *(volatile unsigned *)t->epoch;
+	__syncthreads();
+	return e0;
+}
+
+__device__ __forceinline__ void ar_end(const ArPeers *t, unsigned e0) {
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		__threadfence();
+		if (atomicAdd(t->epoch + 1, 1u) == gridDim.x - 1) {
+			t->epoch[1] = 0;
+			t->epoch[0] = e0 + 2;
+		}
+	}
+}
+
 template <typename V> struct ArVec;
 template <> struct ArVec<float> {
 	static __device__ __forceinline__ float load(const float *p) { return __ldcg(p); }
@@ -85,10 +107,7 @@ __device__ void allreduce(const ArPeers *tabs, const float *in_, float *out_, lo
 	V *out = (V *)(out_ + blockIdx.y * stride);
 	long long units = n / units_per;
 	int R = t->nranks;
-	__shared__ unsigned e0;
-	DEP();
-	if (threadIdx.x == 0) e0 = *(volatile unsigned *)t->epoch;
-	__syncthreads();
+	const unsigned e0 = ar_begin(t);
 	long long S = t->stage_elems;
 	long long in_area = ((e0 >> 1) & 1) * 2 * S, out_area = in_area + S;
 	V *mine = (V *)(t->stage[t->rank] + in_area);
@@ -117,14 +136,7 @@ __device__ void allreduce(const ArPeers *tabs, const float *in_, float *out_, lo
 			for (long long i = qa + threadIdx.x; i < qb; i += blockDim.x) out[i] = ArVec<V>::load(theirs + i);
 		}
 	}
-	__syncthreads();
-	if (threadIdx.x == 0) {
-		__threadfence();
-		if (atomicAdd(t->epoch + 1, 1u) == gridDim.x - 1) {
-			t->epoch[1] = 0;
-			t->epoch[0] = e0 + 2;
-		}
-	}
+	ar_end(t, e0);
 }
 
 // stride: elements between the tensors of the ranks a test runs in one grid
@@ -137,4 +149,55 @@ extern "C" __global__ void allreduce_f32(const ArPeers *tabs, const float *in, f
 extern "C" __global__ void allreduce_f32_v4(const ArPeers *tabs, const float *in, float *out, long long n,
                                             long long stride, int two_shot) {
 	allreduce<float4>(tabs, in, out, n, stride, two_shot);
+}
+
+// allgather_cols: full[row][rank * cols + j] = that rank's local[row][j]
+// (vocabulary-parallel logits), in units of V: cols and the row counts are
+// in units, rows * cols of them fit two staging areas. Block b copies its
+// range of local into its staging, meets block b of the others, then
+// copies every rank's same range into its place in full.
+template <typename V>
+__device__ void allgather_cols(const ArPeers *tabs, const V *local, V *full, long long rows, long long cols,
+                               long long local_stride, long long full_stride) {
+	const ArPeers *t = (const ArPeers *)((const char *)tabs + blockIdx.y * AR_TABLE_BYTES);
+	local += blockIdx.y * local_stride;
+	full += blockIdx.y * full_stride;
+	const int R = t->nranks;
+	const unsigned e0 = ar_begin(t);
+	const long long area = ((e0 >> 1) & 1) * 2 * t->stage_elems; // floats
+	long long units = rows * cols, per = (units + gridDim.x - 1) / gridDim.x;
+	long long lo = min(units, blockIdx.x * per), hi = min(units, lo + per);
+	V *mine = (V *)(t->stage[t->rank] + area);
+	for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) mine[i] = local[i];
+	ar_barrier(t, e0 + 2);
+	for (int q = 0; q < R; q++) {
+		const V *theirs = (const V *)(t->stage[q] + area);
+		for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+			const long long row = i / cols, j = i - row * cols;
+			full[(row * R + q) * cols + j] = q == t->rank ? local[i] : __ldcg(theirs + i);
+		}
+	}
+	ar_end(t, e0);
+}
+
+extern "C" __global__ void allgather_cols_u16(const ArPeers *tabs, const unsigned short *local, unsigned short *full,
+                                              long long rows, long long cols, long long local_stride,
+                                              long long full_stride) {
+	allgather_cols<unsigned short>(tabs, local, full, rows, cols, local_stride, full_stride);
+}
+
+extern "C" __global__ void allgather_cols_v16(const ArPeers *tabs, const uint4 *local, uint4 *full, long long rows,
+                                              long long cols, long long local_stride, long long full_stride) {
+	allgather_cols<uint4>(tabs, local, full, rows, cols, local_stride, full_stride);
+}
+
+// copy_cols_u16: dst[row][off + j] = src[row][j], in 2-byte units; how the
+// NCCL path lays a rank's logits into zeros before summing them.
+extern "C" __global__ void copy_cols_u16(unsigned short *dst, const unsigned short *src, long long rows, long long cols,
+                                         long long dst_cols, long long off) {
+	DEP();
+	FOR_GRID(i, rows * cols) {
+		const long long row = i / cols;
+		dst[row * dst_cols + off + i - row * cols] = src[i];
+	}
 }

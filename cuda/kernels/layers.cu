@@ -2,16 +2,20 @@
 // bf16, math is fp32, and results are rounded where transformers rounds (each
 // bf16 tensor op), so outputs track transformers' bf16 forward closely.
 
-extern "C" __global__ void embedding(bf16 *out, const bf16 *table, const int *ids, int hidden) {
+// embedding: the table's rows are ids first..first+rows-1 (a rank's part
+// of the vocabulary); other ids give zero rows.
+extern "C" __global__ void embedding(bf16 *out, const bf16 *table, const int *ids, int hidden, int first, int rows) {
 	DEP();
-	const bf16 *row = table + (long long)ids[blockIdx.x] * hidden;
+	const int r = ids[blockIdx.x] - first;
+	const bool in = r >= 0 && r < rows;
+	const bf16 *row = table + (long long)(in ? r : 0) * hidden;
 	bf16 *o = out + (long long)blockIdx.x * hidden;
 	if ((hidden & 7) == 0) {
 		const uint4 *src = (const uint4 *)row;
 		uint4 *dst = (uint4 *)o;
-		for (int i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
+		for (int i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = in ? src[i] : make_uint4(0, 0, 0, 0);
 	} else {
-		for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
+		for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = in ? row[i] : (bf16)0;
 	}
 }
 

@@ -154,16 +154,19 @@ func (d *Device) Convert(dst, src device.Tensor) {
 }
 
 // Embedding implements device.Device.
-func (d *Device) Embedding(out, table, ids device.Tensor) {
-	h := table.Dim(-1)
+func (d *Device) Embedding(out, table, ids device.Tensor, first, vocab int) {
+	h, rows := table.Dim(-1), table.Dim(0)
 	o, tab := F32(out), F32(table)
-	vocab := table.Dim(0)
 	for i, id := range I32(ids) {
 		if id < 0 || int(id) >= vocab {
 			d.fail(fmt.Errorf("embedding: token id %d outside vocabulary of %d", id, vocab))
 			return
 		}
-		copy(o[i*h:(i+1)*h], tab[int(id)*h:(int(id)+1)*h])
+		if r := int(id) - first; r >= 0 && r < rows {
+			copy(o[i*h:(i+1)*h], tab[r*h:(r+1)*h])
+		} else {
+			clear(o[i*h : (i+1)*h])
+		}
 	}
 }
 
