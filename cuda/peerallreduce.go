@@ -124,30 +124,19 @@ func (d *Device) joinPeerAllReduce(id [128]byte, size, rank int) (*peerAllReduce
 func (p *peerAllReduce) base(rank int) uintptr { return p.va + uintptr(int64(rank)*p.bytes) }
 
 // mapAll creates this rank's memory, starts its counters at zero, and maps
-// every other rank's at its fixed place.
+// every other rank's at its fixed place. A rank that cannot create its
+// memory still takes part in the exchange, so that the others fail at once
+// instead of waiting for it.
 func (p *peerAllReduce) mapAll() error {
-	ctx := p.d.ctx
-	prop := p.d.vmm.prop
-	prop.requestedHandleTypes = 1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-	own := &p.handles[p.rank]
-	if err := check("cuMemCreate", C.ebb_cuMemCreate(own, C.size_t(p.bytes), &prop, 0)); err != nil {
-		return fmt.Errorf("peer all-reduce memory: %w", err)
-	}
-	p.mapped = true
-	if err := p.mapAt(p.rank); err != nil {
+	fd, err := p.createOwn()
+	if err != nil {
+		if theirs, xerr := p.fds.Exchange(-1, peerExchangeTimeout); xerr == nil {
+			closeFDs(theirs)
+		}
 		return err
 	}
-	mine := p.base(p.rank)
-	if err := errors.Join(ctx.MemsetD32(mine+arSignalOff, 0, (arTableOff-arSignalOff)/4),
-		ctx.CopyHtoD(mine+arTableOff, p.table()), ctx.SyncStream()); err != nil {
-		return err
-	}
-	var fd C.int
-	if err := check("cuMemExportToShareableHandle", C.ebb_cuMemExportToShareableHandle(unsafe.Pointer(&fd), *own, 1, 0)); err != nil {
-		return fmt.Errorf("peer all-reduce memory: %w", err)
-	}
-	theirs, err := p.fds.Exchange(int(fd), peerExchangeTimeout)
-	syscall.Close(int(fd))
+	theirs, err := p.fds.Exchange(fd, peerExchangeTimeout)
+	syscall.Close(fd)
 	if err != nil {
 		return fmt.Errorf("tensor-parallel rank %d: %w", p.rank, err)
 	}
@@ -164,6 +153,40 @@ func (p *peerAllReduce) mapAll() error {
 		syscall.Close(f)
 	}
 	return errors.Join(errs...)
+}
+
+// createOwn creates and maps this rank's memory, zeroes its counters,
+// writes its table, and exports it as a file descriptor.
+func (p *peerAllReduce) createOwn() (int, error) {
+	ctx := p.d.ctx
+	prop := p.d.vmm.prop
+	prop.requestedHandleTypes = 1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+	own := &p.handles[p.rank]
+	if err := check("cuMemCreate", C.ebb_cuMemCreate(own, C.size_t(p.bytes), &prop, 0)); err != nil {
+		return -1, fmt.Errorf("peer all-reduce memory: %w", err)
+	}
+	p.mapped = true
+	if err := p.mapAt(p.rank); err != nil {
+		return -1, err
+	}
+	mine := p.base(p.rank)
+	if err := errors.Join(ctx.MemsetD32(mine+arSignalOff, 0, (arTableOff-arSignalOff)/4),
+		ctx.CopyHtoD(mine+arTableOff, p.table()), ctx.SyncStream()); err != nil {
+		return -1, err
+	}
+	var fd C.int
+	if err := check("cuMemExportToShareableHandle", C.ebb_cuMemExportToShareableHandle(unsafe.Pointer(&fd), *own, 1, 0)); err != nil {
+		return -1, fmt.Errorf("peer all-reduce memory: %w", err)
+	}
+	return int(fd), nil
+}
+
+func closeFDs(fds []int) {
+	for _, f := range fds {
+		if f >= 0 {
+			syscall.Close(f)
+		}
+	}
 }
 
 // mapAt maps rank r's memory (its handle already here) for this GPU.

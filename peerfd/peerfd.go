@@ -43,10 +43,15 @@ func Listen(name string, rank, size int) (*Group, error) {
 // Close stops listening.
 func (g *Group) Close() error { return g.ln.Close() }
 
+// ErrPeerFailed marks a round in which another rank had nothing to share.
+var ErrPeerFailed = errors.New("a rank could not share its memory")
+
 // Exchange sends fd to every other rank and returns theirs, by rank (-1 at
 // this rank's place); the caller closes them. Every rank calls it the same
 // number of times: each call is a round, and a message from another round
-// is an error. It gives up after timeout.
+// is an error. A rank that failed before it had anything to share passes
+// fd -1: the others then get ErrPeerFailed at once rather than waiting for
+// it until timeout, and the rounds stay in step.
 func (g *Group) Exchange(fd int, timeout time.Duration) ([]int, error) {
 	g.round++
 	deadline := time.Now().Add(timeout)
@@ -54,6 +59,7 @@ func (g *Group) Exchange(fd int, timeout time.Duration) ([]int, error) {
 	go func() { sent <- g.sendAll(fd, deadline) }()
 
 	fds := make([]int, g.size)
+	heard := make([]bool, g.size)
 	for i := range fds {
 		fds[i] = -1
 	}
@@ -64,6 +70,7 @@ func (g *Group) Exchange(fd int, timeout time.Duration) ([]int, error) {
 	if err := g.ln.SetDeadline(deadline); err != nil {
 		return fail(err)
 	}
+	var failed []int
 	for got := 0; got < g.size-1; got++ {
 		c, err := g.ln.AcceptUnix()
 		if err != nil {
@@ -71,14 +78,22 @@ func (g *Group) Exchange(fd int, timeout time.Duration) ([]int, error) {
 		}
 		from, rfd, err := g.receive(c, deadline)
 		c.Close()
-		if err == nil && (from == g.rank || fds[from] >= 0) {
+		if err == nil && (from == g.rank || heard[from]) {
 			err = fmt.Errorf("peerfd: rank %d sent twice in round %d", from, g.round)
-			syscall.Close(rfd)
+			if rfd >= 0 {
+				syscall.Close(rfd)
+			}
 		}
 		if err != nil {
 			return fail(err)
 		}
-		fds[from] = rfd
+		heard[from], fds[from] = true, rfd
+		if rfd < 0 {
+			failed = append(failed, from)
+		}
+	}
+	if len(failed) > 0 {
+		return fail(fmt.Errorf("peerfd: round %d: ranks %v: %w", g.round, failed, ErrPeerFailed))
 	}
 	if err := <-sent; err != nil {
 		closeAll(fds)
@@ -96,12 +111,17 @@ func closeAll(fds []int) {
 }
 
 // sendAll connects to every other rank, retrying while it does not listen
-// yet, and sends fd with this rank and round.
+// yet, and sends fd (or that it has none) with this rank and round.
 func (g *Group) sendAll(fd int, deadline time.Time) error {
-	msg := make([]byte, 12)
+	msg := make([]byte, 16)
 	binary.LittleEndian.PutUint32(msg, magic)
 	binary.LittleEndian.PutUint32(msg[4:], uint32(g.rank))
 	binary.LittleEndian.PutUint32(msg[8:], g.round)
+	var rights []byte
+	if fd >= 0 {
+		binary.LittleEndian.PutUint32(msg[12:], 1)
+		rights = syscall.UnixRights(fd)
+	}
 	var errs []error
 	for p := 0; p < g.size; p++ {
 		if p == g.rank {
@@ -113,7 +133,7 @@ func (g *Group) sendAll(fd int, deadline time.Time) error {
 			continue
 		}
 		if err := c.SetDeadline(deadline); err == nil {
-			_, _, err = c.WriteMsgUnix(msg, syscall.UnixRights(fd), nil)
+			_, _, err = c.WriteMsgUnix(msg, rights, nil)
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("peerfd: rank %d sending to rank %d: %w", g.rank, p, err))
@@ -136,12 +156,13 @@ func dial(a *net.UnixAddr, deadline time.Time) (*net.UnixConn, error) {
 	}
 }
 
-// receive reads one message: the sender's rank and its descriptor.
+// receive reads one message: the sender's rank and its descriptor (-1
+// when it had none).
 func (g *Group) receive(c *net.UnixConn, deadline time.Time) (int, int, error) {
 	if err := c.SetDeadline(deadline); err != nil {
 		return 0, -1, err
 	}
-	msg, oob := make([]byte, 16), make([]byte, syscall.CmsgSpace(4))
+	msg, oob := make([]byte, 20), make([]byte, syscall.CmsgSpace(4))
 	n, oobn, _, _, err := c.ReadMsgUnix(msg, oob)
 	if err != nil {
 		return 0, -1, fmt.Errorf("peerfd: rank %d receiving: %w", g.rank, err)
@@ -150,14 +171,18 @@ func (g *Group) receive(c *net.UnixConn, deadline time.Time) (int, int, error) {
 	if cms, perr := syscall.ParseSocketControlMessage(oob[:oobn]); perr == nil && len(cms) == 1 {
 		fds, _ = syscall.ParseUnixRights(&cms[0])
 	}
-	if n != 12 || len(fds) != 1 || binary.LittleEndian.Uint32(msg) != magic {
+	has := n == 16 && binary.LittleEndian.Uint32(msg[12:]) == 1
+	if n != 16 || binary.LittleEndian.Uint32(msg) != magic || (has && len(fds) != 1) || (!has && len(fds) != 0) {
 		closeAll(fds)
 		return 0, -1, fmt.Errorf("peerfd: rank %d got a malformed message (%d bytes, %d descriptors)", g.rank, n, len(fds))
 	}
 	from, round := int(binary.LittleEndian.Uint32(msg[4:])), binary.LittleEndian.Uint32(msg[8:])
 	if from < 0 || from >= g.size || round != g.round {
-		syscall.Close(fds[0])
+		closeAll(fds)
 		return 0, -1, fmt.Errorf("peerfd: rank %d got rank %d's round %d during round %d", g.rank, from, round, g.round)
+	}
+	if !has {
+		return from, -1, nil
 	}
 	return from, fds[0], nil
 }

@@ -1,6 +1,7 @@
 package peerfd
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -24,22 +25,10 @@ func content(t *testing.T, fd int) string {
 func TestExchange(t *testing.T) {
 	for _, size := range []int{2, 4} {
 		t.Run(fmt.Sprint(size), func(t *testing.T) {
-			name := fmt.Sprintf("ebb-peerfd-test-%d-%d", os.Getpid(), size)
-			groups := make([]*Group, size)
+			groups := listenAll(t, fmt.Sprintf("ebb-peerfd-test-%d-%d", os.Getpid(), size), size)
 			files := make([]*os.File, size)
-			for r := range groups {
-				g, err := Listen(name, r, size)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer g.Close()
-				groups[r] = g
-				f, err := os.CreateTemp(t.TempDir(), "peerfd")
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer f.Close()
-				files[r] = f
+			for r := range files {
+				files[r] = tempFile(t)
 			}
 			for round := 1; round <= 3; round++ { // the same group, again and again
 				for r, f := range files {
@@ -119,4 +108,77 @@ func TestExchangeErrors(t *testing.T) {
 	if _, err := Listen(name, 0, 2); err == nil {
 		t.Error("a second rank 0 accepted")
 	}
+}
+
+// TestExchangeWithAFailedRank: a rank with nothing to share (-1) makes the
+// others fail at once with ErrPeerFailed, and the next round works.
+func TestExchangeWithAFailedRank(t *testing.T) {
+	const size = 3
+	groups := listenAll(t, fmt.Sprintf("ebb-peerfd-failed-%d", os.Getpid()), size)
+	f := tempFile(t)
+	for round, failing := range []int{1, -1} {
+		got := make([][]int, size)
+		errs := make([]error, size)
+		var wg sync.WaitGroup
+		start := time.Now()
+		for r := range groups {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				fd := int(f.Fd())
+				if r == failing {
+					fd = -1
+				}
+				got[r], errs[r] = groups[r].Exchange(fd, 10*time.Second)
+			}()
+		}
+		wg.Wait()
+		if time.Since(start) > 5*time.Second {
+			t.Errorf("round %d took %v", round, time.Since(start))
+		}
+		for r := range groups {
+			switch {
+			case failing >= 0 && r != failing:
+				if !errors.Is(errs[r], ErrPeerFailed) || !strings.Contains(errs[r].Error(), fmt.Sprint([]int{failing})) {
+					t.Errorf("round %d, rank %d: %v, want ErrPeerFailed naming rank %d", round, r, errs[r], failing)
+				}
+			case errs[r] != nil:
+				t.Errorf("round %d, rank %d: %v", round, r, errs[r])
+			default:
+				for p, fd := range got[r] {
+					if (p == r) != (fd < 0) {
+						t.Errorf("round %d, rank %d: descriptor %d from rank %d", round, r, fd, p)
+					}
+					if fd >= 0 {
+						syscall.Close(fd)
+					}
+				}
+			}
+		}
+	}
+}
+
+// listenAll opens every rank's end of a group, closed when the test ends.
+func listenAll(t *testing.T, name string, size int) []*Group {
+	t.Helper()
+	groups := make([]*Group, size)
+	for r := range groups {
+		g, err := Listen(name, r, size)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { g.Close() })
+		groups[r] = g
+	}
+	return groups
+}
+
+func tempFile(t *testing.T) *os.File {
+	t.Helper()
+	f, err := os.CreateTemp(t.TempDir(), "peerfd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
 }
