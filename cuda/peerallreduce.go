@@ -131,7 +131,7 @@ func (p *peerAllReduce) mapAll() error {
 	fd, err := p.createOwn()
 	if err != nil {
 		if theirs, xerr := p.fds.Exchange(-1, peerExchangeTimeout); xerr == nil {
-			closeFDs(theirs)
+			peerfd.CloseAll(theirs)
 		}
 		return err
 	}
@@ -179,14 +179,6 @@ func (p *peerAllReduce) createOwn() (int, error) {
 		return -1, fmt.Errorf("peer all-reduce memory: %w", err)
 	}
 	return int(fd), nil
-}
-
-func closeFDs(fds []int) {
-	for _, f := range fds {
-		if f >= 0 {
-			syscall.Close(f)
-		}
-	}
 }
 
 // mapAt maps rank r's memory (its handle already here) for this GPU.
@@ -251,13 +243,11 @@ func (p *peerAllReduce) AllReduceSum(x device.Tensor) {
 	if p.err != nil {
 		return
 	}
+	var bad error
 	if x.DType != device.F32 {
-		p.err = fmt.Errorf("tensor-parallel all-reduce of %s: only float32 partial sums", x.DType)
-	} else if !p.mapped {
-		p.err = errors.New("tensor-parallel all-reduce while its memory is released (resume cuda_graph first)")
+		bad = fmt.Errorf("tensor-parallel all-reduce of %s: only float32 partial sums", x.DType)
 	}
-	if p.err != nil {
-		p.d.fail(p.err)
+	if !p.usable("all-reduce", bad) {
 		return
 	}
 	p.d.allReduce(p.base(p.rank)+arTableOff, 1, p.size, x.Ptr, int64(x.Numel()), 0)
@@ -275,10 +265,8 @@ func (d *Device) allReduce(tab uintptr, ranksInGrid, nranks int, ptr uintptr, n,
 		if m%4 == 0 && at%16 == 0 && stride%4 == 0 {
 			name, units = "allreduce_f32_v4", m/4
 		}
-		blocks := int64(min(arMaxBlocks, d.ctx.SMs/ranksInGrid))
-		blocks = max(1, min(blocks, (units+2*arThreads-1)/(2*arThreads)))
 		twoShot := nranks > 2 && 4*m >= arTwoShotBytes
-		d.launch(name, Dim3{uint32(blocks), uint32(ranksInGrid), 1}, D1(arThreads), 0,
+		d.launch(name, Dim3{d.arBlocks(units, ranksInGrid), uint32(ranksInGrid), 1}, D1(arThreads), 0,
 			P(tab), P(at), P(at), uint64(m), uint64(stride), I(b2i(twoShot)))
 	}
 }
@@ -288,17 +276,33 @@ func (p *peerAllReduce) AllGatherColumns(full, local device.Tensor) {
 	if p.err != nil {
 		return
 	}
-	if err := gatherShapes(full, local, p.size); err != nil {
-		p.err = err
-	} else if !p.mapped {
-		p.err = errors.New("tensor-parallel all-gather while its memory is released (resume cuda_graph first)")
-	}
-	if p.err != nil {
-		p.d.fail(p.err)
+	if !p.usable("all-gather", gatherShapes(full, local, p.size)) {
 		return
 	}
 	rows := local.Dim(0)
 	p.d.allGatherColumns(p.base(p.rank)+arTableOff, 1, local.Ptr, full.Ptr, rows, local.Bytes()/int64(rows), p.size, 0, 0)
+}
+
+// usable fails the group (and the device) with bad, or when the memory is
+// released, and reports whether the operation may be queued.
+func (p *peerAllReduce) usable(op string, bad error) bool {
+	if p.err == nil && bad != nil {
+		p.err = bad
+	} else if p.err == nil && !p.mapped {
+		p.err = fmt.Errorf("tensor-parallel %s while its memory is released (resume cuda_graph first)", op)
+	}
+	if p.err != nil {
+		p.d.fail(p.err)
+		return false
+	}
+	return true
+}
+
+// arBlocks is the grid width for units of work: two per thread, at most
+// a block per SM for each rank in the grid (all must be resident at once).
+func (d *Device) arBlocks(units int64, ranksInGrid int) uint32 {
+	blocks := int64(min(arMaxBlocks, d.ctx.SMs/ranksInGrid))
+	return uint32(max(1, min(blocks, (units+2*arThreads-1)/(2*arThreads))))
 }
 
 // gatherShapes checks an all-gather's tensors: local [rows, cols], full
@@ -326,9 +330,7 @@ func (d *Device) allGatherColumns(tab uintptr, ranksInGrid int, local, full uint
 	for r0 := 0; r0 < rows; r0 += per {
 		n := min(per, rows-r0)
 		units := int64(n) * rowBytes / unit
-		blocks := int64(min(arMaxBlocks, d.ctx.SMs/ranksInGrid))
-		blocks = max(1, min(blocks, (units+2*arThreads-1)/(2*arThreads)))
-		d.launch(name, Dim3{uint32(blocks), uint32(ranksInGrid), 1}, D1(arThreads), 0,
+		d.launch(name, Dim3{d.arBlocks(units, ranksInGrid), uint32(ranksInGrid), 1}, D1(arThreads), 0,
 			P(tab), P(local+uintptr(int64(r0)*rowBytes)), P(full+uintptr(int64(r0)*rowBytes*int64(nranks))),
 			uint64(n), uint64(rowBytes/unit), uint64(localStride/unit), uint64(fullStride/unit))
 	}

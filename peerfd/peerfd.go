@@ -64,7 +64,7 @@ func (g *Group) Exchange(fd int, timeout time.Duration) ([]int, error) {
 		fds[i] = -1
 	}
 	fail := func(err error) ([]int, error) {
-		closeAll(fds)
+		CloseAll(fds)
 		return nil, errors.Join(err, <-sent)
 	}
 	if err := g.ln.SetDeadline(deadline); err != nil {
@@ -96,13 +96,14 @@ func (g *Group) Exchange(fd int, timeout time.Duration) ([]int, error) {
 		return fail(fmt.Errorf("peerfd: round %d: ranks %v: %w", g.round, failed, ErrPeerFailed))
 	}
 	if err := <-sent; err != nil {
-		closeAll(fds)
+		CloseAll(fds)
 		return nil, err
 	}
 	return fds, nil
 }
 
-func closeAll(fds []int) {
+// CloseAll closes the descriptors an Exchange returned (skipping -1).
+func CloseAll(fds []int) {
 	for _, f := range fds {
 		if f >= 0 {
 			syscall.Close(f)
@@ -173,12 +174,12 @@ func (g *Group) receive(c *net.UnixConn, deadline time.Time) (int, int, error) {
 	}
 	has := n == 16 && binary.LittleEndian.Uint32(msg[12:]) == 1
 	if n != 16 || binary.LittleEndian.Uint32(msg) != magic || (has && len(fds) != 1) || (!has && len(fds) != 0) {
-		closeAll(fds)
+		CloseAll(fds)
 		return 0, -1, fmt.Errorf("peerfd: rank %d got a malformed message (%d bytes, %d descriptors)", g.rank, n, len(fds))
 	}
 	from, round := int(binary.LittleEndian.Uint32(msg[4:])), binary.LittleEndian.Uint32(msg[8:])
 	if from < 0 || from >= g.size || round != g.round {
-		closeAll(fds)
+		CloseAll(fds)
 		return 0, -1, fmt.Errorf("peerfd: rank %d got rank %d's round %d during round %d", g.rank, from, round, g.round)
 	}
 	if !has {
