@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"ebb/device"
@@ -232,7 +233,7 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 	for _, s := range []struct {
 		m, k, n int
 		silu    bool
-	}{{1, 1024, 1024, false}, {4, 2048, 1024, false}, {1, 3072, 1024, true}, {2, 384, 384, true}, {3, 4096, 4096, false}, {1, 1024, 1000, true}, {2, 1024, 301, false}} {
+	}{{1, 1024, 1024, false}, {4, 2048, 1024, false}, {1, 3072, 1024, true}, {1, 384, 384, true}, {3, 4096, 4096, false}, {1, 1024, 1000, true}, {2, 1024, 301, false}} {
 		kin := s.k
 		if s.silu {
 			kin = 2 * s.k
@@ -267,10 +268,61 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 			p.close("fused normed", normed, 3e-2, 3e-2)
 		}
 	}
-	x := p.random(device.BF16, 1, 3, 2*256)
-	if p.gpu.MatMulAddRMSNorm(p.random(device.BF16, 1, 3, 64).g, x.g, p.random(device.BF16, 1, 64, 256).g, true,
-		p.random(device.BF16, 1, 3, 64).g, p.random(device.BF16, 1, 3, 64).g, p.random(device.BF16, 1, 64).g, 1e-6) {
-		t.Fatal("silu fused for 3 rows")
+	x := p.random(device.BF16, 1, 2, 2*256)
+	if p.gpu.MatMulAddRMSNorm(p.random(device.BF16, 1, 2, 64).g, x.g, p.random(device.BF16, 1, 64, 256).g, true,
+		p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 64).g, 1e-6) {
+		t.Fatal("silu fused for 2 rows")
+	}
+}
+
+// TestMatMulAddThenRMSNormMatMul compares gemv_fused's squares mode and
+// the gemv that normalises its residual as it reads it with the CPU's
+// MatMul, AddRMSNorm and MatMul; twice in a row, as in decode.
+func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct {
+		m, k, hidden, n int
+		silu            bool
+	}{{1, 2048, 1024, 4096, false}, {1, 3072, 1024, 6144, true}, {1, 384, 512, 384, true}, {4, 2048, 1024, 1000, false}, {3, 64, 4096, 256, false}} {
+		kin := s.k
+		if s.silu {
+			kin = 2 * s.k
+		}
+		x := p.random(device.BF16, 2, s.m, kin)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.hidden, s.k)
+		next := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.hidden))), s.n, s.hidden)
+		normW := p.random(device.BF16, 0.3, s.hidden)
+		out := p.random(device.BF16, 1, s.m, s.hidden)
+		normed := p.random(device.BF16, 1, s.m, s.hidden)
+		act := p.random(device.BF16, 1, s.m, s.k)
+		y := p.random(device.BF16, 1, s.m, s.n)
+		for range 2 {
+			res := p.random(device.BF16, 3, s.m, s.hidden)
+			if !p.gpu.MatMulAdd(x.g, w.g, s.silu, res.g) {
+				t.Fatalf("%+v: not fused", s)
+			}
+			p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6)
+			in := x.c
+			if s.silu {
+				p.cpu.SiLUMul(act.c, x.c)
+				in = act.c
+			}
+			p.cpu.MatMul(out.c, in, w.c, device.Tensor{})
+			p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
+			p.cpu.MatMul(y.c, normed.c, next.c, device.Tensor{})
+			p.close("squares residual", res, 3e-2, 1e-2)
+			p.close("normalising matmul", y, 4e-2, 3e-2)
+		}
+	}
+	// A normalising matmul needs the sums of the residual it reads.
+	res := p.random(device.BF16, 1, 1, 256)
+	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 1, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res.g) {
+		t.Fatal("not fused")
+	}
+	other := p.random(device.BF16, 1, 1, 256)
+	p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 1, 64).g, other.g, p.random(device.BF16, 1, 256).g, p.random(device.BF16, 1, 64, 256).g, 1e-6)
+	if err := p.gpu.Sync(); err == nil || !strings.Contains(err.Error(), "rmsnorm matmul") {
+		t.Fatalf("normalising matmul on another residual: %v", err)
 	}
 }
 

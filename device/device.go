@@ -346,6 +346,13 @@ type Fused interface {
 	// x[:, K:] when silu; then residual += out and normed =
 	// rmsnorm(residual) * normW.
 	MatMulAddRMSNorm(out, x, w Tensor, silu bool, residual, normed, normW Tensor, eps float32) bool
+	// MatMulAdd is MatMulAddRMSNorm without normed: residual += in @ w^T,
+	// rounded as AddRMSNorm rounds it, and the device keeps what
+	// RMSNormMatMul needs to normalise residual as it reads it.
+	MatMulAdd(x, w Tensor, silu bool, residual Tensor) bool
+	// RMSNormMatMul: out = (rmsnorm(residual) * normW) @ w^T, where the
+	// last operation to write residual was MatMulAdd (an error otherwise).
+	RMSNormMatMul(out, residual, normW, w Tensor, eps float32)
 }
 
 // Collective adds up partial sums across the ranks of a tensor-parallel

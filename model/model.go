@@ -223,13 +223,44 @@ func (m *Model) forward(in Inputs, a activations) {
 	// With tensor parallelism the partial sums meet between the matmul and
 	// the add, so nothing is fused across them.
 	fused, _ := dev.(device.Fused)
-	fuse := func(out, x, wt device.Tensor, silu bool, norm device.Tensor) bool {
-		return m.Comm == nil && fused != nil && fused.MatMulAddRMSNorm(out, x, wt, silu, a.h, a.x, norm, eps)
+	if m.Comm != nil {
+		fused = nil
 	}
 	reduce := func(t device.Tensor) {
 		if m.Comm != nil {
 			m.Comm.AllReduceSum(t)
 		}
+	}
+	// lazyNorm is the norm weight of an x that the last add left to the
+	// next matmul, which normalises h as it reads it.
+	var lazyNorm device.Tensor
+	matMulX := func(out, wt, bias device.Tensor) {
+		if lazyNorm.Valid() {
+			fused.RMSNormMatMul(out, a.h, lazyNorm, wt, eps)
+			lazyNorm = device.Tensor{}
+			return
+		}
+		dev.MatMul(out, a.x, wt, bias)
+	}
+	// addNorm: h += in @ wt^T (+ bias; in formed by SiLUMul when silu),
+	// x = rmsnorm(h) * norm. lazy: x goes only to a matMulX without bias.
+	addNorm := func(in, wt, bias device.Tensor, silu bool, norm device.Tensor, lazy bool) {
+		if fused != nil && !bias.Valid() {
+			if lazy && fused.MatMulAdd(in, wt, silu, a.h) {
+				lazyNorm = norm
+				return
+			}
+			if fused.MatMulAddRMSNorm(a.tmp, in, wt, silu, a.h, a.x, norm, eps) {
+				return
+			}
+		}
+		if silu {
+			dev.SiLUMul(a.act, in)
+			in = a.act
+		}
+		dev.MatMul(a.tmp, in, wt, bias)
+		reduce(a.tmp)
+		dev.AddRMSNorm(a.h, a.tmp, a.x, norm, eps)
 	}
 	first := m.Shard.vocabSpan(c).from
 	dev.Embedding(a.h, w.Embed, in.Tokens, first, c.Vocab)
@@ -242,26 +273,19 @@ func (m *Model) forward(in Inputs, a activations) {
 	}
 	dev.RMSNorm(a.x, a.h, w.Layers[0].InputNorm, eps)
 	for i, l := range w.Layers {
-		dev.MatMul(flat(a.qkv), a.x, l.QKV, l.QKVBias)
+		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
 		dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 		dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
-		if l.OBias.Valid() || !fuse(a.tmp, flat(a.attn), l.O, false, l.PostNorm) {
-			dev.MatMul(a.tmp, flat(a.attn), l.O, l.OBias)
-			reduce(a.tmp)
-			dev.AddRMSNorm(a.h, a.tmp, a.x, l.PostNorm, eps)
-		}
-		dev.MatMul(a.gateUp, a.x, l.GateUp, device.Tensor{})
-		next := w.Norm
+		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, true)
+		matMulX(a.gateUp, l.GateUp, device.Tensor{})
+		// The last layer's x goes to GatherRows, and a biased qkv is not
+		// normalised on the fly.
+		next, lazy := w.Norm, false
 		if i+1 < len(w.Layers) {
-			next = w.Layers[i+1].InputNorm
+			next, lazy = w.Layers[i+1].InputNorm, !w.Layers[i+1].QKVBias.Valid()
 		}
-		if !fuse(a.tmp, a.gateUp, l.Down, true, next) {
-			dev.SiLUMul(a.act, a.gateUp)
-			dev.MatMul(a.tmp, a.act, l.Down, device.Tensor{})
-			reduce(a.tmp)
-			dev.AddRMSNorm(a.h, a.tmp, a.x, next, eps)
-		}
+		addNorm(a.gateUp, l.Down, device.Tensor{}, true, next, lazy)
 	}
 	dev.GatherRows(a.sel, a.x, in.LogitRows)
 	// Logits are computed in the activation dtype, as transformers does (a

@@ -215,15 +215,34 @@ __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
 	return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-// gemv_chunk adds one 16-byte chunk i of a weight row times the rows of x.
+// rmsnorm8 forms 8 inputs norm_w * rmsnorm(h) from h and its row's
+// inverse root mean square, rounded as add_rmsnorm rounds them.
+__device__ __forceinline__ uint4 rmsnorm8(uint4 h, uint4 w, float inv) {
+	const unsigned hu[4] = {h.x, h.y, h.z, h.w}, wu[4] = {w.x, w.y, w.z, w.w};
+	unsigned r[4];
+#pragma unroll
+	for (int e = 0; e < 4; e++) {
+		const float h0 = __uint_as_float(hu[e] << 16), h1 = __uint_as_float(hu[e] & 0xffff0000u);
+		const float w0 = __uint_as_float(wu[e] << 16), w1 = __uint_as_float(wu[e] & 0xffff0000u);
+		r[e] = (unsigned)f2bf(w0 * rbf(h0 * inv)) | ((unsigned)f2bf(w1 * rbf(h1 * inv)) << 16);
+	}
+	return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// gemv_chunk adds one 16-byte chunk i of a weight row times the rows of x
+// (formed from gate and up with silu, or normalised with nw, a norm
+// weight, and inv, each row's inverse root mean square).
 template <int M>
 __device__ __forceinline__ void gemv_chunk(float acc[M], uint4 wv, const uint4 *xr, long long xstride, int kv, int i,
-                                           int silu) {
+                                           int silu, const uint4 *nw, const float inv[M]) {
 	const unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w};
+	uint4 nv = make_uint4(0, 0, 0, 0);
+	if (nw) nv = __ldg(nw + i);
 #pragma unroll
 	for (int m = 0; m < M; m++) {
 		uint4 xv = __ldg(xr + m * xstride + i);
 		if (silu) xv = silu_mul8(xv, __ldg(xr + m * xstride + kv + i));
+		else if (nw) xv = rmsnorm8(xv, nv, inv[m]);
 		const unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
 		for (int e = 0; e < 4; e++) {
@@ -240,11 +259,16 @@ __device__ __forceinline__ void gemv_chunk(float acc[M], uint4 wv, const uint4 *
 // gemv_group computes this thread's group's output n (valid when n < N)
 // and returns the sum to lane 0 of the group's first warp (part 0). With
 // silu the rows of x are [gate | up], 2K wide, and the activation is formed
-// on the fly. Every thread of the block must call it.
+// on the fly. With norm_w, x is a residual row h that gemv_fused's
+// squares mode left with nsq partial sums of its squares per row (sq), and
+// the input is norm_w * rmsnorm(h), formed on the fly. Every thread of the
+// block must call it.
 template <int M>
 __device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf16 *w, int N, int K, int silu,
-                                           int wpo, long long *n_out, int *part_out) {
+                                           int wpo, const bf16 *norm_w, const float *sq, int nsq, float eps,
+                                           long long *n_out, int *part_out) {
 	__shared__ float red[8][M];
+	__shared__ float sq_red[32];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int part = warp % wpo;
 	const long long n = (long long)blockIdx.x * (8 / wpo) + warp / wpo;
@@ -261,6 +285,19 @@ __device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf
 		if (n < N && i < kv) pre[j] = __ldcs(wr + i);
 	}
 	DEP();
+	// Every block adds the partial sums in the same order: the rows'
+	// scales are the same bits in every block.
+	float inv[M];
+	const uint4 *nw = (const uint4 *)norm_w;
+#pragma unroll
+	for (int m = 0; m < M; m++) {
+		inv[m] = 0.f;
+		if (norm_w) {
+			float ss = 0.f;
+			for (int j = threadIdx.x; j < nsq; j += blockDim.x) ss += __ldcg(sq + (long long)m * nsq + j);
+			inv[m] = rsqrtf(block_sum(ss, sq_red) / K + eps);
+		}
+	}
 	float acc[M];
 #pragma unroll
 	for (int m = 0; m < M; m++) acc[m] = 0.f;
@@ -268,10 +305,11 @@ __device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf
 #pragma unroll
 		for (int j = 0; j < GEMV_PRELOAD; j++) {
 			const int i = first + j * step;
-			if (i < kv) gemv_chunk<M>(acc, pre[j], xr, xstride, kv, i, silu);
+			if (i < kv) gemv_chunk<M>(acc, pre[j], xr, xstride, kv, i, silu, nw, inv);
 		}
 #pragma unroll 4
-		for (int i = first + GEMV_PRELOAD * step; i < kv; i += step) gemv_chunk<M>(acc, __ldcs(wr + i), xr, xstride, kv, i, silu);
+		for (int i = first + GEMV_PRELOAD * step; i < kv; i += step)
+			gemv_chunk<M>(acc, __ldcs(wr + i), xr, xstride, kv, i, silu, nw, inv);
 	}
 #pragma unroll
 	for (int m = 0; m < M; m++) {
@@ -290,11 +328,12 @@ __device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf
 }
 
 template <int M>
-__device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo) {
+__device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,
+                          const bf16 *norm_w, const float *sq, int nsq, float eps) {
 	float sum[M];
 	long long n;
 	int part;
-	gemv_group<M>(sum, x, w, N, K, 0, wpo, &n, &part);
+	gemv_group<M>(sum, x, w, N, K, 0, wpo, norm_w, sq, nsq, eps, &n, &part);
 	if (n >= N || part != 0 || (threadIdx.x & 31) != 0) return;
 #pragma unroll
 	for (int m = 0; m < M; m++) {
@@ -303,10 +342,12 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 	}
 }
 
-#define GEMV(M)                                                                                        \
-	extern "C" __global__ void __launch_bounds__(256) gemv_m##M(void *out, int out_f32, const bf16 *x, \
-	                                                            const bf16 *w, int N, int K, int wpo) { \
-		gemv_impl<M>(out, out_f32, x, w, N, K, wpo);                                                 \
+// norm_w (null for a plain gemv), sq, nsq and eps: see gemv_group.
+#define GEMV(M)                                                                                         \
+	extern "C" __global__ void __launch_bounds__(256)                                                   \
+	    gemv_m##M(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,          \
+	              const bf16 *norm_w, const float *sq, int nsq, float eps) {                            \
+		gemv_impl<M>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps);                            \
 	}
 GEMV(1)
 GEMV(2)
@@ -319,20 +360,47 @@ GEMV(8)
 
 // gemv_fused is gemv for M <= 4 rows with what decode does around it:
 // with silu, the input rows are [gate | up] (2K wide) and the activation
-// silu(gate) * up is formed on the fly (rounded as silu_mul does); with
-// addnorm, the last block to finish adds out to residual and writes
-// normed = rmsnorm(residual) * norm_w (as add_rmsnorm does), so neither
-// needs a kernel of its own. counter is zero between launches.
+// silu(gate) * up is formed on the fly (rounded as silu_mul does). Then
+// either (sq null) the last block to finish adds out to residual and
+// writes normed = rmsnorm(residual) * norm_w (as add_rmsnorm does), so
+// neither needs a kernel of its own (counter is zero between launches);
+// or (squares mode) each block adds its outputs to residual and leaves in
+// sq[m * gridDim.x + block] the sum of their squares, from which the next
+// gemv normalises residual as it reads it: no block waits for the others.
+// out is not written in squares mode.
 template <int M>
 __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo,
-                                bf16 *residual, bf16 *normed, const bf16 *norm_w, float eps, int *counter) {
+                                bf16 *residual, bf16 *normed, const bf16 *norm_w, float eps, int *counter,
+                                float *sq) {
 	__shared__ float red[32];
+	__shared__ float col_sq[8][M];
 	__shared__ int last;
 	float sum[M];
 	long long n;
 	int part;
-	gemv_group<M>(sum, x, w, N, K, silu, wpo, &n, &part);
-	if (n < N && part == 0 && (threadIdx.x & 31) == 0) {
+	gemv_group<M>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, &n, &part);
+	const bool owner = part == 0 && (threadIdx.x & 31) == 0;
+	if (sq) {
+		if (owner) {
+#pragma unroll
+			for (int m = 0; m < M; m++) {
+				float v = 0.f;
+				if (n < N) {
+					v = rbf(bf2f(residual[(long long)m * N + n]) + rbf(sum[m]));
+					residual[(long long)m * N + n] = f2bf(v);
+				}
+				col_sq[(threadIdx.x >> 5) / wpo][m] = v * v;
+			}
+		}
+		__syncthreads();
+		if (threadIdx.x < M) {
+			float s = 0.f;
+			for (int c = 0; c < 8 / wpo; c++) s += col_sq[c][threadIdx.x];
+			sq[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
+		}
+		return;
+	}
+	if (n < N && owner) {
 #pragma unroll
 		for (int m = 0; m < M; m++) out[(long long)m * N + n] = f2bf(sum[m]);
 	}
@@ -366,8 +434,8 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 	extern "C" __global__ void __launch_bounds__(256) gemv_fused_m##M(bf16 *out, const bf16 *x, const bf16 *w, int N, \
 	                                                                   int K, int silu, int wpo, bf16 *residual, \
 	                                                                   bf16 *normed, const bf16 *norm_w,         \
-	                                                                   float eps, int *counter) {                \
-		gemv_fused_impl<M>(out, x, w, N, K, silu, wpo, residual, normed, norm_w, eps, counter);                  \
+	                                                                   float eps, int *counter, float *sq) {     \
+		gemv_fused_impl<M>(out, x, w, N, K, silu, wpo, residual, normed, norm_w, eps, counter, sq);              \
 	}
 GEMV_FUSED(1)
 GEMV_FUSED(2)
