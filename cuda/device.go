@@ -101,6 +101,7 @@ var kernelNames = []string{
 	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
+	"gemv2_m1", "gemv2_m2", "gemv2_m3", "gemv2_m4",
 	"gemv_fused_m1", "gemv_fused_m2", "gemv_fused_m3", "gemv_fused_m4",
 	"allreduce_f32", "allreduce_f32_v4", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
@@ -530,8 +531,8 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		return
 	}
 	if m <= gemvMaxRows && k%8 == 0 && x.Ptr%16 == 0 && w.Ptr%16 == 0 {
-		wpo := d.gemvWarps(n, k)
-		d.launch(fmt.Sprintf("gemv_m%d", m), D1((n*wpo+7)/8), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
+		name, wpo, blocks := d.gemvShape(m, n, k)
+		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
 			P(0), P(0), I(0), F(0))
 	} else {
 		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k))
@@ -559,6 +560,21 @@ func (d *Device) gemvWarps(n, k int) int {
 		wpo *= 2
 	}
 	return wpo
+}
+
+// gemvShape picks the gemv kernel for m rows of an n x k matrix, its
+// warps per output column and its grid. Where even one warp a column
+// would put more than four blocks per SM (gate_up, lm_head), a warp group
+// takes two columns, forming each input chunk once for both (H100 decode
+// steps: batch 2 1.26 -> 1.18 ms, batch 4 1.68 -> 1.48 ms).
+func (d *Device) gemvShape(m, n, k int) (name string, wpo, blocks int) {
+	cols, name := 1, fmt.Sprintf("gemv_m%d", m)
+	if m <= 4 && n/8 > 4*d.ctx.SMs {
+		cols, name = 2, fmt.Sprintf("gemv2_m%d", m)
+	}
+	wpo = d.gemvWarps((n+cols-1)/cols, k)
+	perBlock := 8 / wpo * cols
+	return name, wpo, (n + perBlock - 1) / perBlock
 }
 
 // MatMulAddRMSNorm implements device.Fused for up to gemvMaxRows rows.
@@ -633,8 +649,8 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 			residual, p.rows, p.cols, p.residual, normW, w, out))
 		return
 	}
-	wpo := d.gemvWarps(n, k)
-	d.launch(fmt.Sprintf("gemv_m%d", m), D1((n*wpo+7)/8), D1(256), 0, P(out.Ptr), I(0), P(residual.Ptr), P(w.Ptr),
+	name, wpo, blocks := d.gemvShape(m, n, k)
+	d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(residual.Ptr), P(w.Ptr),
 		I(n), I(k), I(wpo), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps))
 }
 

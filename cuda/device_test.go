@@ -210,7 +210,7 @@ func TestRMSNorms(t *testing.T) {
 
 func TestMatMul(t *testing.T) {
 	p := newPair(t)
-	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072}} {
+	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		bias := p.random(device.BF16, 0.5, s.n)

@@ -229,13 +229,12 @@ __device__ __forceinline__ uint4 rmsnorm8(uint4 h, uint4 w, float inv) {
 	return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-// gemv_chunk adds one 16-byte chunk i of a weight row times the rows of x
-// (formed from gate and up with silu, or normalised with nw, a norm
-// weight, and inv, each row's inverse root mean square).
-template <int M>
-__device__ __forceinline__ void gemv_chunk(float acc[M], uint4 wv, const uint4 *xr, long long xstride, int kv, int i,
-                                           int silu, const uint4 *nw, const float inv[M]) {
-	const unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w};
+// gemv_chunk adds one 16-byte chunk i of C weight rows times the rows of
+// x (formed from gate and up with silu, or normalised with nw, a norm
+// weight, and inv, each row's inverse root mean square): acc[c * M + m].
+template <int M, int C>
+__device__ __forceinline__ void gemv_chunk(float acc[C * M], const uint4 wv[C], const uint4 *xr, long long xstride,
+                                           int kv, int i, int silu, const uint4 *nw, const float inv[M]) {
 	uint4 nv = make_uint4(0, 0, 0, 0);
 	if (nw) nv = __ldg(nw + i);
 #pragma unroll
@@ -245,9 +244,13 @@ __device__ __forceinline__ void gemv_chunk(float acc[M], uint4 wv, const uint4 *
 		else if (nw) xv = rmsnorm8(xv, nv, inv[m]);
 		const unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
-		for (int e = 0; e < 4; e++) {
-			acc[m] += __uint_as_float(wu[e] << 16) * __uint_as_float(xu[e] << 16);
-			acc[m] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(xu[e] & 0xffff0000u);
+		for (int c = 0; c < C; c++) {
+			const unsigned wu[4] = {wv[c].x, wv[c].y, wv[c].z, wv[c].w};
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				acc[c * M + m] += __uint_as_float(wu[e] << 16) * __uint_as_float(xu[e] << 16);
+				acc[c * M + m] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(xu[e] & 0xffff0000u);
+			}
 		}
 	}
 }
@@ -256,33 +259,39 @@ __device__ __forceinline__ void gemv_chunk(float acc[M], uint4 wv, const uint4 *
 // previous kernel (a 1024-wide row is 128 chunks, four warps' worth).
 #define GEMV_PRELOAD 4
 
-// gemv_group computes this thread's group's output n (valid when n < N)
-// and returns the sum to lane 0 of the group's first warp (part 0). With
-// silu the rows of x are [gate | up], 2K wide, and the activation is formed
-// on the fly. With norm_w, x is a residual row h that gemv_fused's
-// squares mode left with nsq partial sums of its squares per row (sq), and
-// the input is norm_w * rmsnorm(h), formed on the fly. Every thread of the
-// block must call it.
-template <int M>
-__device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf16 *w, int N, int K, int silu,
+// gemv_group computes this thread's group's C outputs from n (valid while
+// < N) and returns the sums to lane 0 of the group's first warp (part 0),
+// sum[c * M + m]. With silu the rows of x are [gate | up], 2K wide, and the
+// activation is formed on the fly. With norm_w, x is a residual row h that
+// gemv_fused's squares mode left with nsq partial sums of its squares per
+// row (sq), and the input is norm_w * rmsnorm(h), formed on the fly: with
+// C columns per group each input chunk is formed once for C weight rows.
+// Every thread of the block must call it.
+template <int M, int C>
+__device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, const bf16 *w, int N, int K, int silu,
                                            int wpo, const bf16 *norm_w, const float *sq, int nsq, float eps,
                                            long long *n_out, int *part_out) {
-	__shared__ float red[8][M];
+	constexpr int PRE = GEMV_PRELOAD / C;
+	__shared__ float red[8][C * M];
 	__shared__ float sq_red[32];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int part = warp % wpo;
-	const long long n = (long long)blockIdx.x * (8 / wpo) + warp / wpo;
+	const long long n = ((long long)blockIdx.x * (8 / wpo) + warp / wpo) * C;
 	const int kv = K / 8, first = part * 32 + lane, step = 32 * wpo;
-	const uint4 *wr = (const uint4 *)(w + (n < N ? n : 0) * K);
+	const uint4 *wr[C];
+#pragma unroll
+	for (int c = 0; c < C; c++) wr[c] = (const uint4 *)(w + (n + c < N ? n + c : 0) * K);
 	const uint4 *xr = (const uint4 *)x;
 	const long long xstride = silu ? 2 * kv : kv;
 	// The weights do not depend on earlier kernels: the first chunks are
 	// loaded while the previous kernel finishes (dep_wait comes after).
-	uint4 pre[GEMV_PRELOAD];
+	uint4 pre[PRE][C];
 #pragma unroll
-	for (int j = 0; j < GEMV_PRELOAD; j++) {
+	for (int j = 0; j < PRE; j++) {
 		const int i = first + j * step;
-		if (n < N && i < kv) pre[j] = __ldcs(wr + i);
+#pragma unroll
+		for (int c = 0; c < C; c++)
+			if (n < N && i < kv) pre[j][c] = __ldcs(wr[c] + i);
 	}
 	DEP();
 	// Every block adds the partial sums in the same order: the rows'
@@ -298,65 +307,79 @@ __device__ __forceinline__ void gemv_group(float sum[M], const bf16 *x, const bf
 			inv[m] = rsqrtf(block_sum(ss, sq_red) / K + eps);
 		}
 	}
-	float acc[M];
+	float acc[C * M];
 #pragma unroll
-	for (int m = 0; m < M; m++) acc[m] = 0.f;
+	for (int j = 0; j < C * M; j++) acc[j] = 0.f;
 	if (n < N) {
 #pragma unroll
-		for (int j = 0; j < GEMV_PRELOAD; j++) {
+		for (int j = 0; j < PRE; j++) {
 			const int i = first + j * step;
-			if (i < kv) gemv_chunk<M>(acc, pre[j], xr, xstride, kv, i, silu, nw, inv);
+			if (i < kv) gemv_chunk<M, C>(acc, pre[j], xr, xstride, kv, i, silu, nw, inv);
 		}
 #pragma unroll 4
-		for (int i = first + GEMV_PRELOAD * step; i < kv; i += step)
-			gemv_chunk<M>(acc, __ldcs(wr + i), xr, xstride, kv, i, silu, nw, inv);
+		for (int i = first + PRE * step; i < kv; i += step) {
+			uint4 wv[C];
+#pragma unroll
+			for (int c = 0; c < C; c++) wv[c] = __ldcs(wr[c] + i);
+			gemv_chunk<M, C>(acc, wv, xr, xstride, kv, i, silu, nw, inv);
+		}
 	}
 #pragma unroll
-	for (int m = 0; m < M; m++) {
-		const float s = warp_sum(acc[m]);
-		if (lane == 0) red[warp][m] = s;
+	for (int j = 0; j < C * M; j++) {
+		const float s = warp_sum(acc[j]);
+		if (lane == 0) red[warp][j] = s;
 	}
 	__syncthreads();
 #pragma unroll
-	for (int m = 0; m < M; m++) {
-		sum[m] = 0.f;
+	for (int j = 0; j < C * M; j++) {
+		sum[j] = 0.f;
 		if (part == 0 && lane == 0)
-			for (int j = 0; j < wpo; j++) sum[m] += red[warp + j][m];
+			for (int p = 0; p < wpo; p++) sum[j] += red[warp + p][j];
 	}
 	*n_out = n;
 	*part_out = part;
 }
 
-template <int M>
+template <int M, int C>
 __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,
                           const bf16 *norm_w, const float *sq, int nsq, float eps) {
-	float sum[M];
+	float sum[C * M];
 	long long n;
 	int part;
-	gemv_group<M>(sum, x, w, N, K, 0, wpo, norm_w, sq, nsq, eps, &n, &part);
-	if (n >= N || part != 0 || (threadIdx.x & 31) != 0) return;
+	gemv_group<M, C>(sum, x, w, N, K, 0, wpo, norm_w, sq, nsq, eps, &n, &part);
+	if (part != 0 || (threadIdx.x & 31) != 0) return;
 #pragma unroll
-	for (int m = 0; m < M; m++) {
-		if (out_f32) ((float *)out)[(long long)m * N + n] = sum[m];
-		else ((bf16 *)out)[(long long)m * N + n] = f2bf(sum[m]);
+	for (int c = 0; c < C; c++) {
+		if (n + c >= N) break;
+#pragma unroll
+		for (int m = 0; m < M; m++) {
+			if (out_f32) ((float *)out)[(long long)m * N + n + c] = sum[c * M + m];
+			else ((bf16 *)out)[(long long)m * N + n + c] = f2bf(sum[c * M + m]);
+		}
 	}
 }
 
 // norm_w (null for a plain gemv), sq, nsq and eps: see gemv_group.
-#define GEMV(M)                                                                                         \
+// gemv2_m* take two columns per warp group, for matrices so wide that
+// one column each would fill the GPU with blocks.
+#define GEMV(M, C, NAME)                                                                                \
 	extern "C" __global__ void __launch_bounds__(256)                                                   \
-	    gemv_m##M(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,          \
-	              const bf16 *norm_w, const float *sq, int nsq, float eps) {                            \
-		gemv_impl<M>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps);                            \
+	    NAME(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,               \
+	         const bf16 *norm_w, const float *sq, int nsq, float eps) {                                 \
+		gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps);                         \
 	}
-GEMV(1)
-GEMV(2)
-GEMV(3)
-GEMV(4)
-GEMV(5)
-GEMV(6)
-GEMV(7)
-GEMV(8)
+GEMV(1, 1, gemv_m1)
+GEMV(2, 1, gemv_m2)
+GEMV(3, 1, gemv_m3)
+GEMV(4, 1, gemv_m4)
+GEMV(5, 1, gemv_m5)
+GEMV(6, 1, gemv_m6)
+GEMV(7, 1, gemv_m7)
+GEMV(8, 1, gemv_m8)
+GEMV(1, 2, gemv2_m1)
+GEMV(2, 2, gemv2_m2)
+GEMV(3, 2, gemv2_m3)
+GEMV(4, 2, gemv2_m4)
 
 // gemv_fused is gemv for M <= 4 rows with what decode does around it:
 // with silu, the input rows are [gate | up] (2K wide) and the activation
@@ -378,7 +401,7 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 	float sum[M];
 	long long n;
 	int part;
-	gemv_group<M>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, &n, &part);
+	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, &n, &part);
 	const bool owner = part == 0 && (threadIdx.x & 31) == 0;
 	if (sq) {
 		if (owner) {
