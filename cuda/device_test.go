@@ -276,17 +276,25 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 }
 
 // TestMatMulAddThenRMSNormMatMul compares gemv_fused's squares mode and
-// the gemv that normalises its residual as it reads it with the CPU's
-// MatMul, AddRMSNorm and MatMul; twice in a row, as in decode.
+// the gemv that normalises its residual as it reads it (and with glu
+// applies silu to gate and up) with the CPU's MatMul, AddRMSNorm, MatMul
+// and SiLUMul; twice in a row, as in decode.
 func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 	p := newPair(t)
 	for _, s := range []struct {
 		m, k, hidden, n int
-		silu            bool
-	}{{1, 2048, 1024, 4096, false}, {1, 3072, 1024, 6144, true}, {1, 384, 512, 384, true}, {4, 2048, 1024, 1000, false}, {3, 64, 4096, 256, false}} {
-		kin := s.k
+		silu, glu       bool
+	}{
+		{1, 2048, 1024, 4096, false, false}, {1, 2048, 1024, 6144, false, true}, {1, 3072, 1024, 6144, true, false},
+		{1, 384, 512, 384, true, true}, {4, 2048, 1024, 1000, false, false}, {1, 256, 512, 1002, false, true},
+		{2, 2048, 1024, 6144, false, false}, {3, 64, 4096, 256, false, false},
+	} {
+		kin, ny := s.k, s.n
 		if s.silu {
 			kin = 2 * s.k
+		}
+		if s.glu {
+			ny = s.n / 2
 		}
 		x := p.random(device.BF16, 2, s.m, kin)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.hidden, s.k)
@@ -295,13 +303,16 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 		out := p.random(device.BF16, 1, s.m, s.hidden)
 		normed := p.random(device.BF16, 1, s.m, s.hidden)
 		act := p.random(device.BF16, 1, s.m, s.k)
-		y := p.random(device.BF16, 1, s.m, s.n)
+		gateUp := p.random(device.BF16, 1, s.m, s.n)
+		y := p.random(device.BF16, 1, s.m, ny)
 		for range 2 {
 			res := p.random(device.BF16, 3, s.m, s.hidden)
 			if !p.gpu.MatMulAdd(x.g, w.g, s.silu, res.g) {
 				t.Fatalf("%+v: not fused", s)
 			}
-			p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6)
+			if !p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6, s.glu) {
+				t.Fatalf("%+v: glu not fused", s)
+			}
 			in := x.c
 			if s.silu {
 				p.cpu.SiLUMul(act.c, x.c)
@@ -309,18 +320,36 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 			}
 			p.cpu.MatMul(out.c, in, w.c, device.Tensor{})
 			p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
-			p.cpu.MatMul(y.c, normed.c, next.c, device.Tensor{})
+			if s.glu {
+				p.cpu.MatMul(gateUp.c, normed.c, next.c, device.Tensor{})
+				p.cpu.SiLUMul(y.c, gateUp.c)
+			} else {
+				p.cpu.MatMul(y.c, normed.c, next.c, device.Tensor{})
+			}
 			p.close("squares residual", res, 3e-2, 1e-2)
-			p.close("normalising matmul", y, 4e-2, 3e-2)
+			p.close(fmt.Sprintf("normalising matmul (glu %v)", s.glu), y, 4e-2, 3e-2)
 		}
 	}
+	// Silu is fused for one row; the residual stays for a call without.
+	res2 := p.random(device.BF16, 1, 2, 256)
+	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 2, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res2.g) {
+		t.Fatal("not fused")
+	}
+	w2 := p.random(device.BF16, 1, 64, 256)
+	if p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 2, 32).g, res2.g, p.random(device.BF16, 1, 256).g, w2.g, 1e-6, true) {
+		t.Fatal("glu fused for two rows")
+	}
+	if !p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 2, 64).g, res2.g, p.random(device.BF16, 1, 256).g, w2.g, 1e-6, false) {
+		t.Fatal("normalising matmul refused")
+	}
+	p.sync()
 	// A normalising matmul needs the sums of the residual it reads.
 	res := p.random(device.BF16, 1, 1, 256)
 	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 1, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res.g) {
 		t.Fatal("not fused")
 	}
 	other := p.random(device.BF16, 1, 1, 256)
-	p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 1, 64).g, other.g, p.random(device.BF16, 1, 256).g, p.random(device.BF16, 1, 64, 256).g, 1e-6)
+	p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 1, 64).g, other.g, p.random(device.BF16, 1, 256).g, p.random(device.BF16, 1, 64, 256).g, 1e-6, false)
 	if err := p.gpu.Sync(); err == nil || !strings.Contains(err.Error(), "rmsnorm matmul") {
 		t.Fatalf("normalising matmul on another residual: %v", err)
 	}

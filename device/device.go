@@ -350,9 +350,12 @@ type Fused interface {
 	// rounded as AddRMSNorm rounds it, and the device keeps what
 	// RMSNormMatMul needs to normalise residual as it reads it.
 	MatMulAdd(x, w Tensor, silu bool, residual Tensor) bool
-	// RMSNormMatMul: out = (rmsnorm(residual) * normW) @ w^T, where the
-	// last operation to write residual was MatMulAdd (an error otherwise).
-	RMSNormMatMul(out, residual, normW, w Tensor, eps float32)
+	// RMSNormMatMul: y = (rmsnorm(residual) * normW) @ w^T, where the
+	// last operation to write residual was MatMulAdd (an error otherwise);
+	// out is y, or with glu (w being [gate | up] rows) SiLUMul of y. It
+	// returns false only for a glu the device does not fuse, leaving the
+	// residual for a call without.
+	RMSNormMatMul(out, residual, normW, w Tensor, eps float32, glu bool) bool
 }
 
 // Collective adds up partial sums across the ranks of a tensor-parallel

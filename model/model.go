@@ -236,7 +236,7 @@ func (m *Model) forward(in Inputs, a activations) {
 	var lazyNorm device.Tensor
 	matMulX := func(out, wt, bias device.Tensor) {
 		if lazyNorm.Valid() {
-			fused.RMSNormMatMul(out, a.h, lazyNorm, wt, eps)
+			fused.RMSNormMatMul(out, a.h, lazyNorm, wt, eps, false)
 			lazyNorm = device.Tensor{}
 			return
 		}
@@ -278,13 +278,20 @@ func (m *Model) forward(in Inputs, a activations) {
 		dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 		dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, true)
-		matMulX(a.gateUp, l.GateUp, device.Tensor{})
 		// The last layer's x goes to GatherRows, and a biased qkv is not
 		// normalised on the fly.
 		next, lazy := w.Norm, false
 		if i+1 < len(w.Layers) {
 			next, lazy = w.Layers[i+1].InputNorm, !w.Layers[i+1].QKVBias.Valid()
 		}
+		if lazyNorm.Valid() && fused.RMSNormMatMul(a.act, a.h, lazyNorm, l.GateUp, eps, true) {
+			// The gemv that normalised x also applied silu: each gate
+			// met its up in one group of warps.
+			lazyNorm = device.Tensor{}
+			addNorm(a.act, l.Down, device.Tensor{}, false, next, lazy)
+			continue
+		}
+		matMulX(a.gateUp, l.GateUp, device.Tensor{})
 		addNorm(a.gateUp, l.Down, device.Tensor{}, true, next, lazy)
 	}
 	dev.GatherRows(a.sel, a.x, in.LogitRows)

@@ -269,18 +269,21 @@ __device__ __forceinline__ void gemv_chunk(float acc[C * M], const uint4 wv[C], 
 // Every thread of the block must call it.
 template <int M, int C>
 __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, const bf16 *w, int N, int K, int silu,
-                                           int wpo, const bf16 *norm_w, const float *sq, int nsq, float eps,
+                                           int wpo, const bf16 *norm_w, const float *sq, int nsq, float eps, int glu,
                                            long long *n_out, int *part_out) {
 	constexpr int PRE = GEMV_PRELOAD / C;
 	__shared__ float red[8][C * M];
 	__shared__ float sq_red[32];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int part = warp % wpo;
-	const long long n = ((long long)blockIdx.x * (8 / wpo) + warp / wpo) * C;
+	// With glu (C = 2) a group's columns are n and n + N/2: a gate and its
+	// up; otherwise C adjacent columns from n.
+	const long long group = (long long)blockIdx.x * (8 / wpo) + warp / wpo;
+	const long long n = glu ? group : group * C, cstride = glu ? N / 2 : 1;
 	const int kv = K / 8, first = part * 32 + lane, step = 32 * wpo;
 	const uint4 *wr[C];
 #pragma unroll
-	for (int c = 0; c < C; c++) wr[c] = (const uint4 *)(w + (n + c < N ? n + c : 0) * K);
+	for (int c = 0; c < C; c++) wr[c] = (const uint4 *)(w + (n + c * cstride < N ? n + c * cstride : 0) * K);
 	const uint4 *xr = (const uint4 *)x;
 	const long long xstride = silu ? 2 * kv : kv;
 	// The weights do not depend on earlier kernels: the first chunks are
@@ -291,7 +294,7 @@ __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, cons
 		const int i = first + j * step;
 #pragma unroll
 		for (int c = 0; c < C; c++)
-			if (n < N && i < kv) pre[j][c] = __ldcs(wr[c] + i);
+			if (n * (1 + glu) < N && i < kv) pre[j][c] = __ldcs(wr[c] + i);
 	}
 	DEP();
 	// Every block adds the partial sums in the same order: the rows'
@@ -310,7 +313,7 @@ __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, cons
 	float acc[C * M];
 #pragma unroll
 	for (int j = 0; j < C * M; j++) acc[j] = 0.f;
-	if (n < N) {
+	if (n * (1 + glu) < N) {
 #pragma unroll
 		for (int j = 0; j < PRE; j++) {
 			const int i = first + j * step;
@@ -342,12 +345,24 @@ __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, cons
 
 template <int M, int C>
 __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,
-                          const bf16 *norm_w, const float *sq, int nsq, float eps) {
+                          const bf16 *norm_w, const float *sq, int nsq, float eps, int glu) {
 	float sum[C * M];
 	long long n;
 	int part;
-	gemv_group<M, C>(sum, x, w, N, K, 0, wpo, norm_w, sq, nsq, eps, &n, &part);
+	gemv_group<M, C>(sum, x, w, N, K, 0, wpo, norm_w, sq, nsq, eps, glu, &n, &part);
 	if (part != 0 || (threadIdx.x & 31) != 0) return;
+	if (glu) {
+		// out[m, n] = silu(gate) * up, both rounded to bf16 first, as the
+		// matmul's output is before silu_mul reads it.
+		const int half = N / 2;
+		if (n >= half) return;
+#pragma unroll
+		for (int m = 0; m < M; m++) {
+			const float g = rbf(sum[m]), u = rbf(sum[(C - 1) * M + m]);
+			((bf16 *)out)[(long long)m * half + n] = f2bf(rbf(g / (1.f + expf(-g))) * u);
+		}
+		return;
+	}
 #pragma unroll
 	for (int c = 0; c < C; c++) {
 		if (n + c >= N) break;
@@ -361,12 +376,13 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 
 // norm_w (null for a plain gemv), sq, nsq and eps: see gemv_group.
 // gemv2_m* take two columns per warp group, for matrices so wide that
-// one column each would fill the GPU with blocks.
+// one column each would fill the GPU with blocks; with glu, a gate and
+// its up, and out is [M, N/2] of silu(gate) * up.
 #define GEMV(M, C, NAME)                                                                                \
 	extern "C" __global__ void __launch_bounds__(256)                                                   \
 	    NAME(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,               \
-	         const bf16 *norm_w, const float *sq, int nsq, float eps) {                                 \
-		gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps);                         \
+	         const bf16 *norm_w, const float *sq, int nsq, float eps, int glu) {                        \
+		gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps, glu);                    \
 	}
 GEMV(1, 1, gemv_m1)
 GEMV(2, 1, gemv_m2)
@@ -401,7 +417,7 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 	float sum[M];
 	long long n;
 	int part;
-	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, &n, &part);
+	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, 0, &n, &part);
 	const bool owner = part == 0 && (threadIdx.x & 31) == 0;
 	if (sq) {
 		if (owner) {
