@@ -666,6 +666,21 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 	return true
 }
 
+// MatMulSiLU implements device.Fused: for one row, gemv2 with each gate
+// and its up in one warp group, which applies silu (tensor parallelism
+// uses it too: gate_up is split by columns, so nothing is added across
+// ranks before silu).
+func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
+	m, n, k := x.Dim(0), w.Dim(0), w.Dim(-1)
+	if m != 1 || n%2 != 0 || k%8 != 0 || x.Numel() != k || out.Numel() != n/2 || x.DType != device.BF16 ||
+		w.DType != device.BF16 || out.DType != device.BF16 || x.Ptr%16 != 0 || w.Ptr%16 != 0 {
+		return false
+	}
+	gemv, wpo, blocks := d.gemvShape(m, n, k, true)
+	d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo), P(0), P(0), I(0), F(0), I(1))
+	return true
+}
+
 func boolInt(b bool) int {
 	if b {
 		return 1

@@ -355,6 +355,27 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 	}
 }
 
+// TestMatMulSiLU compares the gemv whose warp groups take a gate and its
+// up with the CPU's MatMul then SiLUMul.
+func TestMatMulSiLU(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct{ k, inter int }{{1024, 3072}, {4096, 6144}, {256, 501}} {
+		x := p.random(device.BF16, 1, 1, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), 2*s.inter, s.k)
+		gateUp := p.random(device.BF16, 1, 1, 2*s.inter)
+		out := p.random(device.BF16, 1, 1, s.inter)
+		if !p.gpu.MatMulSiLU(out.g, x.g, w.g) {
+			t.Fatalf("%+v: not fused", s)
+		}
+		p.cpu.MatMul(gateUp.c, x.c, w.c, device.Tensor{})
+		p.cpu.SiLUMul(out.c, gateUp.c)
+		p.close("matmul silu", out, 2e-2, 2e-2)
+	}
+	if p.gpu.MatMulSiLU(p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 2, 256).g, p.random(device.BF16, 1, 128, 256).g) {
+		t.Fatal("fused for two rows")
+	}
+}
+
 func TestSiLUMul(t *testing.T) {
 	p := newPair(t)
 	for _, inter := range []int{200, 203} { // vectorised, and not

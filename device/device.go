@@ -356,6 +356,8 @@ type Fused interface {
 	// returns false only for a glu the device does not fuse, leaving the
 	// residual for a call without.
 	RMSNormMatMul(out, residual, normW, w Tensor, eps float32, glu bool) bool
+	// MatMulSiLU: out = SiLUMul(x @ w^T), w being [gate | up] rows.
+	MatMulSiLU(out, x, w Tensor) bool
 }
 
 // Collective adds up partial sums across the ranks of a tensor-parallel

@@ -222,7 +222,8 @@ func (m *Model) forward(in Inputs, a activations) {
 
 	// With tensor parallelism the partial sums meet between the matmul and
 	// the add, so nothing is fused across them.
-	fused, _ := dev.(device.Fused)
+	fusedAny, _ := dev.(device.Fused)
+	fused := fusedAny
 	if m.Comm != nil {
 		fused = nil
 	}
@@ -288,6 +289,10 @@ func (m *Model) forward(in Inputs, a activations) {
 			// The gemv that normalised x also applied silu: each gate
 			// met its up in one group of warps.
 			lazyNorm = device.Tensor{}
+			addNorm(a.act, l.Down, device.Tensor{}, false, next, lazy)
+			continue
+		}
+		if !lazyNorm.Valid() && fusedAny != nil && fusedAny.MatMulSiLU(a.act, a.x, l.GateUp) {
 			addNorm(a.act, l.Down, device.Tensor{}, false, next, lazy)
 			continue
 		}
