@@ -225,6 +225,19 @@ func TestMatMul(t *testing.T) {
 	}
 }
 
+// cpuMatMulAddRMSNorm is what the fused kernels stand for, on the CPU:
+// out = in @ w^T, in being x or, with silu, SiLUMul(x) (through act); then
+// AddRMSNorm into res and normed.
+func cpuMatMulAddRMSNorm(p *pair, out, x, w, act both, silu bool, res, normed, normW both) {
+	in := x.c
+	if silu {
+		p.cpu.SiLUMul(act.c, x.c)
+		in = act.c
+	}
+	p.cpu.MatMul(out.c, in, w.c, device.Tensor{})
+	p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
+}
+
 // TestMatMulAddRMSNorm compares the fused decode kernel with the CPU's
 // separate SiLUMul, MatMul and AddRMSNorm, which define its result; twice
 // in a row, as the counter that elects the last block must reset itself.
@@ -249,13 +262,7 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 			if !p.gpu.MatMulAddRMSNorm(out.g, x.g, w.g, s.silu, res.g, normed.g, normW.g, 1e-6) {
 				t.Fatalf("%+v: not fused", s)
 			}
-			in := x.c
-			if s.silu {
-				p.cpu.SiLUMul(act.c, x.c)
-				in = act.c
-			}
-			p.cpu.MatMul(out.c, in, w.c, device.Tensor{})
-			p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
+			cpuMatMulAddRMSNorm(p, out, x, w, act, s.silu, res, normed, normW)
 			// The CPU's silu_mul does not round silu(gate) to bf16 before
 			// the product as the GPU's does: its activations differ by
 			// an ulp, and K of them add up in out.
@@ -313,13 +320,7 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 			if !p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6, s.glu) {
 				t.Fatalf("%+v: glu not fused", s)
 			}
-			in := x.c
-			if s.silu {
-				p.cpu.SiLUMul(act.c, x.c)
-				in = act.c
-			}
-			p.cpu.MatMul(out.c, in, w.c, device.Tensor{})
-			p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
+			cpuMatMulAddRMSNorm(p, out, x, w, act, s.silu, res, normed, normW)
 			if s.glu {
 				p.cpu.MatMul(gateUp.c, normed.c, next.c, device.Tensor{})
 				p.cpu.SiLUMul(y.c, gateUp.c)

@@ -201,32 +201,30 @@ extern "C" __global__ void __launch_bounds__(128)
 // matrix (N of a thousand) still puts enough loads in flight on every SM.
 // Grid (N / (8 / wpo)), 256 threads. K is a multiple of 8.
 
-// silu_mul8 forms 8 activations silu(gate) * up, rounded as silu_mul does.
-__device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
-	const unsigned gu[4] = {g.x, g.y, g.z, g.w}, uu[4] = {u.x, u.y, u.z, u.w};
+// bf16x8_map applies f to the eight bf16 pairs of a and b, each giving a
+// bf16.
+template <typename F>
+__device__ __forceinline__ uint4 bf16x8_map(uint4 a, uint4 b, F f) {
+	const unsigned au[4] = {a.x, a.y, a.z, a.w}, bu[4] = {b.x, b.y, b.z, b.w};
 	unsigned r[4];
 #pragma unroll
 	for (int e = 0; e < 4; e++) {
-		const float g0 = __uint_as_float(gu[e] << 16), g1 = __uint_as_float(gu[e] & 0xffff0000u);
-		const float u0 = __uint_as_float(uu[e] << 16), u1 = __uint_as_float(uu[e] & 0xffff0000u);
-		const bf16 a0 = f2bf(rbf(g0 / (1.f + expf(-g0))) * u0), a1 = f2bf(rbf(g1 / (1.f + expf(-g1))) * u1);
-		r[e] = (unsigned)a0 | ((unsigned)a1 << 16);
+		const bf16 lo = f(__uint_as_float(au[e] << 16), __uint_as_float(bu[e] << 16));
+		const bf16 hi = f(__uint_as_float(au[e] & 0xffff0000u), __uint_as_float(bu[e] & 0xffff0000u));
+		r[e] = (unsigned)lo | ((unsigned)hi << 16);
 	}
 	return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// silu_mul8 forms 8 activations silu(gate) * up, rounded as silu_mul does.
+__device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
+	return bf16x8_map(g, u, [](float gv, float uv) { return f2bf(rbf(gv / (1.f + expf(-gv))) * uv); });
 }
 
 // rmsnorm8 forms 8 inputs norm_w * rmsnorm(h) from h and its row's
 // inverse root mean square, rounded as add_rmsnorm rounds them.
 __device__ __forceinline__ uint4 rmsnorm8(uint4 h, uint4 w, float inv) {
-	const unsigned hu[4] = {h.x, h.y, h.z, h.w}, wu[4] = {w.x, w.y, w.z, w.w};
-	unsigned r[4];
-#pragma unroll
-	for (int e = 0; e < 4; e++) {
-		const float h0 = __uint_as_float(hu[e] << 16), h1 = __uint_as_float(hu[e] & 0xffff0000u);
-		const float w0 = __uint_as_float(wu[e] << 16), w1 = __uint_as_float(wu[e] & 0xffff0000u);
-		r[e] = (unsigned)f2bf(w0 * rbf(h0 * inv)) | ((unsigned)f2bf(w1 * rbf(h1 * inv)) << 16);
-	}
-	return make_uint4(r[0], r[1], r[2], r[3]);
+	return bf16x8_map(h, w, [inv](float hv, float wv) { return f2bf(wv * rbf(hv * inv)); });
 }
 
 // gemv_chunk adds one 16-byte chunk i of C weight rows times the rows of
