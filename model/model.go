@@ -220,10 +220,11 @@ func (m *Model) forward(in Inputs, a activations) {
 	scale := float32(1 / math.Sqrt(float64(c.HeadDim)))
 	flat := func(x device.Tensor) device.Tensor { return x.View(t, x.Numel()/t) }
 
-	// With tensor parallelism the partial sums meet between the matmul and
-	// the add, so nothing is fused across them.
-	fusedAny, _ := dev.(device.Fused)
-	fused := fusedAny
+	// fused is nil under tensor parallelism: the partial sums meet between
+	// a matmul and its add, so no add is fused across them. A matmul
+	// without one (gate_up with silu) still is, through fusedDev.
+	fusedDev, _ := dev.(device.Fused)
+	fused := fusedDev
 	if m.Comm != nil {
 		fused = nil
 	}
@@ -292,7 +293,7 @@ func (m *Model) forward(in Inputs, a activations) {
 			addNorm(a.act, l.Down, device.Tensor{}, false, next, lazy)
 			continue
 		}
-		if !lazyNorm.Valid() && fusedAny != nil && fusedAny.MatMulSiLU(a.act, a.x, l.GateUp) {
+		if !lazyNorm.Valid() && fusedDev != nil && fusedDev.MatMulSiLU(a.act, a.x, l.GateUp) {
 			addNorm(a.act, l.Down, device.Tensor{}, false, next, lazy)
 			continue
 		}

@@ -197,9 +197,9 @@ extern "C" __global__ void __launch_bounds__(128)
 // gemv computes out[m, n] = sum_k x[m, k] w[n, k] for a few rows m (M of
 // them) with 16-byte loads of both operands: a decode step at small batch
 // is bound by reading the weights once. A group of wpo adjacent warps
-// shares output n, each taking every wpo-th chunk of K, so that a narrow
-// matrix (N of a thousand) still puts enough loads in flight on every SM.
-// Grid (N / (8 / wpo)), 256 threads. K is a multiple of 8.
+// shares output n (or C outputs), each taking every wpo-th chunk of K, so
+// that a narrow matrix (N of a thousand) still puts enough loads in flight
+// on every SM. Grid (N / (C * 8 / wpo)), 256 threads. K is a multiple of 8.
 
 // bf16x8_map applies f to the eight bf16 pairs of a and b, each giving a
 // bf16.
