@@ -620,7 +620,8 @@ type pendingNorm struct {
 // normalisation cannot be left undone.
 func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual device.Tensor) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
-	parts := (n*d.gemvWarps(n, k) + 7) / 8
+	wpo := d.gemvWarps(n, k)
+	parts := (n*wpo + 7) / 8
 	if !fusable(m, x, w, silu) || residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 ||
 		residual.Ptr%16 != 0 || m*parts > d.rowSquares.Numel() {
 		return false
@@ -628,7 +629,6 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual device.Tensor
 	if d.err != nil {
 		return true
 	}
-	wpo := d.gemvWarps(n, k)
 	d.launch(fmt.Sprintf("gemv_fused_m%d", m), D1(parts), D1(256), 0, P(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
 		P(residual.Ptr), P(0), P(0), F(0), P(0), P(d.rowSquares.Ptr))
 	d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: parts}
