@@ -126,7 +126,7 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, out, qkv, kc, vc 
 			splits--
 		}
 	}
-	if int64(b*hk+1)*4 > d.counters.Bytes() { // the last one is gemv_fused's
+	if b*hk > matMulCountersAt {
 		d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
 		return
 	}

@@ -84,7 +84,11 @@ func (d *Device) JoinGroup(id [128]byte, nranks, rank int, timeout time.Duration
 }
 
 const (
-	gemvMaxRows     = 4 // MatMul with at most this many rows uses the gemv kernel (cuBLAS is faster from 8)
+	// MatMul on one row is a gemv, fused with the norms around it; from
+	// two rows matmul_tc with separate add_rmsnorm and silu_mul is faster
+	// than the fused gemvs were (H100 decode steps, batch 2, 3, 4:
+	// 1.207, 1.491, 1.495 ms -> 1.140, 1.157, 1.164 ms); past 16 rows cuBLAS.
+	gemvMaxRows     = 1
 	cublasWorkspace = 32 << 20
 	partialBytes    = 16 << 20
 	graphRegionVA   = 64 << 30 // address space only; memory is mapped as used
@@ -100,9 +104,8 @@ var kernelNames = []string{
 	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
-	"gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
-	"gemv2_m1", "gemv2_m2", "gemv2_m3", "gemv2_m4",
-	"gemv_fused_m1", "gemv_fused_m2", "gemv_fused_m3", "gemv_fused_m4",
+	"gemv_m1", "gemv2_m1", "gemv_fused_m1",
+	"matmul_tc_t1", "matmul_tc_t2",
 	"allreduce_f32", "allreduce_f32_v4", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
 
@@ -530,10 +533,15 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.fail(fmt.Errorf("matmul: x %v, w %v, out %v", x, w, out))
 		return
 	}
-	if m <= gemvMaxRows && k%8 == 0 && x.Ptr%16 == 0 && w.Ptr%16 == 0 {
+	aligned := x.Ptr%16 == 0 && w.Ptr%16 == 0
+	if useGemv(m, k) && aligned {
 		name, wpo, blocks := d.gemvShape(m, n, k, false)
 		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
 			P(0), P(0), I(0), F(0), I(0))
+	} else if d.useMatMulTC(m, k) && aligned {
+		name, grid := d.matMulTCShape(m, n, k)
+		d.launch(name, grid, D1(matMulTCWarps*32), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr),
+			I(m), I(n), I(k), P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4))
 	} else {
 		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k))
 	}
@@ -545,6 +553,54 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		}
 		d.launch(name, gridFor(total), D1(256), 0, P(out.Ptr), P(bias.Ptr), uint64(total), I(n))
 	}
+}
+
+func useGemv(m, k int) bool { return m <= gemvMaxRows && k%8 == 0 }
+
+const (
+	matMulTCWarps    = 8     // MMT_WARPS in matmul.cu
+	matMulTCMaxTiles = 2     // the largest T of matmul_tc_t*
+	matMulCountersAt = 32768 // its split counters, after the attention's in d.counters
+)
+
+// useMatMulTC says whether matmul_tc takes m rows. Past 16 its 16-column
+// warps, each reading every row of x from L2, fall behind cuBLAS (H100,
+// 0.6B shapes: at 8 and 16 rows 4.2-6.1 us against cuBLAS's 5.3-7.0, at
+// 32 rows level or slower, at 128 two to three times slower).
+func (d *Device) useMatMulTC(m, k int) bool {
+	return m > gemvMaxRows && m <= 8*matMulTCMaxTiles && k%32 == 0
+}
+
+// matMulTCShape picks matmul_tc's tile count T (8T rows) and grid (N/16
+// column blocks, K splits) for m rows of an n x k matrix: K is split
+// while that leaves fewer than two blocks per SM, every warp at least one
+// 32-wide step and the partials room in d.partO (1024 x 2048 at 8 rows:
+// four splits 4.2 us, two 4.9 us).
+func (d *Device) matMulTCShape(m, n, k int) (string, Dim3) {
+	t := 1
+	for t < matMulTCMaxTiles && 8*t < m {
+		t *= 2
+	}
+	cols := (n + 15) / 16
+	splits := 1
+	for cols*splits*2 <= 2*d.ctx.SMs && k/32 >= 2*splits*matMulTCWarps &&
+		int64(2*splits*cols*t*32*4)*4 <= d.partO.Bytes() && cols <= d.counters.Numel()-1-matMulCountersAt {
+		splits *= 2
+	}
+	return fmt.Sprintf("matmul_tc_t%d", t), Dim3{uint32(cols), 1, uint32(splits)}
+}
+
+// matMulKernel names the kernel MatMul runs for aligned operands.
+func (d *Device) matMulKernel(m, n, k int) string {
+	switch {
+	case useGemv(m, k):
+		name, _, _ := d.gemvShape(m, n, k, false)
+		return name
+	case d.useMatMulTC(m, k):
+		name, _ := d.matMulTCShape(m, n, k)
+		return name
+	}
+	return "cublasGemmEx"
 }
 
 // gemvWarps is how many warps share one output column of a gemv: more for
@@ -578,9 +634,9 @@ func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int)
 	return name, wpo, (n + perBlock - 1) / perBlock
 }
 
-// MatMulAddRMSNorm implements device.Fused for up to gemvMaxRows rows.
+// MatMulAddRMSNorm implements device.Fused for one row.
 func (d *Device) MatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, normed, normW device.Tensor, eps float32) bool {
-	if !fusable(out.Dim(0), x, w, silu) || out.DType != device.BF16 {
+	if !fusable(out.Dim(0), x, w) || out.DType != device.BF16 {
 		return false
 	}
 	if d.err != nil {
@@ -595,16 +651,9 @@ func (d *Device) MatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, 
 }
 
 // fusable says whether gemv_fused takes m rows of x (silu: [gate | up]).
-func fusable(m int, x, w device.Tensor, silu bool) bool {
+func fusable(m int, x, w device.Tensor) bool {
 	n, k := w.Dim(0), w.Dim(-1)
-	if m > gemvMaxRows || k%8 != 0 || n > 8*1024 || x.Ptr%16 != 0 || w.Ptr%16 != 0 {
-		return false
-	}
-	// Every output forms its activations again from gate and up (read
-	// from L2 twice per row): past one row that costs more than the
-	// separate silu_mul it saves (batch 2 decode steps 1.50 ms fused,
-	// 1.26 ms not, H100).
-	return !silu || m <= 1
+	return m <= gemvMaxRows && k%8 == 0 && n <= 8*1024 && x.Ptr%16 == 0 && w.Ptr%16 == 0
 }
 
 // pendingNorm is what RMSNormMatMul needs from the MatMulAdd before it:
@@ -622,7 +671,7 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual device.Tensor
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
 	wpo := d.gemvWarps(n, k)
 	parts := (n*wpo + 7) / 8
-	if !fusable(m, x, w, silu) || residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 ||
+	if !fusable(m, x, w) || residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 ||
 		residual.Ptr%16 != 0 || m*parts > d.rowSquares.Numel() {
 		return false
 	}
@@ -636,15 +685,9 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual device.Tensor
 }
 
 // RMSNormMatMul implements device.Fused: a gemv that normalises the
-// residual MatMulAdd left as it reads it. Silu is applied (glu) for one
-// row only: with more, each row's chunks normalised again for every
-// group of columns cost more than the silu_mul kernel saved (H100
-// decode steps, batch 2 1.19 -> 1.24 ms, batch 4 1.49 -> 1.67 ms).
+// residual MatMulAdd left as it reads it (with glu also applying silu).
 func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float32, glu bool) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
-	if glu && m > 1 {
-		return false
-	}
 	if d.err != nil {
 		return true
 	}

@@ -210,7 +210,10 @@ func TestRMSNorms(t *testing.T) {
 
 func TestMatMul(t *testing.T) {
 	p := newPair(t)
-	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072}} {
+	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072},
+		// matmul_tc (5 to 16 rows): one and two tiles, K splits, ragged
+		// N; a K that is no multiple of 32 goes to cuBLAS.
+		{5, 1024, 301}, {16, 2048, 1024}, {12, 256, 40}, {9, 12288, 512}, {13, 1000, 64}, {64, 3072, 1024}, {200, 2048, 1000}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		bias := p.random(device.BF16, 0.5, s.n)
@@ -246,7 +249,7 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 	for _, s := range []struct {
 		m, k, n int
 		silu    bool
-	}{{1, 1024, 1024, false}, {4, 2048, 1024, false}, {1, 3072, 1024, true}, {1, 384, 384, true}, {3, 4096, 4096, false}, {1, 1024, 1000, true}, {2, 1024, 301, false}} {
+	}{{1, 1024, 1024, false}, {1, 2048, 1024, false}, {1, 3072, 1024, true}, {1, 384, 384, true}, {1, 4096, 4096, false}, {1, 1024, 1000, true}, {1, 1024, 301, false}} {
 		kin := s.k
 		if s.silu {
 			kin = 2 * s.k
@@ -275,10 +278,10 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 			p.close("fused normed", normed, 3e-2, 3e-2)
 		}
 	}
-	x := p.random(device.BF16, 1, 2, 2*256)
-	if p.gpu.MatMulAddRMSNorm(p.random(device.BF16, 1, 2, 64).g, x.g, p.random(device.BF16, 1, 64, 256).g, true,
+	x := p.random(device.BF16, 1, 2, 256)
+	if p.gpu.MatMulAddRMSNorm(p.random(device.BF16, 1, 2, 64).g, x.g, p.random(device.BF16, 1, 64, 256).g, false,
 		p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 64).g, 1e-6) {
-		t.Fatal("silu fused for 2 rows")
+		t.Fatal("fused for 2 rows")
 	}
 }
 
@@ -293,8 +296,8 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 		silu, glu       bool
 	}{
 		{1, 2048, 1024, 4096, false, false}, {1, 2048, 1024, 6144, false, true}, {1, 3072, 1024, 6144, true, false},
-		{1, 384, 512, 384, true, true}, {4, 2048, 1024, 1000, false, false}, {1, 256, 512, 1002, false, true},
-		{2, 2048, 1024, 6144, false, false}, {3, 64, 4096, 256, false, false},
+		{1, 384, 512, 384, true, true}, {1, 2048, 1024, 1000, false, false}, {1, 256, 512, 1002, false, true},
+		{1, 64, 4096, 256, false, false},
 	} {
 		kin, ny := s.k, s.n
 		if s.silu {
@@ -331,19 +334,10 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 			p.close(fmt.Sprintf("normalising matmul (glu %v)", s.glu), y, 4e-2, 3e-2)
 		}
 	}
-	// Silu is fused for one row; the residual stays for a call without.
-	res2 := p.random(device.BF16, 1, 2, 256)
-	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 2, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res2.g) {
-		t.Fatal("not fused")
+	// Two rows are not fused: the model adds and normalises on its own.
+	if p.gpu.MatMulAdd(p.random(device.BF16, 1, 2, 128).g, p.random(device.BF16, 1, 256, 128).g, false, p.random(device.BF16, 1, 2, 256).g) {
+		t.Fatal("fused for two rows")
 	}
-	w2 := p.random(device.BF16, 1, 64, 256)
-	if p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 2, 32).g, res2.g, p.random(device.BF16, 1, 256).g, w2.g, 1e-6, true) {
-		t.Fatal("glu fused for two rows")
-	}
-	if !p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 2, 64).g, res2.g, p.random(device.BF16, 1, 256).g, w2.g, 1e-6, false) {
-		t.Fatal("normalising matmul refused")
-	}
-	p.sync()
 	// A normalising matmul needs the sums of the residual it reads.
 	res := p.random(device.BF16, 1, 1, 256)
 	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 1, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res.g) {

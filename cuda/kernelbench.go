@@ -78,49 +78,11 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	d.Fill(vc, 0.5)
 	d.Fill(qkv, 0.1)
 	scale := float32(0.088)
-	// Timed as the model runs it: launches replayed from a CUDA graph, so
-	// that the host's launch cost does not count for short kernels.
-	const perGraph = 10
 	d.Attention(out, qkv, kc, vc, meta, scale) // first launch loads the function
-	graph, err := d.CaptureGraph(func() {
-		for range perGraph {
-			d.Attention(out, qkv, kc, vc, meta, scale)
-		}
-	})
+	us, err := timeLaunches(d, s.Iters, 10, func(int) { d.Attention(out, qkv, kc, vc, meta, scale) })
 	if err != nil {
 		return res, err
 	}
-	defer graph.Destroy()
-	start, err := d.ctx.NewEvent()
-	if err != nil {
-		return res, err
-	}
-	defer start.Destroy()
-	end, err := d.ctx.NewEvent()
-	if err != nil {
-		return res, err
-	}
-	defer end.Destroy()
-	us := make([]float64, s.Iters)
-	for i := range us {
-		if err := graph.Replay(); err != nil { // warm, and keeps the GPU ahead of the host
-			return res, err
-		}
-		d.fail(d.ctx.Record(start))
-		if err := graph.Replay(); err != nil {
-			return res, err
-		}
-		d.fail(d.ctx.Record(end))
-		ms, err := Elapsed(start, end)
-		if err != nil {
-			return res, err
-		}
-		us[i] = float64(ms) * 1000 / perGraph
-	}
-	if err := d.Sync(); err != nil {
-		return res, err
-	}
-	sort.Float64s(us)
 	res.MedianUs, res.MinUs = us[len(us)/2], us[0]
 	res.Kernel = attentionKernelName(s)
 	res.Bytes = 2*int64(slots)*int64(s.KVHeads*s.Dim)*2 + int64(tokens)*int64(2*s.QHeads+2*s.KVHeads)*int64(s.Dim)*2
@@ -128,12 +90,7 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	prefix := s.Context - s.QLen
 	pairs := float64(s.Batch) * (float64(s.QLen)*float64(prefix) + float64(s.QLen)*float64(s.QLen+1)/2)
 	res.TFLOPS = 4 * float64(s.QHeads*s.Dim) * pairs / res.MedianUs / 1e6
-	if d.nvml != nil {
-		if peak, err := d.nvml.PeakBandwidth(); err == nil {
-			res.PeakGBPerS = peak / 1e9
-			res.PeakPercent = 100 * res.GBPerS / res.PeakGBPerS
-		}
-	}
+	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
 	for _, t := range []device.Tensor{kc, vc, qkv, out, meta.QIndptr, meta.KVIndptr, meta.KVIndices} {
 		d.Free(memory.Workspace, t)
 	}
@@ -154,4 +111,134 @@ func attentionKernelName(s AttentionBenchSpec) string {
 		return fmt.Sprintf("attn_prefill_mma_d%d", s.Dim)
 	}
 	return "attn_prefill"
+}
+
+// timeLaunches times iters replays of a CUDA graph of perGraph calls of
+// launch (given their index), as the model runs kernels, so that the
+// host's launch cost does not count for short ones: microseconds per
+// call, sorted.
+func timeLaunches(d *Device, iters, perGraph int, launch func(i int)) ([]float64, error) {
+	graph, err := d.CaptureGraph(func() {
+		for i := range perGraph {
+			launch(i)
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer graph.Destroy()
+	start, err := d.ctx.NewEvent()
+	if err != nil {
+		return nil, err
+	}
+	defer start.Destroy()
+	end, err := d.ctx.NewEvent()
+	if err != nil {
+		return nil, err
+	}
+	defer end.Destroy()
+	us := make([]float64, iters)
+	for i := range us {
+		if err := graph.Replay(); err != nil { // warm, and keeps the GPU ahead of the host
+			return nil, err
+		}
+		d.fail(d.ctx.Record(start))
+		if err := graph.Replay(); err != nil {
+			return nil, err
+		}
+		d.fail(d.ctx.Record(end))
+		ms, err := Elapsed(start, end)
+		if err != nil {
+			return nil, err
+		}
+		us[i] = float64(ms) * 1000 / float64(perGraph)
+	}
+	if err := d.Sync(); err != nil {
+		return nil, err
+	}
+	sort.Float64s(us)
+	return us, nil
+}
+
+// peakShare is the HBM peak from NVML (GB/s) and gbps as a percentage of
+// it; zeros where NVML does not know the peak.
+func (d *Device) peakShare(gbps float64) (peak, percent float64) {
+	if d.nvml == nil {
+		return 0, 0
+	}
+	p, err := d.nvml.PeakBandwidth()
+	if err != nil {
+		return 0, 0
+	}
+	return p / 1e9, 100 * gbps / (p / 1e9)
+}
+
+// MatMulBenchSpec is one x[M,K] @ w[N,K]^T to time.
+type MatMulBenchSpec struct {
+	M, N, K int
+	Iters   int
+}
+
+// MatMulBenchResult is the median of Iters launches. Weights are read
+// from enough copies that they come from HBM, as in a model's step,
+// not from L2.
+type MatMulBenchResult struct {
+	MatMulBenchSpec
+	Kernel      string  `json:"kernel"`
+	MedianUs    float64 `json:"median_us"`
+	MinUs       float64 `json:"min_us"`
+	Bytes       int64   `json:"bytes"` // weights, inputs and outputs once
+	GBPerS      float64 `json:"gb_per_s"`
+	PeakGBPerS  float64 `json:"peak_gb_per_s"`
+	PeakPercent float64 `json:"peak_percent"`
+	TFLOPS      float64 `json:"tflops"`
+}
+
+// BenchMatMul times d.MatMul on the spec's shape with bf16 output.
+func BenchMatMul(d *Device, s MatMulBenchSpec) (MatMulBenchResult, error) {
+	res := MatMulBenchResult{MatMulBenchSpec: s}
+	if s.M < 1 || s.N < 1 || s.K < 8 || s.Iters < 1 {
+		return res, fmt.Errorf("matmul bench: bad shape %+v", s)
+	}
+	if d.mem.Region(memory.Workspace) == nil {
+		if _, err := d.mem.Create(memory.Workspace, memory.RegionOptions{Capacity: 256 << 30, GrowStep: 64 << 20}); err != nil {
+			return res, err
+		}
+	}
+	wBytes := int64(s.N) * int64(s.K) * 2
+	copies := int(min(64, max(2, (512<<20)/wBytes)))
+	var ts []device.Tensor
+	alloc := func(shape ...int) device.Tensor {
+		t, err := d.Alloc(memory.Workspace, device.BF16, shape...)
+		d.fail(err)
+		ts = append(ts, t)
+		return t
+	}
+	defer func() {
+		for _, t := range ts {
+			d.Free(memory.Workspace, t)
+		}
+	}()
+	x, out := alloc(s.M, s.K), alloc(s.M, s.N)
+	ws := make([]device.Tensor, copies)
+	for i := range ws {
+		ws[i] = alloc(s.N, s.K)
+		d.Fill(ws[i], 0.01)
+	}
+	d.Fill(x, 0.5)
+	d.MatMul(out, x, ws[0], device.Tensor{}) // first launch loads the function
+	if err := d.Sync(); err != nil {
+		return res, err
+	}
+	us, err := timeLaunches(d, s.Iters, copies, func(i int) { d.MatMul(out, x, ws[i], device.Tensor{}) })
+	if err != nil {
+		return res, err
+	}
+	res.MedianUs, res.MinUs = us[len(us)/2], us[0]
+	res.Kernel = d.matMulKernel(s.M, s.N, s.K)
+	res.Bytes = wBytes + int64(s.M)*int64(s.K+s.N)*2
+	res.GBPerS = float64(res.Bytes) / res.MedianUs / 1e3
+	res.TFLOPS = 2 * float64(s.M) * float64(s.N) * float64(s.K) / res.MedianUs / 1e6
+	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
+	return res, d.Sync()
 }

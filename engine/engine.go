@@ -180,6 +180,11 @@ func (e *Engine) load(mcfg *model.Config) error {
 	if e.Runner, err = runner.New(m, limits); err != nil {
 		return err
 	}
+	if e.Dev.Name() != "cpu" { // every rank, in step: the warm-up runs the collectives
+		if err := e.Runner.WarmUp(runner.WarmUpSizes(limits)); err != nil {
+			return err
+		}
+	}
 	// Every rank captures the same graphs in the same order, the
 	// collectives inside included. The CPU backend's emulated graphs would
 	// run the hub's exchanges at capture: its ranks decode eagerly.

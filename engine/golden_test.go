@@ -14,6 +14,7 @@ import (
 
 	"ebb/engine"
 	"ebb/ioschema"
+	"ebb/runner"
 	"ebb/scheduler"
 	"ebb/tinymodel"
 
@@ -144,6 +145,25 @@ func TestGoldensCPU(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestWarmUpCPU: the warm-up prefills, which write only the pad slot,
+// leave every golden unchanged.
+func TestWarmUpCPU(t *testing.T) {
+	g := loadGoldens(t)[0]
+	e := openCPU(t, writeGoldenModel(t, g))
+	sizes := runner.WarmUpSizes(e.Runner.Limits())
+	if want := []int{16, 24, 32, 48, 64, 72}; !slices.Equal(sizes, want) {
+		t.Fatalf("warm-up sizes %v, want %v", sizes, want)
+	}
+	if err := e.Runner.WarmUp(sizes); err != nil {
+		t.Fatal(err)
+	}
+	outs := runGolden(t, e, g)
+	for i, c := range g.Cases {
+		compareGolden(t, fmt.Sprintf("prompt of %d", len(c.InputIDs)), c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
+			outs[i].OutputIDs, outs[i].OutputLogprobs, logprobTol)
 	}
 }
 

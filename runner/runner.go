@@ -288,6 +288,50 @@ func (r *Runner) eager(seqs []SeqStep) ([]SeqResult, error) {
 	return h.results(r.dev, samp, tl)
 }
 
+// WarmUp runs one eager prefill step of each of sizes tokens (spread over
+// a sixteenth as many sequences, for the sampled rows), every token
+// writing the pad slot. A GPU loads a kernel on first use and cuBLAS
+// picks kernels by shape: without this, a prompt of a new length could
+// load one mid-run and grow the context after release_memory_occupation
+// measured it.
+func (r *Runner) WarmUp(sizes []int) error {
+	pad := r.Model.PadSlot()
+	for _, n := range sizes {
+		n = min(n, r.limits.MaxTokens)
+		seqs := make([]SeqStep, min(max(1, n/16), r.limits.MaxSeqs, r.limits.MaxLogitRows))
+		per := min(n/len(seqs), r.Model.ContextLen())
+		for i := range seqs {
+			t := per
+			if i == len(seqs)-1 {
+				t = min(n-per*(len(seqs)-1), r.Model.ContextLen())
+			}
+			slots := make([]int32, t)
+			for j := range slots {
+				slots[j] = pad
+			}
+			seqs[i] = SeqStep{Tokens: make([]int32, t), Slots: slots, Sample: true, Params: Greedy}
+		}
+		if _, err := r.eager(seqs); err != nil {
+			return fmt.Errorf("warm-up step of %d tokens: %w", n, err)
+		}
+	}
+	return nil
+}
+
+// WarmUpSizes are the step sizes WarmUp takes for these limits: from 16
+// tokens (fewer run the gemv kernels, all loaded at start) to the most a
+// step holds, two sizes an octave.
+func WarmUpSizes(l Limits) []int {
+	var sizes []int
+	for n := 16; n < l.MaxTokens; n *= 2 {
+		sizes = append(sizes, n)
+		if n*3/2 < l.MaxTokens {
+			sizes = append(sizes, n*3/2)
+		}
+	}
+	return append(sizes, l.MaxTokens)
+}
+
 func (r *Runner) check(seqs []SeqStep) error {
 	if len(seqs) == 0 || len(seqs) > r.limits.MaxSeqs {
 		return fmt.Errorf("step of %d sequences (limit %d)", len(seqs), r.limits.MaxSeqs)

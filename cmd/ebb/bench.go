@@ -18,7 +18,7 @@ import (
 
 func benchCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "bench", Short: "Benchmarks: one-batch latency, offline throughput, serving, RL memory cycle"}
-	cmd.AddCommand(oneBatchCmd(), rlCycleCmd(), weightSyncCmd(), attentionCmd(), servingCmd())
+	cmd.AddCommand(oneBatchCmd(), rlCycleCmd(), weightSyncCmd(), attentionCmd(), matMulCmd(), servingCmd())
 	return cmd
 }
 
@@ -188,6 +188,65 @@ func attentionCmd() *cobra.Command {
 	f.IntVar(&spec.KVHeads, "kv-heads", 8, "kv heads (Qwen3-0.6B: 8)")
 	f.IntVar(&spec.Dim, "head-dim", 128, "head size")
 	f.IntVar(&spec.Iters, "iters", 50, "timed launches per shape")
+	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
+	f.BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func matMulCmd() *cobra.Command {
+	var spec cuda.MatMulBenchSpec
+	var ms, shapes string
+	var gpu int
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "matmul [--m 1,16,128] [--nk 4096x1024,1024x2048]",
+		Short: "MatMul alone on the GPU, weights from HBM: microseconds, GB/s against the HBM peak, TFLOP/s",
+		RunE: func(*cobra.Command, []string) error {
+			rows, err := parseInts(ms)
+			if err != nil {
+				return fmt.Errorf("--m: %w", err)
+			}
+			var nks [][2]int
+			for _, nk := range strings.Split(shapes, ",") {
+				var n, k int
+				if _, err := fmt.Sscanf(nk, "%dx%d", &n, &k); err != nil {
+					return fmt.Errorf("--nk %q: want NxK", nk)
+				}
+				nks = append(nks, [2]int{n, k})
+			}
+			d, err := cuda.OpenDevice(gpu)
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			var out []cuda.MatMulBenchResult
+			for _, nk := range nks {
+				for _, m := range rows {
+					s := spec
+					s.M, s.N, s.K = m, nk[0], nk[1]
+					r, err := cuda.BenchMatMul(d, s)
+					if err != nil {
+						return err
+					}
+					out = append(out, r)
+				}
+			}
+			if asJSON {
+				enc := json.NewEncoder(os.Stdout)
+				enc.SetIndent("", " ")
+				return enc.Encode(out)
+			}
+			fmt.Printf("%5s %7s %7s %-16s %10s %9s %8s %8s\n", "m", "n", "k", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
+			for _, r := range out {
+				fmt.Printf("%5d %7d %7d %-16s %10.2f %9.0f %8.1f %8.1f\n", r.M, r.N, r.K, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&ms, "m", "1,4,8,16,32,64,128,256", "comma-separated row counts (the batch at decode)")
+	f.StringVar(&shapes, "nk", "4096x1024,1024x2048,6144x1024,1024x3072", "comma-separated weight shapes NxK (default: Qwen3-0.6B's qkv, o, gate_up, down)")
+	f.IntVar(&spec.Iters, "iters", 50, "timed graph replays per shape")
 	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd

@@ -195,8 +195,9 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // gemv computes out[m, n] = sum_k x[m, k] w[n, k] for a few rows m (M of
-// them) with 16-byte loads of both operands: a decode step at small batch
-// is bound by reading the weights once. A group of wpo adjacent warps
+// them; built for one, as from two matmul_tc is faster) with 16-byte loads
+// of both operands: a decode step at batch 1 is bound by reading the
+// weights once. A group of wpo adjacent warps
 // shares output n (or C outputs), each taking every wpo-th chunk of K, so
 // that a narrow matrix (N of a thousand) still puts enough loads in flight
 // on every SM. Grid (N / (C * 8 / wpo)), 256 threads. K is a multiple of 8.
@@ -383,19 +384,9 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 		gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps, glu);                    \
 	}
 GEMV(1, 1, gemv_m1)
-GEMV(2, 1, gemv_m2)
-GEMV(3, 1, gemv_m3)
-GEMV(4, 1, gemv_m4)
-GEMV(5, 1, gemv_m5)
-GEMV(6, 1, gemv_m6)
-GEMV(7, 1, gemv_m7)
-GEMV(8, 1, gemv_m8)
 GEMV(1, 2, gemv2_m1)
-GEMV(2, 2, gemv2_m2)
-GEMV(3, 2, gemv2_m3)
-GEMV(4, 2, gemv2_m4)
 
-// gemv_fused is gemv for M <= 4 rows with what decode does around it:
+// gemv_fused is gemv for M rows (built for one) with what decode does around it:
 // with silu, the input rows are [gate | up] (2K wide) and the activation
 // silu(gate) * up is formed on the fly (rounded as silu_mul does). Then
 // either (sq null) the last block to finish adds out to residual and
@@ -475,9 +466,6 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 		gemv_fused_impl<M>(out, x, w, N, K, silu, wpo, residual, normed, norm_w, eps, counter, sq);              \
 	}
 GEMV_FUSED(1)
-GEMV_FUSED(2)
-GEMV_FUSED(3)
-GEMV_FUSED(4)
 
 // silu_mul: out = silu(gate) * up with gate_up rows [gate | up], rounded as
 // transformers' act_fn(gate) * up in bf16. Grid-stride over rows * inter.

@@ -1,0 +1,149 @@
+// matmul_tc computes out[m, n] = sum_k x[m, k] w[n, k] for decode batches
+// of 5 to 16 rows on tensor cores. Such a step is bound by reading the
+// weights once; cuBLAS's tiles, made for large m, leave most SMs idle on
+// it (1024 x 2048 at 8 rows: 5.3 us, a quarter of HBM bandwidth, H100),
+// and the gemv's multiply-adds cost more than the loads past 4 rows.
+//
+// The weight rows are the M side of mma.m16n8k16 and the batch rows its
+// N side, so a warp covers 16 output columns and 8*T rows, streaming the
+// weights into registers with 16-byte loads. Both operands take the same
+// permutation of k within each 32-wide step, which lets every thread load
+// 16 contiguous bytes of a row instead of the fragment's scattered pairs:
+// thread (g = lane / 4, q = lane % 4) holds k = 8q .. 8q+7 of weight rows
+// g and g+8 and of batch row g of each tile; the first mma takes
+// 8q .. 8q+3, the second 8q+4 .. 8q+7.
+//
+// Block: 8 warps on the same 16 columns, each taking every eighth 32-wide
+// step of its split of K; their sums are added in a fixed order through
+// shared memory. Grid (N/16, 1, splits): with splits > 1 each block leaves
+// fp32 partials and the last of a column's blocks adds them in split
+// order, so every run gives the same bits. K is a multiple of 32; rows
+// past m and columns past N are not stored.
+#define MMT_WARPS 8
+#define MMT_PRE 4 // 32-wide steps of weights each warp loads ahead
+
+__device__ __forceinline__ void mma16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+	             "{%0, %1, %2, %3};"
+	             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+	             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// matmul_tc_step adds one 32-wide step of weight rows g and g+8 (wa, wb)
+// times the batch rows of every tile.
+template <int T>
+__device__ __forceinline__ void matmul_tc_step(float acc[T][4], uint4 wa, uint4 wb, const bf16 *x, long long K, int m,
+                                               int row0, long long k) {
+#pragma unroll
+	for (int t = 0; t < T; t++) {
+		const int r = row0 + 8 * t;
+		uint4 xv = make_uint4(0, 0, 0, 0);
+		if (r < m) xv = __ldg((const uint4 *)(x + r * K + k));
+		mma16816(acc[t], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+		mma16816(acc[t], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+	}
+}
+
+template <int T>
+__device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K,
+                               float *partial, int *counters) {
+	__shared__ float red[MMT_WARPS - 1][T][32][4];
+	__shared__ int last;
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+	const long long n0 = (long long)blockIdx.x * 16;
+	const int split = blockIdx.z, splits = gridDim.z;
+	const int steps = K / 32, stride = MMT_WARPS * splits;
+	const int first = split * MMT_WARPS + warp;
+	const long long na = min(n0 + g, (long long)N - 1), nb = min(n0 + g + 8, (long long)N - 1);
+	const bf16 *wra = w + na * K + 8 * q, *wrb = w + nb * K + 8 * q;
+	const bf16 *xr = x + 8 * q;
+	// The weights do not depend on earlier kernels: the first steps are
+	// loaded while the previous kernel finishes.
+	uint4 wa[MMT_PRE], wb[MMT_PRE];
+#pragma unroll
+	for (int j = 0; j < MMT_PRE; j++) {
+		const int s = first + j * stride;
+		if (s < steps) {
+			wa[j] = __ldcs((const uint4 *)(wra + s * 32));
+			wb[j] = __ldcs((const uint4 *)(wrb + s * 32));
+		}
+	}
+	DEP();
+	float acc[T][4];
+#pragma unroll
+	for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+	for (int s0 = first; s0 < steps; s0 += MMT_PRE * stride) {
+#pragma unroll
+		for (int j = 0; j < MMT_PRE; j++) {
+			const int s = s0 + j * stride;
+			if (s < steps) {
+				const uint4 a = wa[j], b = wb[j];
+				const int next = s + MMT_PRE * stride;
+				if (next < steps) {
+					wa[j] = __ldcs((const uint4 *)(wra + next * 32));
+					wb[j] = __ldcs((const uint4 *)(wrb + next * 32));
+				}
+				matmul_tc_step<T>(acc, a, b, xr, K, m, g, (long long)s * 32);
+			}
+		}
+	}
+	if (warp > 0) {
+#pragma unroll
+		for (int t = 0; t < T; t++)
+			*(float4 *)red[warp - 1][t][lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+	}
+	__syncthreads();
+	if (warp == 0) {
+#pragma unroll
+		for (int t = 0; t < T; t++)
+			for (int p = 0; p < MMT_WARPS - 1; p++) {
+				const float4 v = *(const float4 *)red[p][t][lane];
+				acc[t][0] += v.x, acc[t][1] += v.y, acc[t][2] += v.z, acc[t][3] += v.w;
+			}
+	}
+	if (splits > 1) {
+		// partial[column block, split, t, lane]: float4s.
+		const int tile = blockIdx.x;
+		float4 *p = (float4 *)partial + (long long)tile * splits * T * 32;
+		if (warp == 0) {
+#pragma unroll
+			for (int t = 0; t < T; t++)
+				__stcg(p + ((long long)split * T + t) * 32 + lane, make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
+		}
+		if (!split_elect_last(counters + tile, splits, &last)) return;
+		if (warp > 0) return;
+#pragma unroll
+		for (int t = 0; t < T; t++) {
+			acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+			for (int sp = 0; sp < splits; sp++) {
+				const float4 v = __ldcg(p + ((long long)sp * T + t) * 32 + lane);
+				acc[t][0] += v.x, acc[t][1] += v.y, acc[t][2] += v.z, acc[t][3] += v.w;
+			}
+		}
+		if (lane == 0) counters[tile] = 0;
+	}
+	if (warp > 0) return;
+	// acc[t]: c0, c1 rows (output columns) g, batch rows 2q, 2q+1 of tile
+	// t; c2, c3 the same for column g + 8.
+#pragma unroll
+	for (int t = 0; t < T; t++) {
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			const int r = 8 * t + 2 * q + (e & 1);
+			const long long n = n0 + g + (e >> 1) * 8;
+			if (r >= m || n >= N) continue;
+			if (out_f32) ((float *)out)[r * (long long)N + n] = acc[t][e];
+			else ((bf16 *)out)[r * (long long)N + n] = f2bf(acc[t][e]);
+		}
+	}
+}
+
+#define MATMUL_TC(T)                                                                                          \
+	extern "C" __global__ void __launch_bounds__(MMT_WARPS * 32)                                              \
+	    matmul_tc_t##T(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, float *partial, \
+	                   int *counters) {                                                                       \
+		matmul_tc_impl<T>(out, out_f32, x, w, m, N, K, partial, counters);                                    \
+	}
+MATMUL_TC(1)
+MATMUL_TC(2)
