@@ -1,8 +1,10 @@
 // matmul_tc computes out[m, n] = sum_k x[m, k] w[n, k] for decode batches
-// of 5 to 16 rows on tensor cores. Such a step is bound by reading the
+// of 2 to 16 rows on tensor cores. Such a step is bound by reading the
 // weights once; cuBLAS's tiles, made for large m, leave most SMs idle on
 // it (1024 x 2048 at 8 rows: 5.3 us, a quarter of HBM bandwidth, H100),
-// and the gemv's multiply-adds cost more than the loads past 4 rows.
+// and the gemv's multiply-adds cost more than its loads from two rows.
+// Past 16 rows each warp's reads of x from L2 make it slower than cuBLAS
+// (tried: column groups sharing x through L1, 2.2x slower at 64 rows).
 //
 // The weight rows are the M side of mma.m16n8k16 and the batch rows its
 // N side, so a warp covers 16 output columns and 8*T rows, streaming the

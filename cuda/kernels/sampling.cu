@@ -64,6 +64,20 @@ __device__ __forceinline__ float gumbel(unsigned k0, unsigned k1, int i) {
 
 __device__ __forceinline__ float logit(const float *x, long long i) { return x[i]; }
 __device__ __forceinline__ float logit(const bf16 *x, long long i) { return bf2f(x[i]); }
+// logits_vec reads the 16 bytes of logits from i (16-byte aligned).
+__device__ __forceinline__ void logits_vec(const float *x, long long i, float out[4]) {
+	const float4 v = __ldg((const float4 *)(x + i));
+	out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+}
+__device__ __forceinline__ void logits_vec(const bf16 *x, long long i, float out[8]) {
+	const uint4 v = __ldg((const uint4 *)(x + i));
+	const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+	for (int e = 0; e < 4; e++) {
+		out[2 * e] = __uint_as_float(u[e] << 16);
+		out[2 * e + 1] = __uint_as_float(u[e] & 0xffff0000u);
+	}
+}
 
 // orderable maps a float to a uint32 that sorts like it.
 __device__ __forceinline__ unsigned orderable(float f) {
@@ -102,11 +116,16 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 	const T *x = logits + (long long)r * V;
 	const RowParams rp = row_params(r, temp, top_k, keys);
 	const float inv = 1.f / rp.T;
-	const int len = (V + parts - 1) / parts, lo = p * len, hi = min(V, lo + len);
+	// Slices start on 16-byte boundaries where rows do, so that a thread
+	// takes 16 bytes a load, two loads at a time: one scalar load in
+	// flight per thread left the scan at a sixth of HBM bandwidth (batch
+	// 256 decode, H100: 144 us for 78 MB of logits).
+	constexpr int VEC = 16 / sizeof(T);
+	const int len = ((V + parts - 1) / parts + VEC - 1) / VEC * VEC, lo = p * len, hi = min(V, lo + len);
 	float m = -EBB_INF, z = 0.f;
 	ArgMax best = {-EBB_INF, 0x7fffffff};
-	for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-		const float s = logit(x, i) * inv;
+	auto take = [&](float raw, int i) {
+		const float s = raw * inv;
 		if (s > m) {
 			z = z * __expf(m - s) + 1.f;
 			m = s;
@@ -115,7 +134,21 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 		}
 		const float v = rp.sampled ? s + gumbel(rp.k0, rp.k1, i) : s;
 		best = better(best, ArgMax{v, i});
+	};
+	const int vend = V % VEC == 0 ? hi : lo, step = blockDim.x * VEC;
+	for (int i = lo + threadIdx.x * VEC; i < vend; i += 2 * step) {
+		float a[VEC], b[VEC];
+		const bool two = i + step < vend;
+		logits_vec(x, i, a);
+		if (two) logits_vec(x, i + step, b);
+#pragma unroll
+		for (int e = 0; e < VEC; e++) take(a[e], i + e);
+		if (two) {
+#pragma unroll
+			for (int e = 0; e < VEC; e++) take(b[e], i + step + e);
+		}
 	}
+	for (int i = vend + threadIdx.x; i < hi; i += blockDim.x) take(logit(x, i), i);
 	// Merge the threads' (m, z) pairs, then the winners.
 	const float M = block_max(m, shared);
 	z = m == -EBB_INF ? 0.f : z * __expf(m - M);
