@@ -657,3 +657,24 @@ func (p *pair) refill(b both, scale float32) both {
 	}
 	return b
 }
+
+// TestBenchMatMul: the kernel benchmark names the kernel MatMul picks for
+// each row count and times it.
+func TestBenchMatMul(t *testing.T) {
+	p := newPair(t)
+	for _, c := range []struct {
+		m      int
+		kernel string
+	}{{1, "gemv_m1"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {64, "cublasGemmEx"}} {
+		r, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: c.m, N: 1024, K: 2048, Iters: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Kernel != c.kernel || !(r.MinUs > 0 && r.MedianUs >= r.MinUs && r.GBPerS > 0 && r.TFLOPS > 0) {
+			t.Fatalf("%d rows: %+v, want kernel %s and positive times", c.m, r, c.kernel)
+		}
+	}
+	if _, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: 0, N: 8, K: 8, Iters: 1}); err == nil {
+		t.Fatal("zero rows accepted")
+	}
+}

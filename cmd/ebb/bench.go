@@ -149,35 +149,22 @@ func attentionCmd() *cobra.Command {
 			if err != nil {
 				return fmt.Errorf("--qlen: %w", err)
 			}
-			d, err := cuda.OpenDevice(gpu)
-			if err != nil {
-				return err
-			}
-			defer d.Close()
-			var out []cuda.AttentionBenchResult
+			var specs []cuda.AttentionBenchSpec
 			for _, q := range qs {
 				for _, c := range cs {
 					for _, b := range bs {
 						s := spec
 						s.Batch, s.Context, s.QLen = b, c, q
-						r, err := cuda.BenchAttention(d, s)
-						if err != nil {
-							return err
-						}
-						out = append(out, r)
+						specs = append(specs, s)
 					}
 				}
 			}
-			if asJSON {
-				enc := json.NewEncoder(os.Stdout)
-				enc.SetIndent("", " ")
-				return enc.Encode(out)
-			}
-			fmt.Printf("%6s %8s %6s %-26s %10s %9s %8s %8s\n", "batch", "context", "qlen", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
-			for _, r := range out {
-				fmt.Printf("%6d %8d %6d %-26s %10.1f %9.0f %8.1f %8.1f\n", r.Batch, r.Context, r.QLen, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
-			}
-			return nil
+			return kernelBench(gpu, asJSON, specs, cuda.BenchAttention, func(out []cuda.AttentionBenchResult) {
+				fmt.Printf("%6s %8s %6s %-26s %10s %9s %8s %8s\n", "batch", "context", "qlen", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
+				for _, r := range out {
+					fmt.Printf("%6d %8d %6d %-26s %10.1f %9.0f %8.1f %8.1f\n", r.Batch, r.Context, r.QLen, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+				}
+			})
 		},
 	}
 	f := cmd.Flags()
@@ -214,33 +201,20 @@ func matMulCmd() *cobra.Command {
 				}
 				nks = append(nks, [2]int{n, k})
 			}
-			d, err := cuda.OpenDevice(gpu)
-			if err != nil {
-				return err
-			}
-			defer d.Close()
-			var out []cuda.MatMulBenchResult
+			var specs []cuda.MatMulBenchSpec
 			for _, nk := range nks {
 				for _, m := range rows {
 					s := spec
 					s.M, s.N, s.K = m, nk[0], nk[1]
-					r, err := cuda.BenchMatMul(d, s)
-					if err != nil {
-						return err
-					}
-					out = append(out, r)
+					specs = append(specs, s)
 				}
 			}
-			if asJSON {
-				enc := json.NewEncoder(os.Stdout)
-				enc.SetIndent("", " ")
-				return enc.Encode(out)
-			}
-			fmt.Printf("%5s %7s %7s %-16s %10s %9s %8s %8s\n", "m", "n", "k", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
-			for _, r := range out {
-				fmt.Printf("%5d %7d %7d %-16s %10.2f %9.0f %8.1f %8.1f\n", r.M, r.N, r.K, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
-			}
-			return nil
+			return kernelBench(gpu, asJSON, specs, cuda.BenchMatMul, func(out []cuda.MatMulBenchResult) {
+				fmt.Printf("%5s %7s %7s %-16s %10s %9s %8s %8s\n", "m", "n", "k", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
+				for _, r := range out {
+					fmt.Printf("%5d %7d %7d %-16s %10.2f %9.0f %8.1f %8.1f\n", r.M, r.N, r.K, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+				}
+			})
 		},
 	}
 	f := cmd.Flags()
@@ -250,6 +224,31 @@ func matMulCmd() *cobra.Command {
 	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
+}
+
+// kernelBench times each spec on GPU gpu and prints the results as JSON
+// or through table.
+func kernelBench[S, R any](gpu int, asJSON bool, specs []S, bench func(*cuda.Device, S) (R, error), table func([]R)) error {
+	d, err := cuda.OpenDevice(gpu)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	out := make([]R, 0, len(specs))
+	for _, s := range specs {
+		r, err := bench(d, s)
+		if err != nil {
+			return err
+		}
+		out = append(out, r)
+	}
+	if asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", " ")
+		return enc.Encode(out)
+	}
+	table(out)
+	return nil
 }
 
 func firstLine(s string) string {
