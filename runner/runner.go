@@ -319,8 +319,8 @@ func (r *Runner) WarmUp(sizes []int) error {
 }
 
 // WarmUpSizes are the step sizes WarmUp takes for these limits: from 16
-// tokens (fewer run the gemv kernels, all loaded at start) to the most a
-// step holds, two sizes an octave.
+// tokens (fewer run ebb's own matmul kernels, all loaded at start) to the
+// most a step holds, two sizes an octave.
 func WarmUpSizes(l Limits) []int {
 	var sizes []int
 	for n := 16; n < l.MaxTokens; n *= 2 {
