@@ -41,16 +41,12 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	}
 	slots := s.Batch * s.Context
 	tokens := s.Batch * s.QLen
-	alloc := func(dt device.DType, shape ...int) device.Tensor {
-		t, err := d.Alloc(memory.Workspace, dt, shape...)
-		d.fail(err)
-		return t
+	a, err := newBenchArena(d)
+	if err != nil {
+		return res, err
 	}
-	if d.mem.Region(memory.Workspace) == nil {
-		if _, err := d.mem.Create(memory.Workspace, memory.RegionOptions{Capacity: 256 << 30, GrowStep: 64 << 20}); err != nil {
-			return res, err
-		}
-	}
+	defer a.free()
+	alloc := a.alloc
 	kc, vc := alloc(device.BF16, slots, s.KVHeads, s.Dim), alloc(device.BF16, slots, s.KVHeads, s.Dim)
 	qkv := alloc(device.BF16, tokens, s.QHeads+2*s.KVHeads, s.Dim)
 	out := alloc(device.BF16, tokens, s.QHeads, s.Dim)
@@ -91,9 +87,6 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	pairs := float64(s.Batch) * (float64(s.QLen)*float64(prefix) + float64(s.QLen)*float64(s.QLen+1)/2)
 	res.TFLOPS = 4 * float64(s.QHeads*s.Dim) * pairs / res.MedianUs / 1e6
 	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
-	for _, t := range []device.Tensor{kc, vc, qkv, out, meta.QIndptr, meta.KVIndptr, meta.KVIndices} {
-		d.Free(memory.Workspace, t)
-	}
 	return res, d.Sync()
 }
 
@@ -111,6 +104,36 @@ func attentionKernelName(s AttentionBenchSpec) string {
 		return fmt.Sprintf("attn_prefill_mma_d%d", s.Dim)
 	}
 	return "attn_prefill"
+}
+
+// benchArena hands a kernel benchmark its tensors from the workspace
+// region (created if the device has none yet) and frees them all at once.
+type benchArena struct {
+	d  *Device
+	ts []device.Tensor
+}
+
+func newBenchArena(d *Device) (*benchArena, error) {
+	if d.mem.Region(memory.Workspace) == nil {
+		if _, err := d.mem.Create(memory.Workspace, memory.RegionOptions{Capacity: 256 << 30, GrowStep: 64 << 20}); err != nil {
+			return nil, err
+		}
+	}
+	return &benchArena{d: d}, nil
+}
+
+// alloc's error is the device's sticky error, reported by its next Sync.
+func (a *benchArena) alloc(dt device.DType, shape ...int) device.Tensor {
+	t, err := a.d.Alloc(memory.Workspace, dt, shape...)
+	a.d.fail(err)
+	a.ts = append(a.ts, t)
+	return t
+}
+
+func (a *benchArena) free() {
+	for _, t := range a.ts {
+		a.d.Free(memory.Workspace, t)
+	}
 }
 
 // timeLaunches times iters replays of a CUDA graph of perGraph calls of
@@ -200,29 +223,17 @@ func BenchMatMul(d *Device, s MatMulBenchSpec) (MatMulBenchResult, error) {
 	if s.M < 1 || s.N < 1 || s.K < 8 || s.Iters < 1 {
 		return res, fmt.Errorf("matmul bench: bad shape %+v", s)
 	}
-	if d.mem.Region(memory.Workspace) == nil {
-		if _, err := d.mem.Create(memory.Workspace, memory.RegionOptions{Capacity: 256 << 30, GrowStep: 64 << 20}); err != nil {
-			return res, err
-		}
+	a, err := newBenchArena(d)
+	if err != nil {
+		return res, err
 	}
+	defer a.free()
 	wBytes := int64(s.N) * int64(s.K) * 2
 	copies := int(min(64, max(2, (512<<20)/wBytes)))
-	var ts []device.Tensor
-	alloc := func(shape ...int) device.Tensor {
-		t, err := d.Alloc(memory.Workspace, device.BF16, shape...)
-		d.fail(err)
-		ts = append(ts, t)
-		return t
-	}
-	defer func() {
-		for _, t := range ts {
-			d.Free(memory.Workspace, t)
-		}
-	}()
-	x, out := alloc(s.M, s.K), alloc(s.M, s.N)
+	x, out := a.alloc(device.BF16, s.M, s.K), a.alloc(device.BF16, s.M, s.N)
 	ws := make([]device.Tensor, copies)
 	for i := range ws {
-		ws[i] = alloc(s.N, s.K)
+		ws[i] = a.alloc(device.BF16, s.N, s.K)
 		d.Fill(ws[i], 0.01)
 	}
 	d.Fill(x, 0.5)
