@@ -50,7 +50,8 @@ func startServe(exe string, e engine.Config, extra ...string) (*serveProc, error
 		name string
 		v    int
 	}{{"--max-running-requests", e.MaxRunningRequests}, {"--chunked-prefill-size", e.ChunkedPrefillSize},
-		{"--context-length", e.ContextLength}, {"--cuda-graph-max-bs", e.CUDAGraphMaxBS}} {
+		{"--context-length", e.ContextLength}, {"--cuda-graph-max-bs", e.CUDAGraphMaxBS},
+		{"--decode-log-interval", e.DecodeLogInterval}} {
 		if f.v > 0 {
 			args = append(args, f.name, strconv.Itoa(f.v))
 		}

@@ -54,6 +54,9 @@ type Config struct {
 	// means 256 on a GPU and none on the CPU (where graphs are emulated,
 	// which tests use).
 	CUDAGraphMaxBS int
+	// DecodeLogInterval is how many decode steps a "Decode batch" log line
+	// covers (--decode-log-interval).
+	DecodeLogInterval int
 }
 
 // Defaults fills unset fields.
@@ -69,6 +72,9 @@ func (c *Config) Defaults() {
 	}
 	if c.MemFractionStatic <= 0 {
 		c.MemFractionStatic = 0.85
+	}
+	if c.DecodeLogInterval <= 0 {
+		c.DecodeLogInterval = 40
 	}
 	if c.MaxTopLogprobs <= 0 {
 		c.MaxTopLogprobs = 20

@@ -40,20 +40,22 @@ type Options struct {
 // Core is the scheduling state machine, free of I/O: Add requests, call Step
 // until Idle. Not safe for concurrent use.
 type Core struct {
-	opts    Options
-	run     *runner.Runner
-	ctxLen  int
-	vocab   int
-	pool    *kvPool
-	cache   *RadixCache
-	waiting []*request
-	running []*request
-	byRid   map[string]*request
-	rng     *rand.Rand
-	events  []Event // produced while scheduling, returned by the next Step
-	flight  *flight // launched, results not absorbed yet
-	owners  []int32 // CheckInvariants' table of slot owners, kept between checks
-	Stats   Stats
+	opts     Options
+	run      *runner.Runner
+	ctxLen   int
+	vocab    int
+	pool     *kvPool
+	cache    *RadixCache
+	waiting  []*request
+	running  []*request
+	byRid    map[string]*request
+	rng      *rand.Rand
+	events   []Event  // produced while scheduling, returned by the next Step
+	flight   *flight  // launched, results not absorbed yet
+	owners   []int32  // CheckInvariants' table of slot owners, kept between checks
+	last     StepInfo // the step launched by the last Step, if launched
+	launched bool
+	Stats    Stats
 }
 
 // Stats are cumulative counters for metrics and logs.
@@ -154,6 +156,7 @@ func (c *Core) Add(req Request) error {
 // waiting requests and returns what each request produced. With nothing to
 // do it returns nil.
 func (c *Core) Step() ([]Event, error) {
+	c.launched = false
 	if c.flight != nil {
 		next := c.follow()
 		landed, err := c.land()
@@ -184,6 +187,7 @@ func (c *Core) Step() ([]Event, error) {
 		f.steps[i] = c.seqStep(r, chunks[i])
 		f.epochs[i] = r.epoch
 	}
+	graphs := c.run.Stats.GraphSteps
 	p, err := c.run.Launch(f.steps)
 	if err != nil {
 		// The step did not run; give the new slots back and fail the batch
@@ -197,6 +201,7 @@ func (c *Core) Step() ([]Event, error) {
 		return events, fmt.Errorf("forward step: %w", err)
 	}
 	c.Stats.Steps++
+	c.last.Graph, c.launched = c.run.Stats.GraphSteps != graphs, true
 	for _, r := range batch {
 		r.ahead++
 	}
@@ -240,6 +245,7 @@ func (c *Core) schedule() ([]*request, []int) {
 		r.slots = append(r.slots, slots...)
 		batch, chunks = append(batch, r), append(chunks, 1)
 	}
+	c.last = StepInfo{Decodes: len(batch)}
 	// Then prefill: unfinished prompts, then new requests, within the budget.
 	budget := c.opts.ChunkedPrefillSize
 	rows := len(batch)
@@ -256,6 +262,8 @@ func (c *Core) schedule() ([]*request, []int) {
 		batch, chunks = append(batch, r), append(chunks, n)
 		budget -= n
 		rows += c.rowsFor(r, n)
+		c.last.NewSeqs++
+		c.last.NewTokens += n
 	}
 	for budget > 0 && len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
 		r := c.waiting[0]
@@ -272,6 +280,9 @@ func (c *Core) schedule() ([]*request, []int) {
 		batch, chunks = append(batch, r), append(chunks, n)
 		budget -= n
 		rows += c.rowsFor(r, n)
+		c.last.NewSeqs++
+		c.last.NewTokens += n
+		c.last.CachedTokens += r.nodeTokens
 	}
 	return batch, chunks
 }

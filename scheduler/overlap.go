@@ -115,6 +115,7 @@ func (c *Core) follow() *flight {
 			Params: r.sampleParams(), Draw: len(r.output) + r.ahead, Follows: i + 1,
 		})
 	}
+	graphs := c.run.Stats.GraphSteps
 	p, err := c.run.Launch(next.steps)
 	if err != nil {
 		// The ordinary path will build this step again and report the error.
@@ -126,6 +127,7 @@ func (c *Core) follow() *flight {
 	}
 	c.Stats.Steps++
 	c.Stats.Overlapped++
+	c.last, c.launched = StepInfo{Decodes: len(next.batch), Graph: c.run.Stats.GraphSteps != graphs}, true
 	for _, r := range next.batch {
 		r.ahead++
 	}

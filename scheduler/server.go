@@ -198,6 +198,7 @@ type Server struct {
 	lastCheck     time.Time
 	InvariantErr  error  // the last failed idle check, if any
 	blockedNoted  string // the blocker last logged while requests waited
+	batches       batchLog
 	// weight updates from a trainer
 	tpRank      int
 	dpRank      int
@@ -222,7 +223,7 @@ func NewServer(e *engine.Engine, log *zap.Logger) (*Server, error) {
 		timeout = 10 * time.Minute
 	}
 	return &Server{e: e, core: core, log: log, flags: map[string]reqFlags{}, weightVersion: "default",
-		distTimeout: timeout, groups: map[string]*weightGroup{}}, nil
+		distTimeout: timeout, groups: map[string]*weightGroup{}, batches: batchLog{interval: e.Config.DecodeLogInterval}}, nil
 }
 
 // Core exposes the scheduling core (tests, benchmarks).
@@ -321,6 +322,7 @@ func (s *Server) Loop(ctx context.Context, inbox <-chan ioschema.Message, errs <
 // Step runs one scheduling step and sends its outputs.
 func (s *Server) Step() error {
 	events, err := s.core.Step()
+	s.batches.record(s.log, s.core)
 	s.emit(events)
 	if err != nil {
 		// A failed step has failed its batch (abort events above); the

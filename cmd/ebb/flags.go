@@ -42,6 +42,7 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.BoolVar(&cfg.DisableOverlap, "disable-overlap-schedule", false, "build each step only after the last one's results are back")
 	f.BoolVar(&cfg.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")
 	f.IntVar(&cfg.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
+	f.IntVar(&cfg.DecodeLogInterval, "decode-log-interval", 40, "decode steps per \"Decode batch\" log line (with the output tok/s over them)")
 	f.Var(&secondsFlag{&cfg.DistTimeout}, "dist-timeout", "seconds to wait on a trainer's process group (NCCL weight updates; default 600)")
 }
 

@@ -1,0 +1,67 @@
+package scheduler
+
+import (
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// StepInfo describes the step last launched, for SGLang's batch log lines.
+type StepInfo struct {
+	Decodes      int  // sequences decoding one token
+	NewSeqs      int  // sequences with a prompt chunk
+	NewTokens    int  // prompt tokens computed
+	CachedTokens int  // prompt tokens of newly admitted sequences found in the prefix cache
+	Graph        bool // replayed as a CUDA graph
+}
+
+// LastStep reports the step launched by the last Step call, and whether
+// that call launched one.
+func (c *Core) LastStep() (StepInfo, bool) { return c.last, c.launched }
+
+// TokenUsage is the share of KV slots held, not counting cached prefixes
+// that could be evicted (SGLang's "token usage"), and the count held.
+func (c *Core) TokenUsage() (float64, int) {
+	used := c.pool.total - c.pool.available() - c.cache.Evictable()
+	return float64(used) / float64(max(c.pool.total, 1)), used
+}
+
+// batchLog writes SGLang's "Prefill batch" line for every step with prompt
+// tokens and a "Decode batch" line every interval decode-only steps, with
+// the output tokens per second since the last one.
+type batchLog struct {
+	interval int
+	steps    int
+	since    time.Time
+	genAt    int64 // Stats.GeneratedTokens when since was taken
+}
+
+func (b *batchLog) record(log *zap.Logger, c *Core) {
+	info, ok := c.LastStep()
+	if !ok || b.interval <= 0 {
+		return
+	}
+	usage, used := c.TokenUsage()
+	if info.NewTokens > 0 {
+		log.Info("Prefill batch", zap.Int("new_seq", info.NewSeqs), zap.Int("new_token", info.NewTokens),
+			zap.Int("cached_token", info.CachedTokens), zap.Float64("token_usage", round2(usage)),
+			zap.Int("running_req", info.Decodes), zap.Int("queue_req", len(c.waiting)))
+		return
+	}
+	now := time.Now()
+	if b.since.IsZero() || b.steps == 0 {
+		b.since, b.genAt = now, c.Stats.GeneratedTokens
+	}
+	b.steps++
+	if b.steps <= b.interval {
+		return
+	}
+	gen := c.Stats.GeneratedTokens - b.genAt
+	log.Info("Decode batch", zap.Int("running_req", len(c.running)), zap.Int("token", used),
+		zap.Float64("token_usage", round2(usage)), zap.Bool("cuda_graph", info.Graph),
+		zap.Float64("gen_throughput", round2(float64(gen)/now.Sub(b.since).Seconds())),
+		zap.Int("queue_req", len(c.waiting)))
+	b.steps, b.since, b.genAt = 1, now, c.Stats.GeneratedTokens
+}
+
+func round2(x float64) float64 { return float64(int64(x*100+0.5)) / 100 }

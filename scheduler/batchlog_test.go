@@ -1,0 +1,52 @@
+package scheduler
+
+import (
+	"testing"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// TestBatchLog checks SGLang's batch lines: one "Prefill batch" per step
+// with prompt tokens (chunks of 48 here), one "Decode batch" per interval
+// of decode-only steps, with counts that add up.
+func TestBatchLog(t *testing.T) {
+	h := newHarness(t, false, 4096)
+	core, logs := observer.New(zap.InfoLevel)
+	h.s.log = zap.New(core)
+	h.s.batches.interval = 5
+	h.generate("a", prompt(1, 70), 23)
+	h.generate("b", prompt(2, 30), 23)
+	h.runToIdle()
+
+	var newTokens, decodeLines int
+	for _, e := range logs.All() {
+		f := e.ContextMap()
+		switch e.Message {
+		case "Prefill batch":
+			newTokens += int(f["new_token"].(int64))
+			if f["new_token"].(int64) > 48 {
+				t.Fatalf("prefill batch over the chunk size: %v", f)
+			}
+		case "Decode batch":
+			decodeLines++
+			if f["running_req"].(int64) != 2 || f["queue_req"].(int64) != 0 {
+				t.Fatalf("decode batch: %v", f)
+			}
+			if tp := f["gen_throughput"].(float64); tp <= 0 {
+				t.Fatalf("gen_throughput %v", tp)
+			}
+			if u := f["token_usage"].(float64); u <= 0 || u > 1 {
+				t.Fatalf("token_usage %v", u)
+			}
+		}
+	}
+	if newTokens != 100 {
+		t.Fatalf("prefill lines add up to %d prompt tokens, want 100", newTokens)
+	}
+	// 22 decode-only steps after the prefills (the first token comes from
+	// the prefill): a line after the 6th, 11th, 16th and 21st.
+	if decodeLines != 4 {
+		t.Fatalf("%d decode lines, want 4", decodeLines)
+	}
+}
