@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"sort"
 
 	"ebb/device"
@@ -12,9 +13,14 @@ import (
 // AttentionBenchSpec is one attention shape to time: Batch sequences of
 // Context cached positions each, QLen new queries per sequence (1 for
 // decode; more is a prefill that attends to Context-QLen cached positions
-// and causally to itself).
+// and causally to itself). With MinContext set, contexts are spread evenly
+// over [MinContext, Context], longest first as the scheduler orders a
+// decode batch, or Shuffled.
 type AttentionBenchSpec struct {
 	Batch, Context, QLen int
+	MinContext           int    `json:",omitempty"`
+	Shuffled             bool   `json:",omitempty"`
+	Layout               string `json:",omitempty"` // KV slot layout: contiguous (default), interleaved or random
 	QHeads, KVHeads, Dim int
 	Iters                int
 }
@@ -32,14 +38,28 @@ type AttentionBenchResult struct {
 	TFLOPS      float64 `json:"tflops"` // prefill: 4·hq·dim per visible (query, key) pair
 }
 
-// BenchAttention times d's attention kernel on the spec's shape. The KV
-// cache rows of each sequence are contiguous slots, as a fresh pool gives.
+// BenchAttention times d's attention kernel on the spec's shape. By default
+// the KV cache rows of each sequence are contiguous slots, as a fresh pool
+// gives; interleaved places position p of sequence b at slot p*Batch+b, as
+// decode steps that each take one slot per sequence do; random shuffles
+// all slots.
 func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, error) {
 	res := AttentionBenchResult{AttentionBenchSpec: s}
-	if s.QLen < 1 || s.QLen > s.Context || s.Iters < 1 || s.KVHeads < 1 || s.QHeads%s.KVHeads != 0 {
+	if s.MinContext == 0 {
+		s.MinContext = s.Context
+	}
+	if s.QLen < 1 || s.QLen > s.MinContext || s.MinContext > s.Context || s.Iters < 1 || s.KVHeads < 1 || s.QHeads%s.KVHeads != 0 {
 		return res, fmt.Errorf("attention bench: bad shape %+v", s)
 	}
-	slots := s.Batch * s.Context
+	ctx := benchContexts(s.Batch, s.MinContext, s.Context, s.Shuffled)
+	idx, err := benchSlots(ctx, s.Layout)
+	if err != nil {
+		return res, err
+	}
+	slots, cacheSlots := len(idx), int32(0)
+	for _, i := range idx {
+		cacheSlots = max(cacheSlots, i+1)
+	}
 	tokens := s.Batch * s.QLen
 	a, err := newBenchArena(d)
 	if err != nil {
@@ -47,15 +67,12 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	}
 	defer a.free()
 	alloc := a.alloc
-	kc, vc := alloc(device.BF16, slots, s.KVHeads, s.Dim), alloc(device.BF16, slots, s.KVHeads, s.Dim)
+	kc, vc := alloc(device.BF16, int(cacheSlots), s.KVHeads, s.Dim), alloc(device.BF16, int(cacheSlots), s.KVHeads, s.Dim)
 	qkv := alloc(device.BF16, tokens, s.QHeads+2*s.KVHeads, s.Dim)
 	out := alloc(device.BF16, tokens, s.QHeads, s.Dim)
-	qInd, kvInd, idx := make([]int32, s.Batch+1), make([]int32, s.Batch+1), make([]int32, slots)
+	qInd, kvInd := make([]int32, s.Batch+1), make([]int32, s.Batch+1)
 	for b := 0; b < s.Batch; b++ {
-		qInd[b+1], kvInd[b+1] = int32((b+1)*s.QLen), int32((b+1)*s.Context)
-	}
-	for i := range idx {
-		idx[i] = int32(i)
+		qInd[b+1], kvInd[b+1] = int32((b+1)*s.QLen), kvInd[b]+int32(ctx[b])
 	}
 	meta := device.AttnMeta{NumSeqs: s.Batch, MaxQLen: s.QLen, MaxKVLen: s.Context,
 		QIndptr: alloc(device.I32, s.Batch+1), KVIndptr: alloc(device.I32, s.Batch+1), KVIndices: alloc(device.I32, slots)}
@@ -83,11 +100,60 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	res.Kernel = attentionKernelName(s)
 	res.Bytes = 2*int64(slots)*int64(s.KVHeads*s.Dim)*2 + int64(tokens)*int64(2*s.QHeads+2*s.KVHeads)*int64(s.Dim)*2
 	res.GBPerS = float64(res.Bytes) / res.MedianUs / 1e3
-	prefix := s.Context - s.QLen
-	pairs := float64(s.Batch) * (float64(s.QLen)*float64(prefix) + float64(s.QLen)*float64(s.QLen+1)/2)
+	pairs := 0.0
+	for _, c := range ctx {
+		pairs += float64(s.QLen)*float64(c-s.QLen) + float64(s.QLen)*float64(s.QLen+1)/2
+	}
 	res.TFLOPS = 4 * float64(s.QHeads*s.Dim) * pairs / res.MedianUs / 1e6
 	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
 	return res, d.Sync()
+}
+
+// benchContexts spreads n context lengths evenly over [lo, hi], longest
+// first, or shuffled by a fixed seed.
+func benchContexts(n, lo, hi int, shuffled bool) []int {
+	ctx := make([]int, n)
+	for i := range ctx {
+		ctx[i] = hi
+		if n > 1 {
+			ctx[i] = hi - (hi-lo)*i/(n-1)
+		}
+	}
+	if shuffled {
+		rng := rand.New(rand.NewPCG(1, 2))
+		rng.Shuffle(n, func(i, j int) { ctx[i], ctx[j] = ctx[j], ctx[i] })
+	}
+	return ctx
+}
+
+// benchSlots lays out the KV slots of sequences of the given contexts,
+// concatenated in sequence order.
+func benchSlots(ctx []int, layout string) ([]int32, error) {
+	var idx []int32
+	switch layout {
+	case "", "contiguous", "random":
+		total := 0
+		for _, c := range ctx {
+			total += c
+		}
+		idx = make([]int32, total)
+		for i := range idx {
+			idx[i] = int32(i)
+		}
+		if layout == "random" {
+			rng := rand.New(rand.NewPCG(3, 4))
+			rng.Shuffle(len(idx), func(i, j int) { idx[i], idx[j] = idx[j], idx[i] })
+		}
+	case "interleaved":
+		for b, c := range ctx {
+			for p := 0; p < c; p++ {
+				idx = append(idx, int32(p*len(ctx)+b))
+			}
+		}
+	default:
+		return nil, fmt.Errorf("attention bench: layout %q (want contiguous, interleaved or random)", layout)
+	}
+	return idx, nil
 }
 
 func attentionKernelName(s AttentionBenchSpec) string {

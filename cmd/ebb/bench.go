@@ -160,9 +160,13 @@ func attentionCmd() *cobra.Command {
 				}
 			}
 			return kernelBench(gpu, asJSON, specs, cuda.BenchAttention, func(out []cuda.AttentionBenchResult) {
-				fmt.Printf("%6s %8s %6s %-26s %10s %9s %8s %8s\n", "batch", "context", "qlen", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
+				fmt.Printf("%6s %10s %6s %-26s %10s %9s %8s %8s\n", "batch", "context", "qlen", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
 				for _, r := range out {
-					fmt.Printf("%6d %8d %6d %-26s %10.1f %9.0f %8.1f %8.1f\n", r.Batch, r.Context, r.QLen, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+					ctx := strconv.Itoa(r.Context)
+					if r.MinContext > 0 && r.MinContext < r.Context {
+						ctx = fmt.Sprintf("%d-%d", r.MinContext, r.Context)
+					}
+					fmt.Printf("%6d %10s %6d %-26s %10.1f %9.0f %8.1f %8.1f\n", r.Batch, ctx, r.QLen, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
 				}
 			})
 		},
@@ -171,6 +175,9 @@ func attentionCmd() *cobra.Command {
 	f.StringVar(&batches, "batch", "1,8,64,256", "comma-separated sequence counts")
 	f.StringVar(&contexts, "context", "4096", "comma-separated context lengths (cached positions per sequence)")
 	f.StringVar(&qlens, "qlen", "1", "comma-separated new queries per sequence (1: decode)")
+	f.IntVar(&spec.MinContext, "min-context", 0, "spread the contexts evenly from this length up to --context, longest first as the scheduler orders decodes (0: all --context)")
+	f.BoolVar(&spec.Shuffled, "shuffle", false, "with --min-context: contexts in a random order")
+	f.StringVar(&spec.Layout, "layout", "contiguous", "KV slots of a sequence: contiguous, interleaved (one slot per sequence per step, as decoding allocates) or random")
 	f.IntVar(&spec.QHeads, "q-heads", 16, "query heads (Qwen3-0.6B: 16)")
 	f.IntVar(&spec.KVHeads, "kv-heads", 8, "kv heads (Qwen3-0.6B: 8)")
 	f.IntVar(&spec.Dim, "head-dim", 128, "head size")
