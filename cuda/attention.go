@@ -32,11 +32,11 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	}
 	if meta.MaxQLen == 1 {
 		if name, ok := decodeVecKernel(g, dim); ok {
-			d.attnDecode(name, 4, 32, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			d.attnDecode(name, 4, 32, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
 			return
 		}
 		if name, ok := decodeKernel(g, dim); ok {
-			d.attnDecode(name, 2, 32, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			d.attnDecode(name, 2, 32, false, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
 			return
 		}
 	}
@@ -106,8 +106,12 @@ func decodeKernel(g, dim int) (string, bool) {
 }
 
 // attnDecode launches a decode kernel over (sequence, kv head, split),
-// with enough splits for waves times the SMs' worth of blocks.
-func (d *Device) attnDecode(name string, waves, maxSplits int, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+// with enough splits for waves times the SMs' worth of blocks. Balanced
+// kernels take the kv head from blockIdx.x, so that the blocks of a
+// sequence launch together and a batch ordered longest first (as the
+// scheduler orders decodes) launches its longest work first, and cut each
+// sequence by its share of the batch's positions.
+func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
 	k, err := d.mod.Func(name)
 	if err != nil {
 		d.fail(err)
@@ -122,17 +126,27 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, out, qkv, kc, vc 
 		// Rounded down: a block more than the GPU holds at once would
 		// make a second wave that costs as much as the first.
 		splits = max(1, min(waves*d.ctx.SMs/blocks, maxSplits))
-		for splits > 1 && (int64(b*hq*splits)*int64(dim)*4 > d.partO.Bytes() || int64(b*hq*splits)*8 > d.partML.Bytes()) {
-			splits--
-		}
+	}
+	if balanced {
+		// Room for a long context among short ones to take two blocks
+		// where the batch alone fills the GPU (the kernel decides).
+		splits = max(splits, 2)
+	}
+	for splits > 1 && (int64(b*hq*splits)*int64(dim)*4 > d.partO.Bytes() || int64(b*hq*splits)*8 > d.partML.Bytes()) {
+		splits--
 	}
 	if b*hk > matMulCountersAt {
 		d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
 		return
 	}
-	d.fail(d.ctx.LaunchKernel(k, Dim3{uint32(b), uint32(hk), uint32(splits)}, D1(128), 0,
-		P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr), P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr),
-		P(meta.KVIndices.Ptr), P(d.partO.Ptr), P(d.partML.Ptr), P(d.counters.Ptr), I(hq), I(hk), I(dim), I(splits), F(scale)))
+	args := []uint64{P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr), P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr),
+		P(meta.KVIndices.Ptr), P(d.partO.Ptr), P(d.partML.Ptr), P(d.counters.Ptr), I(hq), I(hk), I(dim), I(splits)}
+	grid := Dim3{uint32(b), uint32(hk), uint32(splits)}
+	if balanced {
+		grid = Dim3{uint32(hk), uint32(b), uint32(splits)}
+		args = append(args, I(waves*d.ctx.SMs))
+	}
+	d.fail(d.ctx.LaunchKernel(k, grid, D1(128), 0, append(args, F(scale))...))
 }
 
 const (

@@ -478,6 +478,11 @@ func TestAttention(t *testing.T) {
 		{"decode-tiny-d32", 4, 2, 32, []int{1, 1}, []int{3, 129}},
 		{"decode-g4-d128-long", 32, 8, 128, []int{1, 1}, []int{4096, 777}},
 		{"decode-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
+		// Contexts of very different lengths: long ones take more than one
+		// split by their share of the batch, also where the batch alone
+		// fills the GPU.
+		{"decode-ragged-small-batch", 16, 8, 128, []int{1, 1, 1, 1}, []int{4000, 100, 65, 1}},
+		{"decode-ragged-full-gpu", 16, 8, 128, repeat(1, 80), raggedContexts(80)},
 		{"prefill-mma-d128-ragged", 16, 8, 128, []int{1, 63, 64, 65, 130, 7}, []int{1, 63, 100, 65, 300, 500}},
 		{"prefill-mma-d64-g3", 6, 2, 64, []int{200, 33}, []int{200, 97}},
 		{"prefill-mma-d128-long", 16, 8, 128, []int{700}, []int{1000}},
@@ -496,6 +501,18 @@ func TestAttention(t *testing.T) {
 			p.close("attention", out, 2e-2, 2e-2)
 		})
 	}
+}
+
+// raggedContexts is one context in eight of 3,000 positions, the rest short.
+func raggedContexts(n int) []int {
+	c := make([]int, n)
+	for i := range c {
+		c[i] = 60 + i
+		if i%8 == 0 {
+			c[i] = 3000 - i
+		}
+	}
+	return c
 }
 
 func repeat(v, n int) []int {

@@ -245,6 +245,10 @@ func (c *Core) schedule() ([]*request, []int) {
 		r.slots = append(r.slots, slots...)
 		batch, chunks = append(batch, r), append(chunks, 1)
 	}
+	// Longest context first: the decode attention launches its blocks in
+	// batch order, so the long ones start first and short ones fill in at
+	// the end rather than a long one finishing alone.
+	slices.SortStableFunc(batch, func(a, b *request) int { return len(b.slots) - len(a.slots) })
 	c.last = StepInfo{Decodes: len(batch)}
 	// Then prefill: unfinished prompts, then new requests, within the budget.
 	budget := c.opts.ChunkedPrefillSize

@@ -189,3 +189,36 @@ func TestCheckInvariantsFindsBrokenAccounts(t *testing.T) {
 		})
 	}
 }
+
+// TestDecodesLongestFirst: decode batches list their sequences by context
+// length, longest first (the decode attention launches them in that order),
+// whether built by schedule or chained by follow.
+func TestDecodesLongestFirst(t *testing.T) {
+	h := newHarness(t, false, 4096)
+	for i, n := range []int{5, 40, 12, 33} {
+		h.generate(fmt.Sprint("r", i), prompt(i, n), 12)
+	}
+	checked := 0
+	for i := 0; i < 40 && !h.s.core.Idle(); i++ {
+		h.step(1)
+		f := h.s.core.flight
+		if f == nil {
+			continue
+		}
+		info, _ := h.s.core.LastStep()
+		if info.NewTokens > 0 {
+			continue
+		}
+		if !slices.IsSortedFunc(f.batch, func(a, b *request) int { return len(b.slots) - len(a.slots) }) {
+			lens := []int{}
+			for _, r := range f.batch {
+				lens = append(lens, len(r.slots))
+			}
+			t.Fatalf("step %d: decode batch contexts %v, want longest first", i, lens)
+		}
+		checked++
+	}
+	if checked < 5 {
+		t.Fatalf("only %d decode steps checked", checked)
+	}
+}

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"slices"
 
 	"ebb/ioschema"
 	"ebb/runner"
@@ -102,7 +103,15 @@ func (c *Core) follow() *flight {
 		return nil
 	}
 	next := &flight{}
-	for i, r := range f.batch {
+	// Longest context first, as schedule orders decodes (the prompts that
+	// finished in the flight join at its end).
+	order := make([]int, 0, len(f.batch))
+	for i := range f.batch {
+		order = append(order, i)
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return len(f.batch[b].slots) - len(f.batch[a].slots) })
+	for _, i := range order {
+		r := f.batch[i]
 		if r.epoch != f.epochs[i] || r.lastInFlight() {
 			continue
 		}

@@ -8,7 +8,7 @@
 
 // ---- decode ------------------------------------------------------------------
 
-// attn_decode_vec: one query per sequence. Block (sequence, kv head, split)
+// attn_decode_vec: one query per sequence. Block (kv head, sequence, split)
 // of DV_WARPS warps. A K or V row (D bf16) is read by LPR = D/8 lanes with
 // 16-byte loads, so a warp reads RPW = 32/LPR rows at once; each lane keeps
 // DV_UNROLL rows of K and of V in flight. The MG >= G query heads of the kv
@@ -24,18 +24,32 @@ template <int D, int MG>
 __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc,
                                                      const int *qptr, const int *kvptr, const int *kvidx,
                                                      float *part_o, float *part_ml, int *counters, int hq, int hk,
-                                                     int splits, float scale) {
+                                                     int splits, int units, float scale) {
 	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
 	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
 	__shared__ float sh_o[GROUPS][MG][D];
 	__shared__ int sh_last;
-	const int s = blockIdx.x, g = blockIdx.y, sp = blockIdx.z;
+	// The kv heads of a sequence are adjacent in launch order, so a batch
+	// whose decodes come longest first (as the scheduler orders them) starts
+	// its longest blocks first and ends on short ones.
+	const int g = blockIdx.x, s = blockIdx.y, sp = blockIdx.z;
 	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int sub = lane % LPR, grp = warp * RPW + lane / LPR;
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
-	const int per = max(DV_MIN_SPLIT, (kvlen + splits - 1) / splits);
-	const int used = max(1, (kvlen + per - 1) / per);
+	// Splits of at least DV_MIN_SPLIT positions; where a sequence's fair
+	// share of the batch's work (over units blocks) is longer, it gets as
+	// many splits as it holds shares (a remainder of three quarters counts
+	// as one): equal contexts keep the splits they had, and a long one among
+	// short ones is cut, so that no block runs far past the rest.
+	int per = max(DV_MIN_SPLIT, (kvlen + splits - 1) / splits);
+	int used = max(1, (kvlen + per - 1) / per);
+	const long long total = (long long)(kvptr[gridDim.y] - kvptr[0]) * hk;
+	const long long share = (total + units - 1) / units;
+	if (share > per) {
+		used = (int)min((long long)splits, max(1LL, (kvlen + share / 4) / share));
+		per = (kvlen + used - 1) / used;
+	}
 	if (sp >= used) return;
 	const int c0 = sp * per, c1 = min(kvlen, c0 + per);
 	const long long stride = (long long)(hq + 2 * hk) * D;
@@ -179,10 +193,10 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_d##D##_g##MG(                      \
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
 	    const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits,         \
-	    float scale) {                                                                                            \
+	    int units, float scale) {                                                                                 \
 		DEP(); \
 		attn_decode_vec_impl<D, MG>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk,     \
-		                            splits, scale);                                                           \
+		                            splits, units, scale);                                                    \
 	}
 #define ATTN_DECODE_VEC_D(D) ATTN_DECODE_VEC(D, 1) ATTN_DECODE_VEC(D, 2) ATTN_DECODE_VEC(D, 4) ATTN_DECODE_VEC(D, 8)
 ATTN_DECODE_VEC_D(32)
