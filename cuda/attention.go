@@ -63,9 +63,9 @@ func decodeVecKernel(g, dim int) (string, bool) {
 	return "", false
 }
 
-// prefillMMAShared is attn_prefill_mma's shared memory: a query tile and
-// two K and two V tiles of 64 rows.
-func prefillMMAShared(dim int) int { return (64 + 4*64) * dim * 2 }
+// prefillMMAShared is attn_prefill_mma's shared memory: a query, a K and a
+// V tile of 64 rows.
+func prefillMMAShared(dim int) int { return 3 * 64 * dim * 2 }
 
 func (d *Device) attnPrefillMMA(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
 	name := fmt.Sprintf("attn_prefill_mma_d%d", dim)

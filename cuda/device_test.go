@@ -486,6 +486,7 @@ func TestAttention(t *testing.T) {
 		{"prefill-mma-d128-ragged", 16, 8, 128, []int{1, 63, 64, 65, 130, 7}, []int{1, 63, 100, 65, 300, 500}},
 		{"prefill-mma-d64-g3", 6, 2, 64, []int{200, 33}, []int{200, 97}},
 		{"prefill-mma-d128-long", 16, 8, 128, []int{700}, []int{1000}},
+		{"prefill-mma-g4-two-heads-a-block", 32, 8, 128, []int{70, 5, 130}, []int{100, 5, 130}},
 		// A mixed step: decodes first (decode kernel), then prompts (a
 		// one-token chunk among them stays with the prefill kernel).
 		{"mixed-decodes-first", 16, 8, 128, []int{1, 1, 1, 40, 1, 70}, []int{90, 1, 600, 40, 33, 200}},

@@ -209,7 +209,9 @@ ATTN_DECODE_VEC_D(256)
 // attn_prefill_mma: FlashAttention-2 style. Block (query tile of FA_BM
 // rows, query head, sequence), four warps of 16 query rows. K and V come
 // through shared memory in tiles of FA_BN keys (gathered from the paged
-// cache with cp.async, double-buffered); S = Q K^T and O += P V run as
+// cache with cp.async, one buffer: 48 KB a block, and registers capped by
+// the launch bounds, give three blocks an SM, which hide each other's
+// loads better than two double-buffered ones); S = Q K^T and O += P V run as
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate); softmax is online in
 // registers, base 2. Shared rows are D bf16 with their 16-byte chunks
 // swizzled (chunk ^ row % 8), so ldmatrix reads without bank conflicts.
@@ -267,8 +269,8 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	extern __shared__ __align__(16) unsigned char fa_smem[];
 	constexpr int CH = D / 8; // 16-byte chunks per row
 	unsigned char *qs = fa_smem;
-	unsigned char *ks = qs + FA_BM * D * 2; // [2][FA_BN][D]
-	unsigned char *vs = ks + 2 * FA_BN * D * 2;
+	unsigned char *ks = qs + FA_BM * D * 2; // [FA_BN][D]
+	unsigned char *vs = ks + FA_BN * D * 2;
 	const int s = blockIdx.z, h = blockIdx.y, G = hq / hk, g = h / G;
 	const int qbase = qptr[s], qlen = qptr[s + 1] - qbase;
 	const int q0 = blockIdx.x * FA_BM;
@@ -287,19 +289,19 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		const bf16 *src = qkv + (long long)(qbase + (valid ? q0 + r : 0)) * stride + (long long)h * D + ch * 8;
 		cp_async16(smem_u32(qs + swz<D>(r, ch * 8)), src, valid);
 	}
-	auto load_kv = [&](int tile, int buf) {
+	auto load_kv = [&](int tile) {
 		const int k0 = tile * FA_BN;
 		for (int i = tid; i < FA_BN * CH; i += blockDim.x) {
 			const int r = i / CH, ch = i % CH;
 			const bool valid = k0 + r < kend;
 			const long long base = valid ? ((long long)kvidx[kv0 + k0 + r] * hk + g) * D + ch * 8 : 0;
-			const unsigned off = buf * FA_BN * D * 2 + swz<D>(r, ch * 8);
+			const unsigned off = swz<D>(r, ch * 8);
 			cp_async16(smem_u32(ks + off), kc + base, valid);
 			cp_async16(smem_u32(vs + off), vc + base, valid);
 		}
 		cp_async_commit();
 	};
-	load_kv(0, 0); // commits Q too
+	load_kv(0); // commits Q too
 	cp_async_wait<0>();
 	__syncthreads();
 
@@ -321,17 +323,14 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int wlast = q0 + w0 < qlen ? kvlen - qlen + q0 + w0 + 15 : -1;
 
 	for (int tile = 0; tile < ntiles; tile++) {
-		const int buf = tile & 1;
-		if (tile + 1 < ntiles) {
-			load_kv(tile + 1, buf ^ 1);
-			cp_async_wait<1>();
-		} else {
+		if (tile > 0) {
+			load_kv(tile);
 			cp_async_wait<0>();
+			__syncthreads();
 		}
-		__syncthreads();
 		const int k0 = tile * FA_BN;
 		if (k0 <= wlast) { // else every key of the tile is after the warp's queries
-			const unsigned char *kt = ks + buf * FA_BN * D * 2, *vt = vs + buf * FA_BN * D * 2;
+			const unsigned char *kt = ks, *vt = vs;
 			float sacc[FA_BN / 8][4];
 #pragma unroll
 			for (int n = 0; n < FA_BN / 8; n++) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.f;
@@ -404,7 +403,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 				}
 			}
 		}
-		__syncthreads(); // the next prefetch overwrites this buffer
+		__syncthreads(); // the next tile overwrites this one
 	}
 #pragma unroll
 	for (int i = 0; i < 2; i++) {
@@ -424,7 +423,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 }
 
 #define ATTN_PREFILL_MMA(D)                                                                                      \
-	extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_d##D(                                       \
+	extern "C" __global__ void __launch_bounds__(128, 3) attn_prefill_mma_d##D(                                    \
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
 	    const int *kvidx, int hq, int hk, float scale) {                                                          \
 		DEP(); \
