@@ -37,6 +37,9 @@ type batchLog struct {
 }
 
 func (b *batchLog) record(log *zap.Logger, c *Core) {
+	if c.Idle() {
+		b.steps = 0 // time spent idle is not generation time
+	}
 	info, ok := c.LastStep()
 	if !ok || b.interval <= 0 {
 		return

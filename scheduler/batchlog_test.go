@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -48,5 +49,27 @@ func TestBatchLog(t *testing.T) {
 	// the prefill): a line after the 6th, 11th, 16th and 21st.
 	if decodeLines != 4 {
 		t.Fatalf("%d decode lines, want 4", decodeLines)
+	}
+}
+
+// TestBatchLogSkipsIdleTime: the first decode line after an idle spell
+// reports the output rate of its own steps, not of the idle time.
+func TestBatchLogSkipsIdleTime(t *testing.T) {
+	h := newHarness(t, false, 4096)
+	core, logs := observer.New(zap.InfoLevel)
+	h.s.log = zap.New(core)
+	h.s.batches.interval = 5
+	h.generate("a", prompt(1, 20), 4) // fewer decode steps than the interval
+	h.runToIdle()
+	time.Sleep(time.Second)
+	h.generate("b", prompt(2, 20), 12)
+	h.runToIdle()
+	lines := logs.FilterMessage("Decode batch").All()
+	if len(lines) == 0 {
+		t.Fatal("no decode line")
+	}
+	// The line covers at most six tokens: over the idle second, 6 tok/s.
+	if tp := lines[0].ContextMap()["gen_throughput"].(float64); tp < 20 {
+		t.Fatalf("gen_throughput %.2f tok/s counts the idle time", tp)
 	}
 }
