@@ -15,13 +15,13 @@ type StepInfo struct {
 	Graph        bool // replayed as a CUDA graph
 }
 
-// LastStep reports the step launched by the last Step call, and whether
+// lastStep reports the step launched by the last Step call, and whether
 // that call launched one.
-func (c *Core) LastStep() (StepInfo, bool) { return c.last, c.launched }
+func (c *Core) lastStep() (StepInfo, bool) { return c.last, c.launched }
 
-// TokenUsage is the share of KV slots held, not counting cached prefixes
+// tokenUsage is the share of KV slots held, not counting cached prefixes
 // that could be evicted (SGLang's "token usage"), and the count held.
-func (c *Core) TokenUsage() (float64, int) {
+func (c *Core) tokenUsage() (float64, int) {
 	used := c.pool.total - c.pool.available() - c.cache.Evictable()
 	return float64(used) / float64(max(c.pool.total, 1)), used
 }
@@ -40,11 +40,11 @@ func (b *batchLog) record(log *zap.Logger, c *Core) {
 	if c.Idle() {
 		b.steps = 0 // time spent idle is not generation time
 	}
-	info, ok := c.LastStep()
+	info, ok := c.lastStep()
 	if !ok || b.interval <= 0 {
 		return
 	}
-	usage, used := c.TokenUsage()
+	usage, used := c.tokenUsage()
 	if info.NewTokens > 0 {
 		log.Info("Prefill batch", zap.Int("new_seq", info.NewSeqs), zap.Int("new_token", info.NewTokens),
 			zap.Int("cached_token", info.CachedTokens), zap.Float64("token_usage", round2(usage)),
@@ -52,7 +52,7 @@ func (b *batchLog) record(log *zap.Logger, c *Core) {
 		return
 	}
 	now := time.Now()
-	if b.since.IsZero() || b.steps == 0 {
+	if b.steps == 0 {
 		b.since, b.genAt = now, c.Stats.GeneratedTokens
 	}
 	b.steps++

@@ -205,7 +205,7 @@ func TestDecodesLongestFirst(t *testing.T) {
 		if f == nil {
 			continue
 		}
-		info, _ := h.s.core.LastStep()
+		info, _ := h.s.core.lastStep()
 		if info.NewTokens > 0 {
 			continue
 		}
