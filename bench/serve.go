@@ -62,6 +62,9 @@ func startServe(exe string, e engine.Config, extra ...string) (*serveProc, error
 	if e.DisableOverlap {
 		args = append(args, "--disable-overlap-schedule")
 	}
+	if e.EnableMixedChunk {
+		args = append(args, "--enable-mixed-chunk")
+	}
 	if e.DisableCUDAGraph {
 		args = append(args, "--disable-cuda-graph")
 	}

@@ -40,6 +40,9 @@ type Config struct {
 	// DisableOverlap waits for each step before building the next
 	// (--disable-overlap-schedule).
 	DisableOverlap bool
+	// EnableMixedChunk puts the decodes in the steps that prefill
+	// (--enable-mixed-chunk).
+	EnableMixedChunk bool
 	// DistTimeout bounds waiting on a trainer's process group (--dist-timeout).
 	DistTimeout        time.Duration
 	ContextLength      int

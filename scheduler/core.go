@@ -35,6 +35,9 @@ type Options struct {
 	// DisableOverlap waits for each step's results before building the
 	// next (--disable-overlap-schedule).
 	DisableOverlap bool
+	// EnableMixedChunk runs the decodes in the steps that prefill too
+	// (--enable-mixed-chunk); by default a prefill step holds them back.
+	EnableMixedChunk bool
 }
 
 // Core is the scheduling state machine, free of I/O: Add requests, call Step
@@ -215,17 +218,32 @@ func (c *Core) Step() ([]Event, error) {
 }
 
 // schedule picks this step's requests and how many tokens each processes,
-// allocating their KV slots.
+// allocating their KV slots. As SGLang by default, a step either prefills
+// or decodes: while prompt tokens can run, the decodes wait. With mixed
+// chunks the decodes run in every step and count against the chunk budget.
 func (c *Core) schedule() ([]*request, []int) {
-	var batch []*request
-	var chunks []int
-	// Decodes first: every running request that has finished its prompt.
 	decodes := 0
 	for _, r := range c.running {
 		if !r.inPrefill() {
 			decodes++
 		}
 	}
+	if !c.opts.EnableMixedChunk {
+		c.last = StepInfo{}
+		if batch, chunks := c.schedulePrefill(nil, nil, decodes, c.opts.ChunkedPrefillSize); len(batch) > 0 {
+			return batch, chunks
+		}
+		return c.scheduleDecodes(decodes)
+	}
+	batch, chunks := c.scheduleDecodes(decodes)
+	return c.schedulePrefill(batch, chunks, len(batch), c.opts.ChunkedPrefillSize-len(batch))
+}
+
+// scheduleDecodes gives every running request past its prompt one slot,
+// retracting the newest ones while the pool cannot hold a step of each.
+func (c *Core) scheduleDecodes(decodes int) ([]*request, []int) {
+	var batch []*request
+	var chunks []int
 	for decodes > 0 && !c.ensureFree(decodes) {
 		if !c.retractOne() {
 			break
@@ -250,8 +268,13 @@ func (c *Core) schedule() ([]*request, []int) {
 	// the end rather than a long one finishing alone.
 	slices.SortStableFunc(batch, func(a, b *request) int { return len(b.slots) - len(a.slots) })
 	c.last = StepInfo{Decodes: len(batch)}
-	// Then prefill: unfinished prompts, then new requests, within the budget.
-	budget := c.opts.ChunkedPrefillSize
+	return batch, chunks
+}
+
+// schedulePrefill appends prompt chunks to batch within budget tokens:
+// unfinished prompts first, then new requests, admitted only with room left
+// for a step of each of the decodes.
+func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget int) ([]*request, []int) {
 	rows := len(batch)
 	lim := c.run.Limits()
 	for _, r := range c.running {
@@ -273,7 +296,6 @@ func (c *Core) schedule() ([]*request, []int) {
 		r := c.waiting[0]
 		c.admit(r)
 		n := c.chunkSize(r, budget, lim.MaxLogitRows-rows)
-		// Admit only with room for this chunk and a step of every decode.
 		if n == 0 || !c.ensureFree(n+decodes) {
 			c.unadmit(r)
 			break

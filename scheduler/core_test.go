@@ -222,3 +222,48 @@ func TestDecodesLongestFirst(t *testing.T) {
 		t.Fatalf("only %d decode steps checked", checked)
 	}
 }
+
+// TestMixedChunk: by default a step that prefills holds the decodes back,
+// as SGLang's scheduler does; with EnableMixedChunk the decodes run in every
+// step and take their share of the chunk budget. The tokens are the same.
+func TestMixedChunk(t *testing.T) {
+	const chunk = 48
+	outputs := map[bool]map[string][]int32{}
+	for _, mixed := range []bool{false, true} {
+		h := newHarnessChunk(t, false, 4096, chunk)
+		h.s.core.opts.EnableMixedChunk = mixed
+		h.generate("a", prompt(1, 5), 30)
+		for i := 0; i < 10 && len(h.tokens["a"]) < 3; i++ {
+			h.step(1)
+		}
+		h.generate("b", prompt(2, 150), 4)
+		prefills, full := 0, 0
+		for i := 0; i < 40 && !h.s.core.Idle(); i++ {
+			h.step(1)
+			info, launched := h.s.core.lastStep()
+			if !launched || info.NewTokens == 0 {
+				continue
+			}
+			prefills++
+			if want := map[bool]int{false: 0, true: 1}[mixed]; info.Decodes != want {
+				t.Fatalf("mixed %v: a prefill step with %d decodes, want %d", mixed, info.Decodes, want)
+			}
+			if info.NewTokens+info.Decodes > chunk {
+				t.Fatalf("mixed %v: %d prompt tokens and %d decodes in a chunk of %d", mixed, info.NewTokens, info.Decodes, chunk)
+			}
+			if info.NewTokens+info.Decodes == chunk {
+				full++
+			}
+		}
+		h.runToIdle()
+		if prefills != 4 || full != 3 {
+			t.Fatalf("mixed %v: %d prefill steps, %d full, want 4 and 3", mixed, prefills, full)
+		}
+		outputs[mixed] = h.tokens
+	}
+	for _, rid := range []string{"a", "b"} {
+		if !slices.Equal(outputs[false][rid], outputs[true][rid]) {
+			t.Fatalf("%s: %v apart, %v mixed", rid, outputs[false][rid], outputs[true][rid])
+		}
+	}
+}

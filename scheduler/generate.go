@@ -32,6 +32,7 @@ func NewCoreFor(e *engine.Engine) (*Core, error) {
 		RandomSeed:         e.Config.RandomSeed,
 		DisableRadixCache:  e.Config.DisableRadixCache,
 		DisableOverlap:     e.Config.DisableOverlap,
+		EnableMixedChunk:   e.Config.EnableMixedChunk,
 	})
 }
 
