@@ -41,7 +41,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 		}
 	}
 	if dim == 64 || dim == 128 {
-		d.attnPrefillMMA(out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+		d.attnPrefillMMA(out, qkv, kCache, vCache, meta, scale, hq, hk, dim, rawQueries{})
 		return
 	}
 	d.attnPrefill(out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
@@ -63,11 +63,55 @@ func decodeVecKernel(g, dim int) (string, bool) {
 	return "", false
 }
 
+// PrepareAttention implements device.PrefillAttention: where a step has
+// about a thousand prompt tokens or more and the tensor-core prefill kernel
+// takes them, prepare_qkv16 writes back only the decodes' queries and the
+// prefill kernel normalises and rotates the rest as it loads them.
+func (d *Device) PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, meta device.AttnMeta, scale, eps float32) bool {
+	hk, dim := kCache.Dim(1), kCache.Dim(2)
+	hq := qkv.Dim(1) - 2*hk
+	// The kernel's queries take prepare_qkv16's layout (and bits): only
+	// where the step prepares with it.
+	if d.err != nil || meta.MaxQLen <= 1 || (dim != 64 && dim != 128) || !vectorisedQKV(qkv, kCache, vCache, positions.Numel()) {
+		return false
+	}
+	pre, decodes := meta, 0
+	if _, ok := decodeVecKernel(hq/hk, dim); ok && meta.Decodes > 0 {
+		// As Attention splits a mixed step: the decodes, their queries
+		// prepared, to the decode kernel.
+		decodes = meta.Decodes
+		pre.NumSeqs, pre.Decodes = meta.NumSeqs-decodes, 0
+		pre.QIndptr = meta.QIndptr.Rows(decodes, meta.NumSeqs+1)
+		pre.KVIndptr = meta.KVIndptr.Rows(decodes, meta.NumSeqs+1)
+	}
+	// k and v of every token; the decodes' queries as well.
+	d.prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots, eps, positions.Numel(), hq, hq+2*hk, true)
+	d.prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots, eps, decodes, 0, hq, true)
+	if decodes > 0 {
+		dec := meta
+		dec.NumSeqs, dec.MaxQLen = decodes, 1
+		d.Attention(out, qkv, kCache, vCache, dec, scale)
+	}
+	d.attnPrefillMMA(out, qkv, kCache, vCache, pre, scale, hq, hk, dim,
+		rawQueries{raw: true, norm: qNorm, cos: cos, sin: sin, eps: eps})
+	return true
+}
+
+// rawQueries are what attn_prefill_mma needs to normalise and rotate
+// queries straight from the projection (raw false: they are prepared).
+// It takes a query's position from its place in the sequence, as the
+// causal mask does.
+type rawQueries struct {
+	raw            bool
+	norm, cos, sin device.Tensor
+	eps            float32
+}
+
 // prefillMMAShared is attn_prefill_mma's shared memory: a query, a K and a
 // V tile of 64 rows.
 func prefillMMAShared(dim int) int { return 3 * 64 * dim * 2 }
 
-func (d *Device) attnPrefillMMA(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+func (d *Device) attnPrefillMMA(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int, rq rawQueries) {
 	name := fmt.Sprintf("attn_prefill_mma_d%d", dim)
 	k, err := d.mod.Func(name)
 	if err != nil {
@@ -85,7 +129,8 @@ func (d *Device) attnPrefillMMA(out, qkv, kc, vc device.Tensor, meta device.Attn
 	tiles := (meta.MaxQLen + 63) / 64
 	d.fail(d.ctx.LaunchKernel(k, Dim3{uint32(tiles), uint32(hq), uint32(meta.NumSeqs)}, D1(128), shared,
 		P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr), P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr),
-		P(meta.KVIndices.Ptr), I(hq), I(hk), F(scale)))
+		P(meta.KVIndices.Ptr), I(hq), I(hk), F(scale), P(rq.norm.Ptr), P(rq.cos.Ptr), P(rq.sin.Ptr),
+		F(rq.eps), I(boolInt(rq.raw))))
 }
 
 // decodeKernel picks the instantiation whose register tiles fit g query

@@ -100,7 +100,7 @@ func init() {
 }
 
 var kernelNames = []string{
-	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "add_bias", "add_bias_f32", "prepare_qkv", "silu_mul", "silu_mul_v8",
+	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
 	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
@@ -733,9 +733,25 @@ func boolInt(b bool) int {
 
 // PrepareQKV implements device.Device.
 func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) {
+	t := positions.Numel()
+	d.prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots, eps, t, 0, qkv.Dim(1),
+		vectorisedQKV(qkv, kCache, vCache, t))
+}
+
+// vectorisedQKV reports whether a step of t tokens prepares its q, k and v
+// with prepare_qkv16: a prefill of about a thousand tokens or more.
+func vectorisedQKV(qkv, kCache, vCache device.Tensor, t int) bool {
+	return qkv.Dim(2)%16 == 0 && t*qkv.Dim(1) >= 1<<15 && qkv.Ptr%16 == 0 && kCache.Ptr%16 == 0 && vCache.Ptr%16 == 0
+}
+
+// prepareQKV prepares heads [head0, hend) of the first t tokens, with
+// prepare_qkv16 when vec.
+func (d *Device) prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32, t, head0, hend int, vec bool) {
 	hk, dim := kCache.Dim(1), kCache.Dim(2)
 	hq := qkv.Dim(1) - 2*hk
-	t := positions.Numel()
+	if t == 0 || hend <= head0 {
+		return
+	}
 	hasNorm := 0
 	if qNorm.Valid() {
 		hasNorm = 1
@@ -744,9 +760,17 @@ func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCac
 		d.fail(fmt.Errorf("prepare_qkv: head_dim %d (a multiple of 4 up to 256)", dim))
 		return
 	}
-	d.launch("prepare_qkv", Dim3{uint32(t), uint32((hq + 2*hk + 3) / 4), 1}, D1(128), 0,
+	if vec {
+		// (token, head) units of dim/16 lanes, two a thread.
+		units, perBlock := t*(hend-head0), 2*128/(dim/16)
+		d.launch("prepare_qkv16", D1((units+perBlock-1)/perBlock), D1(128), 0,
+			P(qkv.Ptr), P(qNorm.Ptr), P(kNorm.Ptr), P(positions.Ptr), P(cos.Ptr), P(sin.Ptr), P(kCache.Ptr), P(vCache.Ptr),
+			P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm), I(head0), I(hend), I(t))
+		return
+	}
+	d.launch("prepare_qkv", Dim3{uint32(t), uint32((hend - head0 + 3) / 4), 1}, D1(128), 0,
 		P(qkv.Ptr), P(qNorm.Ptr), P(kNorm.Ptr), P(positions.Ptr), P(cos.Ptr), P(sin.Ptr),
-		P(kCache.Ptr), P(vCache.Ptr), P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm))
+		P(kCache.Ptr), P(vCache.Ptr), P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm), I(head0), I(hend))
 }
 
 // SiLUMul implements device.Device.

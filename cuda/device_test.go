@@ -1,9 +1,11 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -393,25 +395,137 @@ func TestPrepareQKV(t *testing.T) {
 		name      string
 		hq, hk, d int
 		norm      bool
-	}{{"qwen3", 16, 8, 128, true}, {"qwen2", 4, 2, 64, false}, {"mqa-small-dim", 6, 1, 16, true}} {
+		tokens    int
+	}{{"qwen3", 16, 8, 128, true, 6}, {"qwen2", 4, 2, 64, false, 6}, {"mqa-small-dim", 6, 1, 16, true, 6},
+		{"d24-lane-pairs", 4, 2, 24, true, 6},          // not a multiple of 16: prepare_qkv's bf16x2 lanes
+		{"qwen3-prefill", 16, 8, 128, true, 300},       // 128-thread blocks
+		{"qwen3-long-prefill", 16, 8, 128, true, 2100}, // two units a thread
+	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
-			const tokens, slots = 6, 50
-			qkv := p.random(device.BF16, 1.5, tokens, tc.hq+2*tc.hk, tc.d)
+			slots := tc.tokens + 44
+			qkv := p.random(device.BF16, 1.5, tc.tokens, tc.hq+2*tc.hk, tc.d)
 			var qn, kn both
 			if tc.norm { // weights near 1, as trained norms are
 				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
 			}
-			pos := p.ints([]int32{0, 1, 7, 300, 1023, 4})
-			sl := p.ints([]int32{3, 17, 0, 49, 22, 8})
+			positions, slotIDs := []int32{0, 1, 7, 300, 1023, 4}, []int32{3, 17, 0, 49, 22, 8}
+			if tc.tokens != len(positions) {
+				positions, slotIDs = nil, nil
+				for i, s := range p.rng.Perm(slots)[:tc.tokens] {
+					positions, slotIDs = append(positions, int32(i%1024)), append(slotIDs, int32(s))
+				}
+			}
+			pos, sl := p.ints(positions), p.ints(slotIDs)
 			cos, sin := ropeTables(p, 1024, tc.d/2)
 			kc := p.random(device.BF16, 1, slots, tc.hk, tc.d)
 			vc := p.random(device.BF16, 1, slots, tc.hk, tc.d)
 			p.gpu.PrepareQKV(qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, 1e-6)
 			p.cpu.PrepareQKV(qkv.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc.c, vc.c, sl.c, 1e-6)
-			p.close("qkv", qkv, 3e-2, 3e-2)
+			p.closeQueries("q", qkv, tc.hq, tc.hk, tc.d, 3e-2)
 			p.close("k cache", kc, 3e-2, 3e-2)
 			p.close("v cache", vc, 0, 0)
+		})
+	}
+}
+
+// closeQueries compares the q heads of qkv [T, hq+2hk, d] (the k and v
+// heads are left unspecified by PrepareQKV).
+func (p *pair) closeQueries(name string, qkv both, hq, hk, d int, tol float64) {
+	p.t.Helper()
+	g, c := p.download(qkv)
+	row := (hq + 2*hk) * d
+	for i := range g {
+		if i%row >= hq*d {
+			continue
+		}
+		if diff := math.Abs(float64(g[i]) - float64(c[i])); math.IsNaN(float64(g[i])) || diff > tol+tol*math.Abs(float64(c[i])) {
+			p.t.Fatalf("%s: token %d element %d: gpu %v, cpu %v", name, i/row, i%row, g[i], c[i])
+		}
+	}
+}
+
+// clone uploads a copy of b's CPU values to both devices.
+func (p *pair) clone(dtype device.DType, b both) both {
+	p.t.Helper()
+	_, c := p.download(b)
+	return p.floats(dtype, c, b.c.Shape...)
+}
+
+// TestPrepareAttention: the prefill kernel normalising and rotating the
+// queries itself gives the bits of PrepareQKV then Attention on the GPU,
+// and the CPU reference within bf16 rounding, in prefill and mixed steps
+// (of 32k (token, head) units or more: smaller steps keep prepare_qkv).
+func TestPrepareAttention(t *testing.T) {
+	cases := []struct {
+		name          string
+		hq, hk, d     int
+		norm          bool
+		qlens, kvlens []int
+	}{
+		{"prefill-qwen3", 16, 8, 128, true, []int{5, 400, 1, 600, 130}, []int{5, 500, 33, 600, 300}},
+		{"mixed-qwen3", 16, 8, 128, true, []int{1, 1, 1, 400, 1, 700}, []int{90, 1, 600, 400, 33, 900}},
+		{"mixed-d64-g3-no-norm", 12, 4, 64, false, []int{1, 1, 1700}, []int{400, 7, 1800}},
+		// Sixteen query heads a kv head: no decode kernel, so the decodes
+		// take the prefill kernel and its query preparation too.
+		{"mixed-g16", 32, 2, 128, true, []int{1, 1000}, []int{50, 1000}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
+			idx := make([]int32, meta[1].KVIndices.Numel())
+			if err := p.cpu.DownloadI32(meta[1].KVIndices, idx); err != nil {
+				t.Fatal(err)
+			}
+			var positions, slots []int32
+			kv0 := 0
+			for i, q := range tc.qlens {
+				for j := tc.kvlens[i] - q; j < tc.kvlens[i]; j++ {
+					positions = append(positions, int32(j))
+					slots = append(slots, idx[kv0+j])
+				}
+				kv0 += tc.kvlens[i]
+			}
+			pos, sl := p.ints(positions), p.ints(slots)
+			cos, sin := ropeTables(p, slices.Max(tc.kvlens), tc.d/2)
+			var qn, kn both
+			if tc.norm {
+				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
+			}
+			qkv2, kc2, vc2, out2 := p.clone(device.BF16, qkv), p.clone(device.BF16, kc), p.clone(device.BF16, vc), p.clone(device.BF16, out)
+			scale, eps := float32(1/math.Sqrt(float64(tc.d))), float32(1e-6)
+			if !p.gpu.PrepareAttention(out.g, qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, meta[0], scale, eps) {
+				t.Fatal("PrepareAttention did not apply")
+			}
+			p.gpu.PrepareQKV(qkv2.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, eps)
+			p.gpu.Attention(out2.g, qkv2.g, kc2.g, vc2.g, meta[0], scale)
+			p.cpu.PrepareQKV(qkv.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc.c, vc.c, sl.c, eps)
+			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
+			p.close("attention", out, 2e-2, 2e-2)
+			p.close("k cache", kc, 3e-2, 3e-2)
+			p.close("v cache", vc, 0, 0)
+			for _, x := range []struct {
+				name string
+				a, b device.Tensor
+			}{{"attention", out.g, out2.g}, {"k cache", kc.g, kc2.g}, {"v cache", vc.g, vc2.g}} {
+				p.sync()
+				a, b := make([]float32, x.a.Numel()), make([]float32, x.b.Numel())
+				if err := errors.Join(p.gpu.DownloadF32(x.a, a), p.gpu.DownloadF32(x.b, b)); err != nil {
+					t.Fatal(err)
+				}
+				for i := range a {
+					if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+						t.Fatalf("%s: element %d: %v with the queries prepared in the kernel, %v by prepare_qkv", x.name, i, a[i], b[i])
+					}
+				}
+			}
+			// A step of a few hundred tokens keeps prepare_qkv.
+			sout, sqkv, skc, svc, smeta := attnCase(p, tc.hq, tc.hk, tc.d, []int{100}, []int{100})
+			spos := p.ints(make([]int32, 100))
+			if p.gpu.PrepareAttention(sout.g, sqkv.g, qn.g, kn.g, spos.g, cos.g, sin.g, skc.g, svc.g, spos.g, smeta[0], scale, eps) {
+				t.Fatal("PrepareAttention applied to a 100-token step")
+			}
 		})
 	}
 }

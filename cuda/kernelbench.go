@@ -36,6 +36,12 @@ type AttentionBenchResult struct {
 	PeakGBPerS  float64 `json:"peak_gb_per_s"` // from NVML's memory clock and bus width; 0 if unknown
 	PeakPercent float64 `json:"peak_percent"`
 	TFLOPS      float64 `json:"tflops"` // prefill: 4·hq·dim per visible (query, key) pair
+	// Prefills also time the step's whole attention with the query and
+	// key preparation (per-head norm, rotary, cache store): prepare_qkv
+	// then the kernel, and, for steps of about a thousand tokens or more,
+	// the kernel preparing its own queries (0 otherwise).
+	WithPrepareUs float64 `json:"with_prepare_us,omitempty"`
+	FusedUs       float64 `json:"fused_prepare_us,omitempty"`
 }
 
 // BenchAttention times d's attention kernel on the spec's shape. By default
@@ -106,7 +112,64 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	}
 	res.TFLOPS = 4 * float64(s.QHeads*s.Dim) * pairs / res.MedianUs / 1e6
 	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
+	if s.QLen > 1 {
+		if res.WithPrepareUs, res.FusedUs, err = benchPrepare(d, a, s, ctx, idx, kvInd, qkv, out, kc, vc, meta); err != nil {
+			return res, err
+		}
+	}
 	return res, d.Sync()
+}
+
+// benchPrepare times a prefill's attention with its query and key
+// preparation, both ways (see AttentionBenchResult).
+func benchPrepare(d *Device, a *benchArena, s AttentionBenchSpec, ctx []int, idx, kvInd []int32, qkv, out, kc, vc device.Tensor, meta device.AttnMeta) (withPrepare, fused float64, err error) {
+	var pos, slots []int32
+	for b, c := range ctx {
+		for p := c - s.QLen; p < c; p++ {
+			pos, slots = append(pos, int32(p)), append(slots, idx[int(kvInd[b])+p])
+		}
+	}
+	cfg := &model.Config{HeadDim: s.Dim, RopeTheta: 1e6, Rope: model.RopeScaling{Type: "default"}}
+	cosT, sinT := cfg.RopeTables(s.Context)
+	posT, slotT := a.alloc(device.I32, len(pos)), a.alloc(device.I32, len(slots))
+	cosD, sinD := a.alloc(device.F32, s.Context, s.Dim/2), a.alloc(device.F32, s.Context, s.Dim/2)
+	qn, kn := a.alloc(device.BF16, s.Dim), a.alloc(device.BF16, s.Dim)
+	if err := d.Sync(); err != nil {
+		return 0, 0, err
+	}
+	for _, u := range []struct {
+		t  device.Tensor
+		b  []byte
+		dt device.DType
+	}{{posT, model.I32Bytes(pos), device.I32}, {slotT, model.I32Bytes(slots), device.I32},
+		{cosD, model.F32Bytes(cosT), device.F32}, {sinD, model.F32Bytes(sinT), device.F32}} {
+		if err := d.Upload(u.t, u.b, u.dt); err != nil {
+			return 0, 0, err
+		}
+	}
+	d.Fill(qn, 1)
+	d.Fill(kn, 1)
+	scale, eps := float32(0.088), float32(1e-6)
+	median := func(launch func()) (float64, error) {
+		launch()
+		us, err := timeLaunches(d, s.Iters, 10, func(int) { launch() })
+		if err != nil {
+			return 0, err
+		}
+		return us[len(us)/2], nil
+	}
+	if withPrepare, err = median(func() {
+		d.PrepareQKV(qkv, qn, kn, posT, cosD, sinD, kc, vc, slotT, eps)
+		d.Attention(out, qkv, kc, vc, meta, scale)
+	}); err != nil {
+		return 0, 0, err
+	}
+	fusedLaunch := func() { d.PrepareAttention(out, qkv, qn, kn, posT, cosD, sinD, kc, vc, slotT, meta, scale, eps) }
+	if !d.PrepareAttention(out, qkv, qn, kn, posT, cosD, sinD, kc, vc, slotT, meta, scale, eps) {
+		return withPrepare, 0, nil // a step this small keeps prepare_qkv
+	}
+	fused, err = median(fusedLaunch)
+	return withPrepare, fused, err
 }
 
 // benchContexts spreads n context lengths evenly over [lo, hi], longest

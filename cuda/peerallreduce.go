@@ -267,7 +267,7 @@ func (d *Device) allReduce(tab uintptr, ranksInGrid, nranks int, ptr uintptr, n,
 		}
 		twoShot := nranks > 2 && 4*m >= arTwoShotBytes
 		d.launch(name, Dim3{d.arBlocks(units, ranksInGrid), uint32(ranksInGrid), 1}, D1(arThreads), 0,
-			P(tab), P(at), P(at), uint64(m), uint64(stride), I(b2i(twoShot)))
+			P(tab), P(at), P(at), uint64(m), uint64(stride), I(boolInt(twoShot)))
 	}
 }
 
@@ -334,13 +334,6 @@ func (d *Device) allGatherColumns(tab uintptr, ranksInGrid int, local, full uint
 			P(tab), P(local+uintptr(int64(r0)*rowBytes)), P(full+uintptr(int64(r0)*rowBytes*int64(nranks))),
 			uint64(n), uint64(rowBytes/unit), uint64(localStride/unit), uint64(fullStride/unit))
 	}
-}
-
-func b2i(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
 }
 
 // Err implements device.Collective.

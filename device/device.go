@@ -206,12 +206,12 @@ type Device interface {
 	AddRMSNorm(residual, x, out, w Tensor, eps float32)
 	// MatMul: out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N] when valid).
 	MatMul(out, x, w, bias Tensor)
-	// PrepareQKV works in place on the fused projection qkv [T, Hq+2Hk, D]
-	// (q heads, then k heads, then v heads): per-head RMSNorm of q and k when
+	// PrepareQKV works on the fused projection qkv [T, Hq+2Hk, D] (q heads,
+	// then k heads, then v heads): per-head RMSNorm of q and k when
 	// qNorm/kNorm are valid (Qwen3), rotary embedding of q and k
 	// (rotate-half layout, cos/sin tables [maxPos, D/2] float32, indexed by
-	// positions [T]), and the store of k and v into the caches [slots,Hk,D]
-	// at slots [T].
+	// positions [T]); q is written back in place, k and v go into the caches
+	// [slots,Hk,D] at slots [T] (qkv's k and v heads are left unspecified).
 	PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, eps float32)
 	// Attention: out [T,Hq,D]; queries are the q heads of qkv [T,Hq+2Hk,D];
 	// caches [slots,Hk,D].
@@ -358,6 +358,16 @@ type Fused interface {
 	RMSNormMatMul(out, residual, normW, w Tensor, eps float32, glu bool) bool
 	// MatMulSiLU: out = SiLUMul(x @ w^T), w being [gate | up] rows.
 	MatMulSiLU(out, x, w Tensor) bool
+}
+
+// PrefillAttention is implemented by devices whose prefill attention can
+// normalise and rotate the queries as it loads them, so that a prompt's q
+// heads are not written back by PrepareQKV and read again.
+type PrefillAttention interface {
+	// PrepareAttention is PrepareQKV followed by Attention, with their
+	// results in out and the caches (qkv is left unspecified). It returns
+	// false, having done nothing, where it does not apply.
+	PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, meta AttnMeta, scale, eps float32) bool
 }
 
 // Collective adds up partial sums across the ranks of a tensor-parallel

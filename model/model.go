@@ -277,8 +277,11 @@ func (m *Model) forward(in Inputs, a activations) {
 	for i, l := range w.Layers {
 		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
-		dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
-		dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
+		if pa, ok := dev.(device.PrefillAttention); !ok ||
+			!pa.PrepareAttention(a.attn, a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, in.Attn, scale, eps) {
+			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
+		}
 		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, true)
 		// The last layer's x goes to GatherRows, and a biased qkv is not
 		// normalised on the fly.

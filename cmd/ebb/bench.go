@@ -160,13 +160,20 @@ func attentionCmd() *cobra.Command {
 				}
 			}
 			return kernelBench(gpu, asJSON, specs, cuda.BenchAttention, func(out []cuda.AttentionBenchResult) {
-				fmt.Printf("%6s %10s %6s %-26s %10s %9s %8s %8s\n", "batch", "context", "qlen", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
+				fmt.Printf("%6s %10s %6s %-26s %10s %9s %8s %8s %14s %12s\n", "batch", "context", "qlen", "kernel", "median us", "GB/s", "% peak", "TFLOP/s", "+prepare_qkv", "fused prep")
 				for _, r := range out {
 					ctx := strconv.Itoa(r.Context)
 					if r.MinContext > 0 && r.MinContext < r.Context {
 						ctx = fmt.Sprintf("%d-%d", r.MinContext, r.Context)
 					}
-					fmt.Printf("%6d %10s %6d %-26s %10.1f %9.0f %8.1f %8.1f\n", r.Batch, ctx, r.QLen, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+					prep, fused := "-", "-"
+					if r.WithPrepareUs > 0 {
+						prep = fmt.Sprintf("%.1f", r.WithPrepareUs)
+					}
+					if r.FusedUs > 0 {
+						fused = fmt.Sprintf("%.1f", r.FusedUs)
+					}
+					fmt.Printf("%6d %10s %6d %-26s %10.1f %9.0f %8.1f %8.1f %14s %12s\n", r.Batch, ctx, r.QLen, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS, prep, fused)
 				}
 			})
 		},

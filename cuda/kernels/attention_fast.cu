@@ -215,6 +215,10 @@ ATTN_DECODE_VEC_D(256)
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate); softmax is online in
 // registers, base 2. Shared rows are D bf16 with their 16-byte chunks
 // swizzled (chunk ^ row % 8), so ldmatrix reads without bank conflicts.
+// With raw_q the queries come as projected and each warp normalises and
+// rotates its own rows in shared memory (qk_norm_rope, as prepare_qkv
+// would have): a prompt's q heads are then read once instead of read,
+// written back and read again.
 #define FA_BM 64
 #define FA_BN 64
 
@@ -265,7 +269,8 @@ __device__ __forceinline__ unsigned swz(int row, int col) {
 template <int D>
 __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc,
                                                       const int *qptr, const int *kvptr, const int *kvidx, int hq,
-                                                      int hk, float scale) {
+                                                      int hk, float scale, const bf16 *qnorm, const float *cos_t,
+                                                      const float *sin_t, float eps, int raw_q) {
 	extern __shared__ __align__(16) unsigned char fa_smem[];
 	constexpr int CH = D / 8; // 16-byte chunks per row
 	unsigned char *qs = fa_smem;
@@ -289,6 +294,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		const bf16 *src = qkv + (long long)(qbase + (valid ? q0 + r : 0)) * stride + (long long)h * D + ch * 8;
 		cp_async16(smem_u32(qs + swz<D>(r, ch * 8)), src, valid);
 	}
+	cp_async_commit();
 	auto load_kv = [&](int tile) {
 		const int k0 = tile * FA_BN;
 		for (int i = tid; i < FA_BN * CH; i += blockDim.x) {
@@ -301,15 +307,55 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		}
 		cp_async_commit();
 	};
-	load_kv(0); // commits Q too
-	cp_async_wait<0>();
-	__syncthreads();
-
+	load_kv(0);
 	const int w0 = warp * 16;
+	// With raw_q each warp prepares its own 16 rows in the 16-byte layout
+	// of prepare_qkv16 (LG = D / 16 lanes a row), RPP rows a pass; the rotary
+	// rows are loaded while the tiles arrive. A query is at position
+	// kvlen - qlen + its row, as the causal mask below takes it; rows past
+	// qlen are zeros and stay zeros.
+	constexpr int LG = D / 16, RPP = 32 / LG, PASSES = 16 / RPP, half = D / 2;
+	const int c = lane % LG;
+	float cs[PASSES][8], sn[PASSES][8];
+	if (raw_q) {
+#pragma unroll
+		for (int ps = 0; ps < PASSES; ps++) {
+			const int r = w0 + ps * RPP + lane / LG;
+			const long long p = kvlen - qlen + q0 + min(r, qlen - q0 - 1);
+			load8f(cos_t + p * half + 8 * c, cs[ps]);
+			load8f(sin_t + p * half + 8 * c, sn[ps]);
+		}
+	}
+	cp_async_wait<1>(); // the queries, while the first K/V tile loads
+	__syncthreads();
+	if (raw_q) {
+		float wa[8], wb[8];
+#pragma unroll
+		for (int e = 0; e < 8; e++) wa[e] = wb[e] = 1.f;
+		if (qnorm) {
+			unpack8(*(const uint4 *)(qnorm + 8 * c), wa);
+			unpack8(*(const uint4 *)(qnorm + half + 8 * c), wb);
+		}
+#pragma unroll
+		for (int ps = 0; ps < PASSES; ps++) {
+			const int r = w0 + ps * RPP + lane / LG;
+			uint4 *pa = (uint4 *)(qs + swz<D>(r, 8 * c)), *pb = (uint4 *)(qs + swz<D>(r, half + 8 * c));
+			float a[8], b[8];
+			unpack8(*pa, a);
+			unpack8(*pb, b);
+			const float inv = qnorm ? head_inv(a, b, LG, D, eps) : 0.f;
+			norm_rope8(a, b, qnorm != nullptr, wa, wb, inv, cs[ps], sn[ps]);
+			*pa = pack8(a);
+			*pb = pack8(b);
+		}
+		__syncwarp();
+	}
 	unsigned qf[D / 16][4];
 #pragma unroll
 	for (int kk = 0; kk < D / 16; kk++)
 		ldmatrix_x4(qf[kk], smem_u32(qs + swz<D>(w0 + (lane & 7) + 8 * ((lane >> 3) & 1), kk * 16 + 8 * (lane >> 4))));
+	cp_async_wait<0>();
+	__syncthreads();
 
 	float o[D / 8][4];
 #pragma unroll
@@ -425,9 +471,11 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 #define ATTN_PREFILL_MMA(D)                                                                                      \
 	extern "C" __global__ void __launch_bounds__(128, 3) attn_prefill_mma_d##D(                                    \
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
-	    const int *kvidx, int hq, int hk, float scale) {                                                          \
-		DEP(); \
-		attn_prefill_mma_impl<D>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale);                           \
+	    const int *kvidx, int hq, int hk, float scale, const bf16 *qnorm, const float *cos_t, const float *sin_t,  \
+	    float eps, int raw_q) {                                                                                    \
+		DEP();                                                                                                     \
+		attn_prefill_mma_impl<D>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale, qnorm, cos_t, sin_t, eps,      \
+		                         raw_q);                                                                           \
 	}
 ATTN_PREFILL_MMA(64)
 ATTN_PREFILL_MMA(128)

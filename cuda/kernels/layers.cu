@@ -103,30 +103,23 @@ extern "C" __global__ void add_bias_f32(float *x, const bf16 *b, long long total
 
 // prepare_qkv: one warp per head of one token (blockIdx.x token,
 // blockIdx.y * 4 + warp head; the fused row holds hq q heads, then hk k
-// heads, then hk v heads):
-// per-head RMSNorm of q and k when has_norm, rotary embedding of q and k
-// (rotate-half, as transformers with cos/sin cast to bf16), and the store of
-// k and v into the paged cache. Lanes hold two adjacent pairs (j, j + d/2)
-// and (j + 1, j + 1 + d/2), j even, read and written as bf16x2 (d % 4 == 0).
+// heads, then hk v heads): per-head RMSNorm of q and k when has_norm, rotary
+// embedding of q and k (qk_norm_rope), written back in place for q and
+// into the paged cache for k and v. Only heads head0 + blockIdx.y * 4 + warp
+// below hend: a prefill whose attention prepares its own queries leaves the
+// q heads out. Lanes hold two adjacent pairs
+// (j, j + d/2) and (j + 1, j + 1 + d/2), j even, read and written as bf16x2
+// (d % 4 == 0).
 #define QKV_ROUNDS 2 // d <= 256
-
-__device__ __forceinline__ void bf16x2_unpack(unsigned u, float &lo, float &hi) {
-	lo = __uint_as_float(u << 16);
-	hi = __uint_as_float(u & 0xffff0000u);
-}
-
-__device__ __forceinline__ unsigned bf16x2_pack(float lo, float hi) {
-	return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
-}
 
 extern "C" __global__ void __launch_bounds__(128)
     prepare_qkv(bf16 *qkv, const bf16 *qnorm, const bf16 *knorm, const int *pos, const float *cos_t,
                 const float *sin_t, bf16 *kc, bf16 *vc, const int *slots, int hq, int hk, int d, float eps,
-                int has_norm) {
+                int has_norm, int head0, int hend) {
 	DEP();
 	const int t = blockIdx.x, lane = threadIdx.x & 31, half = d / 2;
-	const int h = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-	if (h >= hq + 2 * hk) return;
+	const int h = head0 + blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+	if (h >= hend) return;
 	const long long p = pos[t], slot = slots[t];
 	bf16 *v = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
 	// x1 holds dims j, j + 1 of the first half, x2 the same of the second.
@@ -140,42 +133,22 @@ extern "C" __global__ void __launch_bounds__(128)
 			bf16x2_unpack(*(const unsigned *)(v + j), x1[i][0], x1[i][1]);
 			bf16x2_unpack(*(const unsigned *)(v + j + half), x2[i][0], x2[i][1]);
 		}
-		ss += x1[i][0] * x1[i][0] + x1[i][1] * x1[i][1] + x2[i][0] * x2[i][0] + x2[i][1] * x2[i][1];
+		ss += pairs_sumsq(x1[i], x2[i]);
 	}
 	if (h < hq + hk) {
-		if (has_norm) {
-			const bf16 *w = h < hq ? qnorm : knorm;
-			const float inv = rsqrtf(warp_sum(ss) / d + eps);
-#pragma unroll
-			for (int i = 0; i < QKV_ROUNDS; i++) {
-				const int j = 2 * (lane + 32 * i);
-				if (j < half) {
-					float w1[2], w2[2];
-					bf16x2_unpack(*(const unsigned *)(w + j), w1[0], w1[1]);
-					bf16x2_unpack(*(const unsigned *)(w + j + half), w2[0], w2[1]);
-#pragma unroll
-					for (int e = 0; e < 2; e++) {
-						x1[i][e] = rbf(w1[e] * rbf(x1[i][e] * inv));
-						x2[i][e] = rbf(w2[e] * rbf(x2[i][e] * inv));
-					}
-				}
-			}
-		}
+		const float inv = has_norm ? rsqrtf(warp_sum(ss) / d + eps) : 0.f;
 #pragma unroll
 		for (int i = 0; i < QKV_ROUNDS; i++) {
 			const int j = 2 * (lane + 32 * i);
 			if (j < half) {
-				const float2 cs = *(const float2 *)(cos_t + p * half + j), sn = *(const float2 *)(sin_t + p * half + j);
-				const float c[2] = {rbf(cs.x), rbf(cs.y)}, sv[2] = {rbf(sn.x), rbf(sn.y)};
-#pragma unroll
-				for (int e = 0; e < 2; e++) {
-					const float o1 = rbf(rbf(x1[i][e] * c[e]) + rbf(-x2[i][e] * sv[e]));
-					const float o2 = rbf(rbf(x2[i][e] * c[e]) + rbf(x1[i][e] * sv[e]));
-					x1[i][e] = o1;
-					x2[i][e] = o2;
+				float w1[2], w2[2];
+				norm_pairs(has_norm ? (h < hq ? qnorm : knorm) : nullptr, j, half, w1, w2);
+				qk_norm_rope(x1[i], x2[i], has_norm, w1, w2, inv, *(const float2 *)(cos_t + p * half + j),
+				             *(const float2 *)(sin_t + p * half + j));
+				if (h < hq) {
+					*(unsigned *)(v + j) = bf16x2_pack(x1[i][0], x1[i][1]);
+					*(unsigned *)(v + j + half) = bf16x2_pack(x2[i][0], x2[i][1]);
 				}
-				*(unsigned *)(v + j) = bf16x2_pack(x1[i][0], x1[i][1]);
-				*(unsigned *)(v + j + half) = bf16x2_pack(x2[i][0], x2[i][1]);
 			}
 		}
 	}
@@ -191,6 +164,72 @@ extern "C" __global__ void __launch_bounds__(128)
 				*(unsigned *)(dst + j + half) = bf16x2_pack(x2[i][0], x2[i][1]);
 			}
 		}
+	}
+}
+
+// prepare_qkv16 is prepare_qkv for d % 16 == 0 in the 16-byte layout
+// (unpack8): each thread loads 32 bytes of each of its two (token, head)
+// units before any arithmetic, where prepare_qkv's lanes hold 8 bytes, so
+// that a long prefill keeps enough loads in flight to run at bandwidth (a
+// decode step, bound by latency, is faster with prepare_qkv's many small
+// warps). Units run over tokens [0, tokens) and heads [head0, hend).
+#define QKV16_UNITS 2
+extern "C" __global__ void __launch_bounds__(128)
+    prepare_qkv16(bf16 *qkv, const bf16 *qnorm, const bf16 *knorm, const int *pos, const float *cos_t,
+                  const float *sin_t, bf16 *kc, bf16 *vc, const int *slots, int hq, int hk, int d, float eps,
+                  int has_norm, int head0, int hend, int tokens) {
+	DEP();
+	const int g = d / 16, half = d / 2, nh = hend - head0, c = (threadIdx.x & 31) % g;
+	const int per_pass = blockDim.x / g;
+	const long long units = (long long)tokens * nh;
+	const long long first = (long long)blockIdx.x * per_pass * QKV16_UNITS + threadIdx.x / g;
+	float a[QKV16_UNITS][8], b[QKV16_UNITS][8], cs[QKV16_UNITS][8], sn[QKV16_UNITS][8];
+	int tok[QKV16_UNITS], head[QKV16_UNITS];
+#pragma unroll
+	for (int i = 0; i < QKV16_UNITS; i++) {
+		const long long u = first + (long long)i * per_pass;
+		const bool ok = u < units;
+		tok[i] = ok ? (int)(u / nh) : -1;
+		head[i] = head0 + (ok ? (int)(u % nh) : 0);
+		uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
+		if (ok) {
+			const bf16 *row = qkv + ((long long)tok[i] * (hq + 2 * hk) + head[i]) * d;
+			xa = *(const uint4 *)(row + 8 * c);
+			xb = *(const uint4 *)(row + half + 8 * c);
+		}
+		unpack8(xa, a[i]);
+		unpack8(xb, b[i]);
+		if (ok && head[i] < hq + hk) {
+			const long long p = pos[tok[i]];
+			load8f(cos_t + p * half + 8 * c, cs[i]);
+			load8f(sin_t + p * half + 8 * c, sn[i]);
+		}
+	}
+#pragma unroll
+	for (int i = 0; i < QKV16_UNITS; i++) {
+		const int t = tok[i], h = head[i];
+		const float inv = has_norm ? head_inv(a[i], b[i], g, d, eps) : 0.f;
+		if (t < 0) continue;
+		if (h < hq + hk) {
+			float wa[8], wb[8];
+#pragma unroll
+			for (int e = 0; e < 8; e++) wa[e] = wb[e] = 1.f;
+			if (has_norm) {
+				const bf16 *w = h < hq ? qnorm : knorm;
+				unpack8(*(const uint4 *)(w + 8 * c), wa);
+				unpack8(*(const uint4 *)(w + half + 8 * c), wb);
+			}
+			norm_rope8(a[i], b[i], has_norm, wa, wb, inv, cs[i], sn[i]);
+		}
+		bf16 *dst;
+		if (h < hq) {
+			dst = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
+		} else {
+			const bool is_k = h < hq + hk;
+			dst = (is_k ? kc : vc) + ((long long)slots[t] * hk + (is_k ? h - hq : h - hq - hk)) * d;
+		}
+		*(uint4 *)(dst + 8 * c) = pack8(a[i]);
+		*(uint4 *)(dst + half + 8 * c) = pack8(b[i]);
 	}
 }
 

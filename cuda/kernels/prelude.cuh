@@ -52,6 +52,99 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
 // Round through bf16, as a bf16 tensor operation in PyTorch does.
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
 
+// A bf16 pair as one 32-bit word: lo is the element at the lower address.
+__device__ __forceinline__ void bf16x2_unpack(unsigned u, float &lo, float &hi) {
+	lo = __uint_as_float(u << 16);
+	hi = __uint_as_float(u & 0xffff0000u);
+}
+
+__device__ __forceinline__ unsigned bf16x2_pack(float lo, float hi) {
+	return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+// pairs_sumsq is one lane's share of a head's sum of squares: its dims
+// j, j + 1 (x1) and j + d/2, j + d/2 + 1 (x2).
+__device__ __forceinline__ float pairs_sumsq(const float x1[2], const float x2[2]) {
+	return x1[0] * x1[0] + x1[1] * x1[1] + x2[0] * x2[0] + x2[1] * x2[1];
+}
+
+// qk_norm_rope applies a head's RMSNorm (when norm: weights w1, w2 at the
+// lane's dims; inv is rsqrt of the head's mean square plus eps) and the
+// rotate-half rotary embedding (c2, s2: the position's cos and sin at the
+// lane's dims) to a lane's dims j, j + 1 (x1) and j + d/2, j + d/2 + 1 (x2),
+// rounding to bf16 after every operation as transformers does in bf16.
+// prepare_qkv and the prefill attention's queries both use it, so either
+// gives the same bits.
+__device__ __forceinline__ void qk_norm_rope(float x1[2], float x2[2], bool norm, const float w1[2], const float w2[2],
+                                             float inv, float2 c2, float2 s2) {
+	if (norm) {
+#pragma unroll
+		for (int e = 0; e < 2; e++) {
+			x1[e] = rbf(w1[e] * rbf(x1[e] * inv));
+			x2[e] = rbf(w2[e] * rbf(x2[e] * inv));
+		}
+	}
+	const float c[2] = {rbf(c2.x), rbf(c2.y)}, sv[2] = {rbf(s2.x), rbf(s2.y)};
+#pragma unroll
+	for (int e = 0; e < 2; e++) {
+		const float o1 = rbf(rbf(x1[e] * c[e]) + rbf(-x2[e] * sv[e]));
+		const float o2 = rbf(rbf(x2[e] * c[e]) + rbf(x1[e] * sv[e]));
+		x1[e] = o1;
+		x2[e] = o2;
+	}
+}
+
+// norm_pairs loads a lane's norm weights at dims j, j + 1 and j + half,
+// j + half + 1 (ones without w).
+__device__ __forceinline__ void norm_pairs(const bf16 *w, int j, int half, float w1[2], float w2[2]) {
+	w1[0] = w1[1] = w2[0] = w2[1] = 1.f;
+	if (w) {
+		bf16x2_unpack(*(const unsigned *)(w + j), w1[0], w1[1]);
+		bf16x2_unpack(*(const unsigned *)(w + j + half), w2[0], w2[1]);
+	}
+}
+
+// The 16-byte layout of a head of d dims (d % 16 == 0): a group of d/16
+// adjacent lanes holds it, lane c of the group dims 8c..8c+7 of the first
+// half (a) and the same of the second half (b), so that every rotary pair
+// is in one lane. prepare_qkv16 and the prefill attention's queries use it
+// alike, so either gives the same bits.
+__device__ __forceinline__ void unpack8(uint4 u, float f[8]) {
+	bf16x2_unpack(u.x, f[0], f[1]);
+	bf16x2_unpack(u.y, f[2], f[3]);
+	bf16x2_unpack(u.z, f[4], f[5]);
+	bf16x2_unpack(u.w, f[6], f[7]);
+}
+
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+	return make_uint4(bf16x2_pack(f[0], f[1]), bf16x2_pack(f[2], f[3]), bf16x2_pack(f[4], f[5]), bf16x2_pack(f[6], f[7]));
+}
+
+// head_inv is rsqrt(mean square + eps) of the head held by each group of g
+// lanes (g a power of two up to 32, groups aligned); every lane of the warp
+// must call it.
+__device__ __forceinline__ float head_inv(const float a[8], const float b[8], int g, int d, float eps) {
+	float ss = 0.f;
+#pragma unroll
+	for (int e = 0; e < 8; e++) ss += a[e] * a[e] + b[e] * b[e];
+	for (int o = g / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+	return rsqrtf(ss / d + eps);
+}
+
+// norm_rope8 is qk_norm_rope on a lane's eight pairs (a[e], b[e]), with the
+// norm weights and cos/sin at its dims.
+__device__ __forceinline__ void norm_rope8(float a[8], float b[8], bool norm, const float wa[8], const float wb[8],
+                                           float inv, const float cs[8], const float sn[8]) {
+#pragma unroll
+	for (int e = 0; e < 8; e += 2)
+		qk_norm_rope(a + e, b + e, norm, wa + e, wb + e, inv, make_float2(cs[e], cs[e + 1]), make_float2(sn[e], sn[e + 1]));
+}
+
+__device__ __forceinline__ void load8f(const float *p, float f[8]) {
+	const float4 lo = *(const float4 *)p, hi = *(const float4 *)(p + 4);
+	f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+}
+
 // Programmatic dependent launch (sm_90 and later): a kernel launched with
 // it may start while the previous kernel of the stream is still running.
 // dep_wait blocks until that kernel has finished and its writes are
