@@ -41,14 +41,18 @@ func newBLAS(c *Context, workspace uintptr, size int64) (*blas, error) {
 	return b, nil
 }
 
-// gemm computes out[M,N] = x[M,K] @ w[N,K]^T with bf16 inputs, float32
-// accumulation and a bf16 or float32 output.
-func (b *blas) gemm(out uintptr, outF32 bool, x, w uintptr, m, n, k int) error {
+// gemm computes out[M,N] = x[M,K] @ w[N,K]^T (+ out when accumulate) with
+// bf16 inputs, float32 accumulation and a bf16 or float32 output.
+func (b *blas) gemm(out uintptr, outF32 bool, x, w uintptr, m, n, k int, accumulate bool) error {
 	ct := C.int(cudaR16BF)
 	if outF32 {
 		ct = cudaR32F
 	}
-	if r := C.ebb_gemm_bf16(b.h, C.int(m), C.int(n), C.int(k), C.CUdeviceptr(x), C.CUdeviceptr(w), C.CUdeviceptr(out), ct); r != 0 {
+	beta := C.float(0)
+	if accumulate {
+		beta = 1
+	}
+	if r := C.ebb_gemm_bf16(b.h, C.int(m), C.int(n), C.int(k), C.CUdeviceptr(x), C.CUdeviceptr(w), C.CUdeviceptr(out), ct, beta); r != 0 {
 		return fmt.Errorf("cublasGemmEx(m=%d n=%d k=%d): status %d", m, n, k, int(r))
 	}
 	return nil

@@ -543,7 +543,7 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.launch(name, grid, D1(matMulTCWarps*32), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr),
 			I(m), I(n), I(k), P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4))
 	} else {
-		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k))
+		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false))
 	}
 	if bias.Valid() {
 		total := int64(m) * int64(n)
@@ -553,6 +553,20 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		}
 		d.launch(name, gridFor(total), D1(256), 0, P(out.Ptr), P(bias.Ptr), uint64(total), I(n))
 	}
+}
+
+// MatMulAccumulate implements device.Accumulating for prefills (a
+// thousand rows or more): out += x @ w^T in cuBLAS's epilogue, which reads
+// out while the product is compute-bound, instead of a pass that reads the
+// product back. Decode steps keep their kernels.
+func (d *Device) MatMulAccumulate(out, x, w device.Tensor) bool {
+	m, k, n := x.Dim(0), x.Dim(-1), w.Dim(0)
+	if d.err != nil || m < 1024 || w.Dim(-1) != k || out.Numel() != m*n ||
+		x.DType != device.BF16 || w.DType != device.BF16 || out.DType != device.BF16 {
+		return false
+	}
+	d.fail(d.blas.gemm(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true))
+	return true
 }
 
 func useGemv(m, k int) bool { return m <= gemvMaxRows && k%8 == 0 }

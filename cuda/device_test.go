@@ -810,3 +810,39 @@ func TestBenchMatMul(t *testing.T) {
 		t.Fatal("zero rows accepted")
 	}
 }
+
+// TestMatMulAccumulate: out += x @ w^T for a prefill's rows, against the
+// sum in float64 of the same bf16 values; decode-sized x is left to the
+// separate add.
+func TestMatMulAccumulate(t *testing.T) {
+	p := newPair(t)
+	const m, n, k = 1100, 48, 64
+	x, w, out := p.random(device.BF16, 1, m, k), p.random(device.BF16, 1, n, k), p.random(device.BF16, 1, m, n)
+	xs, _ := p.download(x)
+	ws, _ := p.download(w)
+	before, _ := p.download(out)
+	if !p.gpu.MatMulAccumulate(out.g, x.g, w.g) {
+		t.Fatal("MatMulAccumulate did not apply to 1100 rows")
+	}
+	after, _ := p.download(out)
+	worst := 0.0
+	for i := 0; i < m; i++ {
+		for j := 0; j < n; j++ {
+			want := float64(before[i*n+j])
+			for l := 0; l < k; l++ {
+				want += float64(xs[i*k+l]) * float64(ws[j*k+l])
+			}
+			got := float64(after[i*n+j])
+			if d := math.Abs(got - want); d > 1e-2+1e-2*math.Abs(want) {
+				t.Fatalf("row %d col %d: %v, want %v", i, j, got, want)
+			} else if d > worst {
+				worst = d
+			}
+		}
+	}
+	t.Logf("max |gpu-float64| %.3g", worst)
+	small := p.random(device.BF16, 1, 16, k)
+	if p.gpu.MatMulAccumulate(out.g.Rows(0, 16), small.g, w.g) {
+		t.Fatal("MatMulAccumulate applied to 16 rows")
+	}
+}

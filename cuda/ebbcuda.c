@@ -176,8 +176,9 @@ int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n) {
 // Row-major out = x w^T is column-major out^T = w^T' x^T': cuBLAS computes
 // C(n x m) = op(A) op(B) with A = w (k x n column-major, transposed) and
 // B = x (k x m column-major).
-int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type) {
-	const float alpha = 1.f, beta = 0.f;
+int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type,
+                  float beta) {
+	const float alpha = 1.f;
 	return ebb_cublasGemmEx(h, 1 /* T */, 0 /* N */, n, m, k, &alpha, (const void *)w, 14 /* bf16 */, k,
 		(const void *)x, 14, k, &beta, (void *)out, out_type, n, 68 /* CUBLAS_COMPUTE_32F */, -1 /* default */);
 }

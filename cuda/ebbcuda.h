@@ -211,6 +211,7 @@ int ebb_nccl_init(ncclComm_t *c, int n, const char *id, int rank, int blocking);
 // Device pointers stay integers on the Go side; these cast them for cuBLAS.
 int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n);
 // out[m,n] (row-major) = x[m,k] @ w[n,k]^T; bf16 inputs, fp32 accumulate.
-int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type);
+int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type,
+                  float beta);
 
 #endif

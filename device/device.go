@@ -370,6 +370,16 @@ type PrefillAttention interface {
 	PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, meta AttnMeta, scale, eps float32) bool
 }
 
+// Accumulating is implemented by devices that add a matmul's product into
+// its output where that is cheaper than a separate add.
+type Accumulating interface {
+	// MatMulAccumulate: out += x @ w^T, the sum rounded once to out's
+	// dtype. It returns false, having done nothing, where it does not
+	// apply; AddRMSNorm's separate add (of the rounded product) then
+	// defines the result.
+	MatMulAccumulate(out, x, w Tensor) bool
+}
+
 // Collective adds up partial sums across the ranks of a tensor-parallel
 // group. Like the device's operations it queues in order and its error is
 // sticky (Err).

@@ -260,6 +260,10 @@ func (m *Model) forward(in Inputs, a activations) {
 			dev.SiLUMul(a.act, in)
 			in = a.act
 		}
+		if acc, ok := dev.(device.Accumulating); ok && m.Comm == nil && !bias.Valid() && acc.MatMulAccumulate(a.h, in, wt) {
+			dev.RMSNorm(a.x, a.h, norm, eps)
+			return
+		}
 		dev.MatMul(a.tmp, in, wt, bias)
 		reduce(a.tmp)
 		dev.AddRMSNorm(a.h, a.tmp, a.x, norm, eps)
