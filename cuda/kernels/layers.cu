@@ -104,12 +104,10 @@ extern "C" __global__ void add_bias_f32(float *x, const bf16 *b, long long total
 // prepare_qkv: one warp per head of one token (blockIdx.x token,
 // blockIdx.y * 4 + warp head; the fused row holds hq q heads, then hk k
 // heads, then hk v heads): per-head RMSNorm of q and k when has_norm, rotary
-// embedding of q and k (qk_norm_rope), written back in place for q and
-// into the paged cache for k and v. Only heads head0 + blockIdx.y * 4 + warp
-// below hend: a prefill whose attention prepares its own queries leaves the
-// q heads out. Lanes hold two adjacent pairs
-// (j, j + d/2) and (j + 1, j + 1 + d/2), j even, read and written as bf16x2
-// (d % 4 == 0).
+// embedding of q and k (qk_norm_rope), written back in place for q and into
+// the paged cache for k and v; only heads head0 + blockIdx.y * 4 + warp below
+// hend. Lanes hold two adjacent pairs (j, j + d/2) and (j + 1, j + 1 + d/2),
+// j even, read and written as bf16x2 (d % 4 == 0).
 #define QKV_ROUNDS 2 // d <= 256
 
 extern "C" __global__ void __launch_bounds__(128)
