@@ -224,6 +224,8 @@ func (m *Model) forward(in Inputs, a activations) {
 	// a matmul and its add, so no add is fused across them. A matmul
 	// without one (gate_up with silu) still is, through fusedDev.
 	fusedDev, _ := dev.(device.Fused)
+	prefillAttn, _ := dev.(device.PrefillAttention)
+	accumulating, _ := dev.(device.Accumulating)
 	fused := fusedDev
 	if m.Comm != nil {
 		fused = nil
@@ -260,7 +262,7 @@ func (m *Model) forward(in Inputs, a activations) {
 			dev.SiLUMul(a.act, in)
 			in = a.act
 		}
-		if acc, ok := dev.(device.Accumulating); ok && m.Comm == nil && !bias.Valid() && acc.MatMulAccumulate(a.h, in, wt) {
+		if accumulating != nil && m.Comm == nil && !bias.Valid() && accumulating.MatMulAccumulate(a.h, in, wt) {
 			dev.RMSNorm(a.x, a.h, norm, eps)
 			return
 		}
@@ -281,8 +283,8 @@ func (m *Model) forward(in Inputs, a activations) {
 	for i, l := range w.Layers {
 		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
-		if pa, ok := dev.(device.PrefillAttention); !ok ||
-			!pa.PrepareAttention(a.attn, a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, in.Attn, scale, eps) {
+		if prefillAttn == nil ||
+			!prefillAttn.PrepareAttention(a.attn, a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, in.Attn, scale, eps) {
 			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		}

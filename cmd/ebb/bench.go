@@ -256,13 +256,7 @@ func kernelBench[S, R any](gpu int, asJSON bool, specs []S, bench func(*cuda.Dev
 		}
 		out = append(out, r)
 	}
-	if asJSON {
-		enc := json.NewEncoder(os.Stdout)
-		enc.SetIndent("", " ")
-		return enc.Encode(out)
-	}
-	table(out)
-	return nil
+	return emit(asJSON, out, table)
 }
 
 func firstLine(s string) string {
@@ -321,12 +315,17 @@ func printReport[T any](asJSON bool, progress *io.Writer, run func() (T, error),
 	if err != nil {
 		return err
 	}
+	return emit(asJSON, res, table)
+}
+
+// emit prints v as indented JSON with --json, otherwise through table.
+func emit[T any](asJSON bool, v T, table func(T)) error {
 	if asJSON {
 		enc := json.NewEncoder(os.Stdout)
 		enc.SetIndent("", " ")
-		return enc.Encode(res)
+		return enc.Encode(v)
 	}
-	table(res)
+	table(v)
 	return nil
 }
 
