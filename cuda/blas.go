@@ -21,14 +21,16 @@ const (
 // workspace in ebb's own memory so that nothing is allocated behind the
 // engine's back and captured graphs find it at the same address.
 type blas struct {
-	h C.cublasHandle_t
+	h      C.cublasHandle_t
+	ws     uintptr // the workspace, which cuBLASLt calls take explicitly
+	wsSize int64
 }
 
 func newBLAS(c *Context, workspace uintptr, size int64) (*blas, error) {
 	if err := loadCUBLAS(); err != nil {
 		return nil, err
 	}
-	b := &blas{}
+	b := &blas{ws: workspace, wsSize: size}
 	if r := C.ebb_cublasCreate(&b.h); r != 0 {
 		return nil, fmt.Errorf("cublasCreate: status %d", int(r))
 	}

@@ -23,8 +23,11 @@ type Device struct {
 	mod  *Module
 	k    map[string]*Kernel
 	blas *blas
-	nvml *NVML
-	err  error
+	// tuner picks prefill products' cuBLASLt algorithms (nil: cublasGemmEx).
+	tuner     *gemmTuner
+	capturing bool // inside CaptureGraph: nothing may be timed or synchronised
+	nvml      *NVML
+	err       error
 
 	partO, partML device.Tensor  // split-KV attention partials (fixed addresses, for graphs)
 	counters      device.Tensor  // split-KV merge counters, zero between launches
@@ -101,7 +104,7 @@ func init() {
 
 var kernelNames = []string{
 	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
-	"gather_rows", "fill_bf16", "fill_f32", "attn_prefill", "apply_penalties", "resolve_tokens",
+	"gather_rows", "fill_bf16", "fill_f32", "bits_hash", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv2_m1", "gemv_fused_m1",
@@ -145,6 +148,9 @@ func (d *Device) init() error {
 		return err
 	}
 	if d.blas, err = newBLAS(d.ctx, ws, cublasWorkspace); err != nil {
+		return err
+	}
+	if d.tuner, err = d.newGemmTuner(); err != nil {
 		return err
 	}
 	if d.partO, err = d.Alloc(memory.CUDAGraph, device.F32, partialBytes/4); err != nil {
@@ -210,6 +216,7 @@ func (d *Device) Close() error {
 	if d.blas != nil {
 		errs = append(errs, d.blas.destroy())
 	}
+	errs = append(errs, d.tuner.destroy())
 	if d.mem != nil {
 		errs = append(errs, d.mem.Close())
 	}
@@ -542,7 +549,7 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		name, grid := d.matMulTCShape(m, n, k)
 		d.launch(name, grid, D1(matMulTCWarps*32), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr),
 			I(m), I(n), I(k), P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4))
-	} else {
+	} else if !d.tunedMatMul(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k) {
 		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false))
 	}
 	if bias.Valid() {
@@ -862,6 +869,8 @@ func (d *Device) CaptureGraph(record func()) (device.Graph, error) {
 	if d.err != nil {
 		return nil, d.err
 	}
+	d.capturing = true
+	defer func() { d.capturing = false }()
 	g, err := d.ctx.Capture(func() error {
 		record()
 		err := d.err

@@ -58,9 +58,9 @@ func (l *loader) load(name string, f func(*C.char, C.int) C.int) error {
 }
 
 var (
-	cudaLib, nvrtcLib, cublasLib, ncclLib loader
-	initOnce                              sync.Once
-	initErr                               error
+	cudaLib, nvrtcLib, cublasLib, cublasLtLib, ncclLib loader
+	initOnce                                           sync.Once
+	initErr                                            error
 )
 
 // Available reports whether a CUDA driver and a GPU are present.

@@ -9,6 +9,7 @@
 EBB_CU_FUNCS(EBB_POINTER)
 EBB_NVRTC_FUNCS(EBB_POINTER)
 EBB_CUBLAS_FUNCS(EBB_POINTER)
+EBB_CUBLASLT_FUNCS(EBB_POINTER)
 EBB_NCCL_FUNCS(EBB_POINTER)
 #undef EBB_POINTER
 
@@ -18,6 +19,7 @@ EBB_NCCL_FUNCS(EBB_POINTER)
 EBB_CU_FUNCS(EBB_WRAP)
 EBB_NVRTC_FUNCS(EBB_WRAP)
 EBB_CUBLAS_FUNCS(EBB_WRAP)
+EBB_CUBLASLT_FUNCS(EBB_WRAP)
 EBB_NCCL_FUNCS(EBB_WRAP)
 #undef EBB_WRAP
 
@@ -76,6 +78,15 @@ int ebb_load_cublas(char *err, int n) {
 	void *h = open_first(names, err, n);
 	if (!h) return -1;
 	EBB_CUBLAS_FUNCS(EBB_RESOLVE)
+	return 0;
+}
+
+int ebb_load_cublaslt(char *err, int n) {
+	static const char *const names[] = {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so", NULL};
+	const char *lib = "libcublasLt";
+	void *h = open_first(names, err, n);
+	if (!h) return -1;
+	EBB_CUBLASLT_FUNCS(EBB_RESOLVE)
 	return 0;
 }
 
@@ -181,6 +192,67 @@ int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdevice
 	const float alpha = 1.f;
 	return ebb_cublasGemmEx(h, 1 /* T */, 0 /* N */, n, m, k, &alpha, (const void *)w, 14 /* bf16 */, k,
 		(const void *)x, 14, k, &beta, (void *)out, out_type, n, 68 /* CUBLAS_COMPUTE_32F */, -1 /* default */);
+}
+
+// cublasLt.h's attribute numbers.
+enum {
+	LT_DESC_TRANSA = 3,
+	LT_DESC_TRANSB = 4,
+	LT_PREF_MAX_WORKSPACE = 1,
+	LT_CONFIG_SPLITK = 2,
+};
+
+// lt_problem describes out = x w^T as ebb_gemm_bf16 does (column-major
+// out^T = op(w) x^T); the caller destroys what it returns.
+static int lt_problem(int m, int n, int k, int out_type, void **desc, void *lay[3]) {
+	const int trans = 1, notrans = 0;
+	int r = ebb_cublasLtMatmulDescCreate(desc, 68 /* CUBLAS_COMPUTE_32F */, 0 /* CUDA_R_32F */);
+	if (r) return r;
+	if ((r = ebb_cublasLtMatmulDescSetAttribute(*desc, LT_DESC_TRANSA, &trans, sizeof trans))) return r;
+	if ((r = ebb_cublasLtMatmulDescSetAttribute(*desc, LT_DESC_TRANSB, &notrans, sizeof notrans))) return r;
+	if ((r = ebb_cublasLtMatrixLayoutCreate(&lay[0], 14 /* bf16 */, k, n, k))) return r;
+	if ((r = ebb_cublasLtMatrixLayoutCreate(&lay[1], 14, k, m, k))) return r;
+	return ebb_cublasLtMatrixLayoutCreate(&lay[2], out_type, n, m, n);
+}
+
+static void lt_release(void *desc, void *lay[3]) {
+	for (int i = 0; i < 3; i++)
+		if (lay[i]) ebb_cublasLtMatrixLayoutDestroy(lay[i]);
+	if (desc) ebb_cublasLtMatmulDescDestroy(desc);
+}
+
+int ebb_lt_algos(cublasLtHandle_t h, int m, int n, int k, int out_type, size_t ws_size, ebbLtAlgo *algos, int *splitk,
+                 int max, int *count) {
+	void *desc = NULL, *lay[3] = {NULL, NULL, NULL}, *pref = NULL;
+	ebbLtHeuristic res[16];
+	*count = 0;
+	if (max > 16) max = 16;
+	int r = lt_problem(m, n, k, out_type, &desc, lay);
+	if (!r) r = ebb_cublasLtMatmulPreferenceCreate(&pref);
+	if (!r) r = ebb_cublasLtMatmulPreferenceSetAttribute(pref, LT_PREF_MAX_WORKSPACE, &ws_size, sizeof ws_size);
+	if (!r) r = ebb_cublasLtMatmulAlgoGetHeuristic(h, desc, lay[0], lay[1], lay[2], lay[2], pref, max, res, count);
+	for (int i = 0; !r && i < *count; i++) {
+		size_t got = 0;
+		unsigned int sk = 1;
+		algos[i] = res[i].algo;
+		if (ebb_cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, LT_CONFIG_SPLITK, &sk, sizeof sk, &got)) sk = 0;
+		splitk[i] = (int)sk;
+	}
+	if (pref) ebb_cublasLtMatmulPreferenceDestroy(pref);
+	lt_release(desc, lay);
+	return r;
+}
+
+int ebb_lt_gemm(cublasLtHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type,
+                const ebbLtAlgo *algo, CUdeviceptr ws, size_t ws_size, CUstream s) {
+	void *desc = NULL, *lay[3] = {NULL, NULL, NULL};
+	const float alpha = 1.f, beta = 0.f;
+	int r = lt_problem(m, n, k, out_type, &desc, lay);
+	if (!r)
+		r = ebb_cublasLtMatmul(h, desc, &alpha, (const void *)w, lay[0], (const void *)x, lay[1], &beta, (const void *)out,
+			lay[2], (void *)out, lay[2], algo, (void *)ws, ws_size, s);
+	lt_release(desc, lay);
+	return r;
 }
 
 int ebb_mem_import_fd(CUmemGenericAllocationHandle *h, int fd) {

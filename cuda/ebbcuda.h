@@ -40,6 +40,16 @@ typedef int nvrtcResult;
 typedef void *nvrtcProgram;
 typedef int cublasStatus_t;
 typedef void *cublasHandle_t;
+// cuBLASLt's algorithm and heuristic result as cublasLt.h lays them out.
+typedef void *cublasLtHandle_t;
+typedef struct { unsigned long long data[8]; } ebbLtAlgo;
+typedef struct {
+	ebbLtAlgo algo;
+	size_t workspaceSize;
+	int state;
+	float wavesCount;
+	int reserved[4];
+} ebbLtHeuristic;
 typedef int ncclResult_t;
 typedef void *ncclComm_t;
 typedef struct { char internal[128]; } ncclUniqueId;
@@ -160,6 +170,21 @@ typedef struct {
 	X(cublasSetMathMode, "cublasSetMathMode", (cublasHandle_t h, int m), (h, m)) \
 	X(cublasGemmEx, "cublasGemmEx", (cublasHandle_t h, int ta, int tb, int m, int n, int k, const void *alpha, const void *A, int at, int lda, const void *B, int bt, int ldb, const void *beta, void *C, int ct, int ldc, int compute, int algo), (h, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc, compute, algo))
 
+#define EBB_CUBLASLT_FUNCS(X) \
+	X(cublasLtCreate, "cublasLtCreate", (cublasLtHandle_t *h), (h)) \
+	X(cublasLtDestroy, "cublasLtDestroy", (cublasLtHandle_t h), (h)) \
+	X(cublasLtMatmulDescCreate, "cublasLtMatmulDescCreate", (void **d, int compute, int scale), (d, compute, scale)) \
+	X(cublasLtMatmulDescDestroy, "cublasLtMatmulDescDestroy", (void *d), (d)) \
+	X(cublasLtMatmulDescSetAttribute, "cublasLtMatmulDescSetAttribute", (void *d, int attr, const void *buf, size_t n), (d, attr, buf, n)) \
+	X(cublasLtMatrixLayoutCreate, "cublasLtMatrixLayoutCreate", (void **l, int type, unsigned long long rows, unsigned long long cols, long long ld), (l, type, rows, cols, ld)) \
+	X(cublasLtMatrixLayoutDestroy, "cublasLtMatrixLayoutDestroy", (void *l), (l)) \
+	X(cublasLtMatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate", (void **p), (p)) \
+	X(cublasLtMatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy", (void *p), (p)) \
+	X(cublasLtMatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute", (void *p, int attr, const void *buf, size_t n), (p, attr, buf, n)) \
+	X(cublasLtMatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic", (cublasLtHandle_t h, void *d, void *a, void *b, void *c, void *dl, void *p, int req, ebbLtHeuristic *res, int *n), (h, d, a, b, c, dl, p, req, res, n)) \
+	X(cublasLtMatmulAlgoConfigGetAttribute, "cublasLtMatmulAlgoConfigGetAttribute", (const ebbLtAlgo *algo, int attr, void *buf, size_t n, size_t *written), (algo, attr, buf, n, written)) \
+	X(cublasLtMatmul, "cublasLtMatmul", (cublasLtHandle_t h, void *d, const void *alpha, const void *A, void *la, const void *B, void *lb, const void *beta, const void *C, void *lc, void *D, void *ld, const ebbLtAlgo *algo, void *ws, size_t wsSize, CUstream s), (h, d, alpha, A, la, B, lb, beta, C, lc, D, ld, algo, ws, wsSize, s))
+
 #define EBB_NCCL_FUNCS(X) \
 	X(ncclGetVersion, "ncclGetVersion", (int *v), (v)) \
 	X(ncclGetUniqueId, "ncclGetUniqueId", (ncclUniqueId *id), (id)) \
@@ -176,6 +201,7 @@ typedef struct {
 EBB_CU_FUNCS(EBB_DECLARE)
 EBB_NVRTC_FUNCS(EBB_DECLARE)
 EBB_CUBLAS_FUNCS(EBB_DECLARE)
+EBB_CUBLASLT_FUNCS(EBB_DECLARE)
 EBB_NCCL_FUNCS(EBB_DECLARE)
 #undef EBB_DECLARE
 
@@ -183,6 +209,7 @@ EBB_NCCL_FUNCS(EBB_DECLARE)
 int ebb_load_cuda(char *err, int n);
 int ebb_load_nvrtc(char *err, int n);
 int ebb_load_cublas(char *err, int n);
+int ebb_load_cublaslt(char *err, int n);
 int ebb_load_nccl(char *err, int n);
 
 const char *ebb_cu_error_name(int code);
@@ -213,5 +240,13 @@ int ebb_cublas_set_workspace(cublasHandle_t h, CUdeviceptr w, size_t n);
 // out[m,n] (row-major) = x[m,k] @ w[n,k]^T; bf16 inputs, fp32 accumulate.
 int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type,
                   float beta);
+
+// The same product through cuBLASLt. ebb_lt_algos lists up to max
+// algorithms in the heuristic's order with each one's split-K count;
+// ebb_lt_gemm runs one of them.
+int ebb_lt_algos(cublasLtHandle_t h, int m, int n, int k, int out_type, size_t ws_size, ebbLtAlgo *algos, int *splitk,
+                 int max, int *count);
+int ebb_lt_gemm(cublasLtHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type,
+                const ebbLtAlgo *algo, CUdeviceptr ws, size_t ws_size, CUstream s);
 
 #endif

@@ -545,6 +545,20 @@ extern "C" __global__ void fill_f32(float *x, long long n, float v) {
 	FOR_GRID(i, n) x[i] = v;
 }
 
+// bits_hash adds mix(i, p[i]) over n 32-bit words into *out, which the
+// caller zeroes: a sum, so the order blocks finish in cannot change it.
+// The GEMM tuner compares outputs with it (bitsHash is the CPU reference).
+extern "C" __global__ void bits_hash(const unsigned *p, long long n, unsigned long long *out) {
+	DEP();
+	unsigned long long acc = 0;
+	FOR_GRID(i, n) {
+		const unsigned long long v = ((unsigned long long)p[i] << 32 | (unsigned)i) * 0x9E3779B97F4A7C15ull;
+		acc += v ^ (v >> 29);
+	}
+	for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+	if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}
+
 // f32_to_bf16 and bf16_to_f32 convert on the device (staging for uploads).
 extern "C" __global__ void f32_to_bf16(bf16 *out, const float *in, long long n) {
 	DEP();
