@@ -30,7 +30,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 			return
 		}
 	}
-	if meta.MaxQLen == 1 {
+	if meta.MaxQLen == 1 && !meta.Sparse {
 		if name, ok := decodeVecKernel(g, dim); ok {
 			d.attnDecode(name, 4, 32, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
 			return

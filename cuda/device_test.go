@@ -605,11 +605,21 @@ func TestAttention(t *testing.T) {
 		// one-token chunk among them stays with the prefill kernel).
 		{"mixed-decodes-first", 16, 8, 128, []int{1, 1, 1, 40, 1, 70}, []int{90, 1, 600, 40, 33, 200}},
 		{"mixed-d64-g3", 6, 2, 64, []int{1, 1, 129}, []int{4000, 7, 129}},
+		// Sparse: a last layer on the logit rows alone (one query at the
+		// last position, none for sequences without a logit row).
+		{"sparse-d128", 16, 8, 128, []int{1, 0, 1, 1, 0}, []int{1, 128, 300, 65, 20}},
+		{"sparse-d64-g3", 6, 2, 64, []int{0, 1, 1}, []int{40, 4000, 7}},
+		{"sparse-d32", 4, 2, 32, []int{1, 0, 1}, []int{3, 5, 129}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
+			if strings.HasPrefix(tc.name, "sparse") {
+				for i := range meta {
+					meta[i].Sparse, meta[i].Decodes = true, 0
+				}
+			}
 			scale := float32(1 / math.Sqrt(float64(tc.d)))
 			p.gpu.Attention(out.g, qkv.g, kc.g, vc.g, meta[0], scale)
 			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)

@@ -137,7 +137,11 @@ type AttnMeta struct {
 	// Decodes is how many leading sequences have one query each at their
 	// last position (a mixed step's decodes, scheduled first); a backend
 	// may run them with its decode kernel and the rest with prefill's.
-	Decodes   int
+	Decodes int
+	// Sparse says some sequences have no query (QIndptr repeats): they
+	// stay in the batch so that every sequence keeps its KVIndptr. Only the
+	// prefill path takes such a batch.
+	Sparse    bool
 	QIndptr   Tensor // [NumSeqs+1] int32
 	KVIndptr  Tensor // [NumSeqs+1] int32
 	KVIndices Tensor // [>= total KV] int32

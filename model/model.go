@@ -138,6 +138,12 @@ type Inputs struct {
 	OutSlots  device.Tensor // [T] int32: KV slot of each new token
 	Attn      device.AttnMeta
 	LogitRows device.Tensor // [R] int32: rows that need next-token logits
+	// LastAttn, when it has sequences, is Attn with one query per sequence
+	// that has a logit row, in LogitRows' order, each the last token of its
+	// sequence (sequences without are Sparse). The last layer then runs
+	// attention, o_proj and the MLP for those rows alone: no other row's
+	// output is read, and its K and V are written all the same.
+	LastAttn device.AttnMeta
 }
 
 // ScratchBytes is the activation memory of a step with t tokens and r
@@ -280,10 +286,16 @@ func (m *Model) forward(in Inputs, a activations) {
 		dev.Convert(a.h, a.tmp)
 	}
 	dev.RMSNorm(a.x, a.h, w.Layers[0].InputNorm, eps)
+	last, pruned := len(w.Layers)-1, m.logitRowsOnly(in, t)
 	for i, l := range w.Layers {
 		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
-		if prefillAttn == nil ||
+		if i == last && pruned {
+			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+			t = in.LogitRows.Numel()
+			a = a.logitRows(t, in.LogitRows, dev)
+			dev.Attention(a.attn, a.qkv, k, v, in.LastAttn, scale)
+		} else if prefillAttn == nil ||
 			!prefillAttn.PrepareAttention(a.attn, a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, in.Attn, scale, eps) {
 			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
@@ -309,15 +321,44 @@ func (m *Model) forward(in Inputs, a activations) {
 		matMulX(a.gateUp, l.GateUp, device.Tensor{})
 		addNorm(a.gateUp, l.Down, device.Tensor{}, true, next, lazy)
 	}
-	dev.GatherRows(a.sel, a.x, in.LogitRows)
+	sel := a.x // the last layer ran on the logit rows alone
+	if !pruned {
+		sel = a.sel
+		dev.GatherRows(sel, a.x, in.LogitRows)
+	}
 	// Logits are computed in the activation dtype, as transformers does (a
 	// bf16 lm_head gives bf16 logits), so logprobs match the trainer's.
 	if !a.localLogits.Valid() {
-		dev.MatMul(a.rawLogits, a.sel, w.LMHead, device.Tensor{})
+		dev.MatMul(a.rawLogits, sel, w.LMHead, device.Tensor{})
 		return
 	}
-	dev.MatMul(a.localLogits, a.sel, w.LMHead, device.Tensor{})
+	dev.MatMul(a.localLogits, sel, w.LMHead, device.Tensor{})
 	m.Comm.AllGatherColumns(a.rawLogits, a.localLogits)
+}
+
+// logitRowsOnly says whether the last layer runs on the logit rows alone:
+// LastAttn has them, they are few (a quarter of the step or less: what is
+// saved outweighs the gathers) and their qkv rows fit in act.
+func (m *Model) logitRowsOnly(in Inputs, t int) bool {
+	c := m.Config
+	r := in.LogitRows.Numel()
+	return in.LastAttn.NumSeqs > 0 && r > 0 && 4*r <= t && r*(c.Heads+2*c.KVHeads)*c.HeadDim <= t*c.Intermediate
+}
+
+// logitRows gathers the r logit rows' qkv and residual after the last
+// layer's qkv, and returns activations of r rows for the rest of it. The
+// rows land in buffers nothing reads again: h in sel (whose gather the
+// pruned step skips), qkv in the front of act (free until the MLP), the
+// rest in the first r rows of their own buffers.
+func (a activations) logitRows(r int, rows device.Tensor, dev device.Device) activations {
+	qkv := a.act.View(a.act.Numel()).Rows(0, r*a.qkv.RowSize()).View(r, a.qkv.Dim(1), a.qkv.Dim(2))
+	dev.GatherRows(qkv, a.qkv, rows)
+	dev.GatherRows(a.sel, a.h, rows)
+	return activations{
+		h: a.sel, x: a.x.Rows(0, r), qkv: qkv, attn: a.attn.Rows(0, r),
+		gateUp: a.gateUp.Rows(0, r), act: a.act.Rows(0, r), tmp: a.tmp.Rows(0, r),
+		rawLogits: a.rawLogits, logits: a.logits, localLogits: a.localLogits,
+	}
 }
 
 func f32Bytes(v []float32) []byte {

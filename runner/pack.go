@@ -28,7 +28,7 @@ type hostStep struct {
 // layout gives the offsets of each field in the packed buffers.
 type layout struct {
 	tokens, positions, slots, qptr, kvptr, kvidx, rows, topK, keys, targets, penPtr, penTok, penCnt int
-	penBias                                                                                         int
+	penBias, lastQptr                                                                               int
 	outIDs, outTop, intsLen                                                                         int
 	temp, topP, minP, rep, freq, pres, outLp, outTopLp, outTL, floatsLen                            int
 }
@@ -38,7 +38,7 @@ func makeLayout(t, s, kv, r, samples, k, nnz int) layout {
 	n := 0
 	next := func(size int) int { off := n; n += size; return off }
 	l.tokens, l.positions, l.slots = next(t), next(t), next(t)
-	l.qptr, l.kvptr, l.kvidx = next(s+1), next(s+1), next(kv)
+	l.qptr, l.kvptr, l.kvidx, l.lastQptr = next(s+1), next(s+1), next(kv), next(s+1)
 	l.rows, l.topK, l.keys, l.targets = next(r), next(samples), next(2*samples), next(r-samples)
 	l.penPtr, l.penTok, l.penCnt = next(samples+1), next(nnz), next(nnz)
 	l.outIDs, l.outTop = next(samples), next(samples*k)
@@ -105,6 +105,14 @@ func (h *hostStep) pack(seqs []SeqStep, maxTopK int) {
 		row += len(s.Tokens)
 		kv += len(s.Slots)
 		ints[l.qptr+i+1], ints[l.kvptr+i+1] = int32(row), int32(kv)
+	}
+	// The last layer's queries: each sampled sequence's last token.
+	ints[l.lastQptr] = 0
+	for i, r := 0, 0; i < len(seqs); i++ {
+		if r < len(h.sampleSeq) && h.sampleSeq[r] == i {
+			r++
+		}
+		ints[l.lastQptr+i+1] = int32(r)
 	}
 	nnz := 0
 	ints[l.penPtr] = 0
@@ -174,6 +182,13 @@ func (h *hostStep) upload(dev device.Device, s *device.Scratch) (model.Inputs, d
 	for i := 0; i < h.numSeqs; i++ {
 		in.Attn.MaxQLen = max(in.Attn.MaxQLen, int(h.ints[l.qptr+i+1]-h.ints[l.qptr+i]))
 		in.Attn.MaxKVLen = max(in.Attn.MaxKVLen, int(h.ints[l.kvptr+i+1]-h.ints[l.kvptr+i]))
+	}
+	if h.numSample > 0 && h.numRows == h.numSample {
+		// Every logit row is a sampled last token: the model may run its
+		// last layer on those rows alone (model.Inputs.LastAttn).
+		in.LastAttn = in.Attn
+		in.LastAttn.QIndptr, in.LastAttn.MaxQLen = iv(l.lastQptr, h.numSeqs+1), 1
+		in.LastAttn.Decodes, in.LastAttn.Sparse = 0, true
 	}
 	ns := h.numSample
 	samp := device.SampleArgs{

@@ -21,7 +21,7 @@ func TestKeysAreSeeded(t *testing.T) {
 func TestLayoutFieldsDoNotOverlap(t *testing.T) {
 	l := makeLayout(10, 3, 40, 5, 3, 2, 7)
 	ints := []struct{ off, n int }{{l.tokens, 10}, {l.positions, 10}, {l.slots, 10}, {l.qptr, 4}, {l.kvptr, 4},
-		{l.kvidx, 40}, {l.rows, 5}, {l.topK, 3}, {l.keys, 6}, {l.targets, 2}, {l.penPtr, 4}, {l.penTok, 7}, {l.penCnt, 7}, {l.outIDs, 3}, {l.outTop, 6}}
+		{l.kvidx, 40}, {l.lastQptr, 4}, {l.rows, 5}, {l.topK, 3}, {l.keys, 6}, {l.targets, 2}, {l.penPtr, 4}, {l.penTok, 7}, {l.penCnt, 7}, {l.outIDs, 3}, {l.outTop, 6}}
 	end := 0
 	for i, f := range ints {
 		if f.off != end {
