@@ -295,19 +295,33 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		cp_async16(smem_u32(qs + swz<D>(r, ch * 8)), src, valid);
 	}
 	cp_async_commit();
-	auto load_kv = [&](int tile) {
+	// A tile's KV slots: thread t copies rows t / CH + j * (128 / CH), so a
+	// warp's rows are RW consecutive ones per step of 128 / CH; lane l < 16
+	// reads the slot of the warp's l-th row once and the copies take it by
+	// shuffle. A tile's slots are read while the tile before is computed,
+	// so a copy does not wait on its address.
+	constexpr int RW = 32 / CH, STEPS = FA_BN * CH / 128;
+	static_assert(RW * STEPS <= 32, "a warp's rows of a tile fit its lanes");
+	auto fetch_slot = [&](int tile) {
+		const int r = tile * FA_BN + lane % RW + warp * RW + (128 / CH) * (lane / RW);
+		return lane < RW * STEPS && r < kend ? kvidx[kv0 + r] : 0;
+	};
+	auto load_kv = [&](int tile, int slot) {
 		const int k0 = tile * FA_BN;
-		for (int i = tid; i < FA_BN * CH; i += blockDim.x) {
-			const int r = i / CH, ch = i % CH;
+#pragma unroll
+		for (int j = 0; j < STEPS; j++) {
+			const int i = tid + j * 128, r = i / CH, ch = i % CH;
+			const int sl = __shfl_sync(0xffffffff, slot, lane / CH + RW * j);
 			const bool valid = k0 + r < kend;
-			const long long base = valid ? ((long long)kvidx[kv0 + k0 + r] * hk + g) * D + ch * 8 : 0;
+			const long long base = valid ? ((long long)sl * hk + g) * D + ch * 8 : 0;
 			const unsigned off = swz<D>(r, ch * 8);
 			cp_async16(smem_u32(ks + off), kc + base, valid);
 			cp_async16(smem_u32(vs + off), vc + base, valid);
 		}
 		cp_async_commit();
 	};
-	load_kv(0);
+	int slot = fetch_slot(0);
+	load_kv(0, slot);
 	const int w0 = warp * 16;
 	// With raw_q each warp prepares its own 16 rows in the 16-byte layout
 	// of prepare_qkv16 (LG = D / 16 lanes a row), RPP rows a pass; the rotary
@@ -370,10 +384,11 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 
 	for (int tile = 0; tile < ntiles; tile++) {
 		if (tile > 0) {
-			load_kv(tile);
+			load_kv(tile, slot);
 			cp_async_wait<0>();
 			__syncthreads();
 		}
+		if (tile + 1 < ntiles) slot = fetch_slot(tile + 1);
 		const int k0 = tile * FA_BN;
 		if (k0 <= wlast) { // else every key of the tile is after the warp's queries
 			const unsigned char *kt = ks, *vt = vs;
