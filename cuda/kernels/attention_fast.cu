@@ -324,20 +324,22 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	load_kv(0, slot);
 	const int w0 = warp * 16;
 	// With raw_q each warp prepares its own 16 rows in the 16-byte layout
-	// of prepare_qkv16 (LG = D / 16 lanes a row), RPP rows a pass; the rotary
-	// rows are loaded while the tiles arrive. A query is at position
+	// of prepare_qkv16 (LG = D / 16 lanes a row), RPP rows a pass. A query is at position
 	// kvlen - qlen + its row, as the causal mask below takes it; rows past
 	// qlen are zeros and stay zeros.
 	constexpr int LG = D / 16, RPP = 32 / LG, PASSES = 16 / RPP, half = D / 2;
 	const int c = lane % LG;
-	float cs[PASSES][8], sn[PASSES][8];
+	// The rotary row of a query's position, prefetched into L1 while the
+	// tiles arrive (held in registers it made the kernel spill).
+	auto rope_at = [&](int ps) {
+		const int r = w0 + ps * RPP + lane / LG;
+		return (kvlen - qlen + q0 + min(r, qlen - q0 - 1)) * (long long)half + 8 * c;
+	};
 	if (raw_q) {
 #pragma unroll
 		for (int ps = 0; ps < PASSES; ps++) {
-			const int r = w0 + ps * RPP + lane / LG;
-			const long long p = kvlen - qlen + q0 + min(r, qlen - q0 - 1);
-			load8f(cos_t + p * half + 8 * c, cs[ps]);
-			load8f(sin_t + p * half + 8 * c, sn[ps]);
+			asm volatile("prefetch.global.L1 [%0];" ::"l"(cos_t + rope_at(ps)));
+			asm volatile("prefetch.global.L1 [%0];" ::"l"(sin_t + rope_at(ps)));
 		}
 	}
 	cp_async_wait<1>(); // the queries, while the first K/V tile loads
@@ -358,7 +360,10 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 			unpack8(*pa, a);
 			unpack8(*pb, b);
 			const float inv = qnorm ? head_inv(a, b, LG, D, eps) : 0.f;
-			norm_rope8(a, b, qnorm != nullptr, wa, wb, inv, cs[ps], sn[ps]);
+			float cs[8], sn[8];
+			load8f(cos_t + rope_at(ps), cs);
+			load8f(sin_t + rope_at(ps), sn);
+			norm_rope8(a, b, qnorm != nullptr, wa, wb, inv, cs, sn);
 			*pa = pack8(a);
 			*pb = pack8(b);
 		}
