@@ -19,15 +19,7 @@ import (
 // (row blocks of fused q/k/v and gate/up, column blocks of o_proj and
 // down_proj, replicated KV heads).
 func TestPlacerTakesEachRanksPart(t *testing.T) {
-	spec, err := tinymodel.Default("qwen3")
-	if err != nil {
-		t.Fatal(err)
-	}
-	spec.Vocab, spec.DType = 512, "F32"
-	dir := t.TempDir()
-	if err := tinymodel.Write(dir, spec); err != nil {
-		t.Fatal(err)
-	}
+	dir := tinymodel.TestDir(t, "qwen3", nil)
 	set, err := safetensors.OpenDir(dir)
 	if err != nil {
 		t.Fatal(err)

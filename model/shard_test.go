@@ -33,18 +33,7 @@ func TestTensorParallelMatchesOneRank(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(fmt.Sprintf("%s-tp%d", c.arch, c.ranks), func(t *testing.T) {
-			spec, err := tinymodel.Default(c.arch)
-			if err != nil {
-				t.Fatal(err)
-			}
-			spec.Vocab, spec.DType = 512, "F32"
-			if c.spec != nil {
-				c.spec(&spec)
-			}
-			dir := t.TempDir()
-			if err := tinymodel.Write(dir, spec); err != nil {
-				t.Fatal(err)
-			}
+			dir := tinymodel.TestDir(t, c.arch, c.spec)
 			want := generate(t, dir, []model.Shard{{}}, nil)[0]
 			shards := make([]model.Shard, c.ranks)
 			for r := range shards {

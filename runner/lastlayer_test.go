@@ -17,15 +17,7 @@ import (
 func TestLastLayerOnLogitRows(t *testing.T) {
 	for _, arch := range []string{"qwen3", "llama"} {
 		t.Run(arch, func(t *testing.T) {
-			spec, err := tinymodel.Default(arch)
-			if err != nil {
-				t.Fatal(err)
-			}
-			spec.Vocab, spec.DType = 512, "F32"
-			dir := t.TempDir()
-			if err := tinymodel.Write(dir, spec); err != nil {
-				t.Fatal(err)
-			}
+			dir := tinymodel.TestDir(t, arch, nil)
 			dev := cpu.New(0)
 			m, err := model.Load(dev, dir, model.Options{ContextLen: 256})
 			if err != nil {
@@ -53,7 +45,7 @@ func TestLastLayerOnLogitRows(t *testing.T) {
 			// of 1 + 40 + 30 + 25 tokens.
 			seqs := []SeqStep{seq(31, 30, 0, true), seq(40, 0, 40, true), seq(30, 0, 90, false), seq(25, 0, 130, true)}
 			full, pruned := r.logits(t, dev, seqs, false), r.logits(t, dev, seqs, true)
-			if len(full) != len(pruned) || len(full) != 3*spec.Vocab {
+			if len(full) != len(pruned) || len(full) != 3*m.Config.Vocab {
 				t.Fatalf("%d and %d logits", len(full), len(pruned))
 			}
 			for i := range full {

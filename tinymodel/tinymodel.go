@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"testing"
 
 	"ebb/assets"
 	"ebb/safetensors"
@@ -260,4 +261,24 @@ func weights(s Spec, f family) ([]safetensors.Writable, error) {
 		add("lm_head.weight", 0, 0.6, f.vocab, h)
 	}
 	return out, firstErr
+}
+
+// TestDir writes arch's default spec with float32 weights and a 512-token
+// vocabulary (what the CPU tests compute with), changed by edit when not
+// nil, into a temporary directory of tb and returns it.
+func TestDir(tb testing.TB, arch string, edit func(*Spec)) string {
+	tb.Helper()
+	spec, err := Default(arch)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	spec.Vocab, spec.DType = 512, "F32"
+	if edit != nil {
+		edit(&spec)
+	}
+	dir := tb.TempDir()
+	if err := Write(dir, spec); err != nil {
+		tb.Fatal(err)
+	}
+	return dir
 }
