@@ -103,7 +103,7 @@ func init() {
 }
 
 var kernelNames = []string{
-	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
+	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "rmsnorm_v8", "add_rmsnorm_v8", "add_rmsnorm_f32x_v8", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
 	"gather_rows", "fill_bf16", "fill_f32", "bits_hash", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
@@ -510,7 +510,7 @@ func (d *Device) RMSNorm(out, x, w device.Tensor, eps float32) {
 		d.fail(fmt.Errorf("rmsnorm: dim %d above 8192", dim))
 		return
 	}
-	d.launch("rmsnorm", D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(out.Ptr), P(x.Ptr), P(w.Ptr), I(dim), F(eps))
+	d.launch("rmsnorm"+normVariant(dim, out, x, w), D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(out.Ptr), P(x.Ptr), P(w.Ptr), I(dim), F(eps))
 }
 
 // AddRMSNorm implements device.Device.
@@ -524,7 +524,22 @@ func (d *Device) AddRMSNorm(residual, x, out, w device.Tensor, eps float32) {
 	if x.DType == device.F32 {
 		name = "add_rmsnorm_f32x"
 	}
+	name += normVariant(dim, residual, x, out, w)
 	d.launch(name, D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(residual.Ptr), P(x.Ptr), P(out.Ptr), P(w.Ptr), I(dim), F(eps))
+}
+
+// normVariant names the 16-byte kernels ("_v8") when every row of dim
+// elements starts 16-byte aligned.
+func normVariant(dim int, ts ...device.Tensor) string {
+	if dim%8 != 0 {
+		return ""
+	}
+	for _, t := range ts {
+		if t.Ptr%16 != 0 {
+			return ""
+		}
+	}
+	return "_v8"
 }
 
 // normThreads gives each thread at most NORM_VPT (8) values of a row.
