@@ -505,27 +505,74 @@ func TestPrepareAttention(t *testing.T) {
 			p.close("attention", out, 2e-2, 2e-2)
 			p.close("k cache", kc, 3e-2, 3e-2)
 			p.close("v cache", vc, 0, 0)
-			for _, x := range []struct {
-				name string
-				a, b device.Tensor
-			}{{"attention", out.g, out2.g}, {"k cache", kc.g, kc2.g}, {"v cache", vc.g, vc2.g}} {
-				p.sync()
-				a, b := make([]float32, x.a.Numel()), make([]float32, x.b.Numel())
-				if err := errors.Join(p.gpu.DownloadF32(x.a, a), p.gpu.DownloadF32(x.b, b)); err != nil {
-					t.Fatal(err)
-				}
-				for i := range a {
-					if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
-						t.Fatalf("%s: element %d: %v with the queries prepared in the kernel, %v by prepare_qkv", x.name, i, a[i], b[i])
-					}
-				}
-			}
+			p.sameBits("attention", out.g, out2.g)
+			p.sameBits("k cache", kc.g, kc2.g)
+			p.sameBits("v cache", vc.g, vc2.g)
 			// A step of a few hundred tokens keeps prepare_qkv.
 			sout, sqkv, skc, svc, smeta := attnCase(p, tc.hq, tc.hk, tc.d, []int{100}, []int{100})
 			spos := p.ints(make([]int32, 100))
 			if p.gpu.PrepareAttention(sout.g, sqkv.g, qn.g, kn.g, spos.g, cos.g, sin.g, skc.g, svc.g, spos.g, smeta[0], scale, eps) {
 				t.Fatal("PrepareAttention applied to a 100-token step")
 			}
+		})
+	}
+}
+
+// sameBits fails unless GPU tensors a (the path under test) and b (the
+// reference path) hold the same bits.
+func (p *pair) sameBits(name string, a, b device.Tensor) {
+	p.t.Helper()
+	p.sync()
+	av, bv := make([]float32, a.Numel()), make([]float32, b.Numel())
+	if err := errors.Join(p.gpu.DownloadF32(a, av), p.gpu.DownloadF32(b, bv)); err != nil {
+		p.t.Fatal(err)
+	}
+	for i := range av {
+		if math.Float32bits(av[i]) != math.Float32bits(bv[i]) {
+			p.t.Fatalf("%s: element %d: %v, reference path %v", name, i, av[i], bv[i])
+		}
+	}
+}
+
+// TestPrepareQKVLayouts checks that prepare_qkv16 (bf16x2 arithmetic in
+// the 16-byte layout) gives prepare_qkv's bits (fp32 rounded after every
+// operation): a prompt's K, prepared by the one, meets decodes' K, prepared
+// by the other, in the same cache.
+func TestPrepareQKVLayouts(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		hq, hk, d int
+		norm      bool
+	}{{"qwen3", 16, 8, 128, true}, {"d64-no-norm", 12, 4, 64, false}, {"d16", 6, 1, 16, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			const tokens, slots = 700, 800
+			// Multiples of 1/8 up to 2: every partial sum of squares is exact
+			// in fp32, so both kernels' heads get the same inverse root
+			// (they add the squares in different orders).
+			vals := make([]float32, tokens*(tc.hq+2*tc.hk)*tc.d)
+			for i := range vals {
+				vals[i] = float32(p.rng.IntN(33)-16) / 8
+			}
+			qkv := p.floats(device.BF16, vals, tokens, tc.hq+2*tc.hk, tc.d)
+			var qn, kn both
+			if tc.norm {
+				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
+			}
+			var positions, slotIDs []int32
+			for _, s := range p.rng.Perm(slots)[:tokens] {
+				positions, slotIDs = append(positions, int32(p.rng.IntN(4096))), append(slotIDs, int32(s))
+			}
+			pos, sl := p.ints(positions), p.ints(slotIDs)
+			cos, sin := ropeTables(p, 4096, tc.d/2)
+			kc, vc := p.random(device.BF16, 1, slots, tc.hk, tc.d), p.random(device.BF16, 1, slots, tc.hk, tc.d)
+			qkv2, kc2, vc2 := p.clone(device.BF16, qkv), p.clone(device.BF16, kc), p.clone(device.BF16, vc)
+			heads := qkv.g.Dim(1)
+			p.gpu.prepareQKV(qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, 1e-6, tokens, 0, heads, true)
+			p.gpu.prepareQKV(qkv2.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, 1e-6, tokens, 0, heads, false)
+			p.sameBits("qkv", qkv.g, qkv2.g)
+			p.sameBits("k cache", kc.g, kc2.g)
+			p.sameBits("v cache", vc.g, vc2.g)
 		})
 	}
 }

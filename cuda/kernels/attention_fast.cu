@@ -252,13 +252,6 @@ __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsign
 	             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// pack_bf16x2: lo in the low half, hi in the high half.
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-	unsigned r;
-	asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-	return r;
-}
-
 // swz is the byte offset of element (row, col) in a swizzled tile of rows
 // of D bf16.
 template <int D>
@@ -345,27 +338,29 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	cp_async_wait<1>(); // the queries, while the first K/V tile loads
 	__syncthreads();
 	if (raw_q) {
-		float wa[8], wb[8];
-#pragma unroll
-		for (int e = 0; e < 8; e++) wa[e] = wb[e] = 1.f;
+		uint4 wa = make_uint4(0, 0, 0, 0), wb = wa;
 		if (qnorm) {
-			unpack8(*(const uint4 *)(qnorm + 8 * c), wa);
-			unpack8(*(const uint4 *)(qnorm + half + 8 * c), wb);
+			wa = *(const uint4 *)(qnorm + 8 * c);
+			wb = *(const uint4 *)(qnorm + half + 8 * c);
 		}
 #pragma unroll
 		for (int ps = 0; ps < PASSES; ps++) {
 			const int r = w0 + ps * RPP + lane / LG;
 			uint4 *pa = (uint4 *)(qs + swz<D>(r, 8 * c)), *pb = (uint4 *)(qs + swz<D>(r, half + 8 * c));
-			float a[8], b[8];
-			unpack8(*pa, a);
-			unpack8(*pb, b);
-			const float inv = qnorm ? head_inv(a, b, LG, D, eps) : 0.f;
+			uint4 a = *pa, b = *pb;
+			float inv = 0.f;
+			if (qnorm) {
+				float af[8], bf[8];
+				unpack8(a, af);
+				unpack8(b, bf);
+				inv = head_inv(af, bf, LG, D, eps);
+			}
 			float cs[8], sn[8];
 			load8f(cos_t + rope_at(ps), cs);
 			load8f(sin_t + rope_at(ps), sn);
 			norm_rope8(a, b, qnorm != nullptr, wa, wb, inv, cs, sn);
-			*pa = pack8(a);
-			*pb = pack8(b);
+			*pa = a;
+			*pb = b;
 		}
 		__syncwarp();
 	}

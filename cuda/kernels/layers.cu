@@ -237,22 +237,24 @@ extern "C" __global__ void __launch_bounds__(128)
 	const int per_pass = blockDim.x / g;
 	const long long units = (long long)tokens * nh;
 	const long long first = (long long)blockIdx.x * per_pass * QKV16_UNITS + threadIdx.x / g;
-	float a[QKV16_UNITS][8], b[QKV16_UNITS][8], cs[QKV16_UNITS][8], sn[QKV16_UNITS][8];
+	uint4 xa[QKV16_UNITS], xb[QKV16_UNITS];
+	float cs[QKV16_UNITS][8], sn[QKV16_UNITS][8];
 	int tok[QKV16_UNITS], head[QKV16_UNITS];
+	long long slot[QKV16_UNITS];
 #pragma unroll
 	for (int i = 0; i < QKV16_UNITS; i++) {
 		const long long u = first + (long long)i * per_pass;
 		const bool ok = u < units;
 		tok[i] = ok ? (int)(u / nh) : -1;
 		head[i] = head0 + (ok ? (int)(u % nh) : 0);
-		uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;
+		xa[i] = xb[i] = make_uint4(0, 0, 0, 0);
+		slot[i] = 0;
 		if (ok) {
 			const bf16 *row = qkv + ((long long)tok[i] * (hq + 2 * hk) + head[i]) * d;
-			xa = *(const uint4 *)(row + 8 * c);
-			xb = *(const uint4 *)(row + half + 8 * c);
+			xa[i] = *(const uint4 *)(row + 8 * c);
+			xb[i] = *(const uint4 *)(row + half + 8 * c);
+			if (head[i] >= hq) slot[i] = slots[tok[i]];
 		}
-		unpack8(xa, a[i]);
-		unpack8(xb, b[i]);
 		if (ok && head[i] < hq + hk) {
 			const long long p = pos[tok[i]];
 			load8f(cos_t + p * half + 8 * c, cs[i]);
@@ -262,28 +264,32 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
 	for (int i = 0; i < QKV16_UNITS; i++) {
 		const int t = tok[i], h = head[i];
-		const float inv = has_norm ? head_inv(a[i], b[i], g, d, eps) : 0.f;
+		float inv = 0.f;
+		if (has_norm) {
+			float af[8], bf[8];
+			unpack8(xa[i], af);
+			unpack8(xb[i], bf);
+			inv = head_inv(af, bf, g, d, eps);
+		}
 		if (t < 0) continue;
 		if (h < hq + hk) {
-			float wa[8], wb[8];
-#pragma unroll
-			for (int e = 0; e < 8; e++) wa[e] = wb[e] = 1.f;
+			uint4 wa = make_uint4(0, 0, 0, 0), wb = wa;
 			if (has_norm) {
 				const bf16 *w = h < hq ? qnorm : knorm;
-				unpack8(*(const uint4 *)(w + 8 * c), wa);
-				unpack8(*(const uint4 *)(w + half + 8 * c), wb);
+				wa = *(const uint4 *)(w + 8 * c);
+				wb = *(const uint4 *)(w + half + 8 * c);
 			}
-			norm_rope8(a[i], b[i], has_norm, wa, wb, inv, cs[i], sn[i]);
+			norm_rope8(xa[i], xb[i], has_norm, wa, wb, inv, cs[i], sn[i]);
 		}
 		bf16 *dst;
 		if (h < hq) {
 			dst = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
 		} else {
 			const bool is_k = h < hq + hk;
-			dst = (is_k ? kc : vc) + ((long long)slots[t] * hk + (is_k ? h - hq : h - hq - hk)) * d;
+			dst = (is_k ? kc : vc) + (slot[i] * hk + (is_k ? h - hq : h - hq - hk)) * d;
 		}
-		*(uint4 *)(dst + 8 * c) = pack8(a[i]);
-		*(uint4 *)(dst + half + 8 * c) = pack8(b[i]);
+		*(uint4 *)(dst + 8 * c) = xa[i];
+		*(uint4 *)(dst + half + 8 * c) = xb[i];
 	}
 }
 

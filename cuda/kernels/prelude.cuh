@@ -131,13 +131,51 @@ __device__ __forceinline__ float head_inv(const float a[8], const float b[8], in
 	return rsqrtf(ss / d + eps);
 }
 
-// norm_rope8 is qk_norm_rope on a lane's eight pairs (a[e], b[e]), with the
-// norm weights and cos/sin at its dims.
-__device__ __forceinline__ void norm_rope8(float a[8], float b[8], bool norm, const float wa[8], const float wb[8],
-                                           float inv, const float cs[8], const float sn[8]) {
+// bf16x2 arithmetic rounds once per operation to bf16, so on bf16 operands
+// it gives the bits of rbf after each fp32 operation (a product of two bf16
+// is exact in fp32, and an fp32 sum of two bf16 rounded again to bf16 cannot
+// land on a tie that the exact sum would not), in a quarter of the
+// instructions. Explicit fma.rn keeps the compiler from fusing two steps.
+__device__ __forceinline__ unsigned bf2_fma(unsigned a, unsigned b, unsigned c) {
+	unsigned r;
+	asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+	return r;
+}
+__device__ __forceinline__ unsigned bf2_mul(unsigned a, unsigned b) { return bf2_fma(a, b, 0x80008000u); }
+__device__ __forceinline__ unsigned bf2_add(unsigned a, unsigned b) { return bf2_fma(a, 0x3f803f80u, b); }
+__device__ __forceinline__ unsigned bf2_sub(unsigned a, unsigned b) { return bf2_fma(b, 0xbf80bf80u, a); }
+
+// pack_bf16x2: lo in the low half, hi in the high half, each rounded to
+// nearest.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+	unsigned r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+	return r;
+}
+
+// norm_rope8 is qk_norm_rope on a lane's eight pairs, dims (a, b) of the
+// 16-byte layout held as bf16x2 words, with the norm weights (wa, wb) and
+// cos/sin at its dims; inv is the head's rsqrt(mean square + eps).
+__device__ __forceinline__ void norm_rope8(uint4 &a, uint4 &b, bool norm, uint4 wa, uint4 wb, float inv,
+                                           const float cs[8], const float sn[8]) {
+	unsigned au[4] = {a.x, a.y, a.z, a.w}, bu[4] = {b.x, b.y, b.z, b.w};
+	const unsigned wau[4] = {wa.x, wa.y, wa.z, wa.w}, wbu[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
-	for (int e = 0; e < 8; e += 2)
-		qk_norm_rope(a + e, b + e, norm, wa + e, wb + e, inv, make_float2(cs[e], cs[e + 1]), make_float2(sn[e], sn[e + 1]));
+	for (int e = 0; e < 4; e++) {
+		unsigned x1 = au[e], x2 = bu[e];
+		if (norm) {
+			float l, h;
+			bf16x2_unpack(x1, l, h);
+			x1 = bf2_mul(wau[e], pack_bf16x2(l * inv, h * inv));
+			bf16x2_unpack(x2, l, h);
+			x2 = bf2_mul(wbu[e], pack_bf16x2(l * inv, h * inv));
+		}
+		const unsigned c = pack_bf16x2(cs[2 * e], cs[2 * e + 1]), sv = pack_bf16x2(sn[2 * e], sn[2 * e + 1]);
+		au[e] = bf2_sub(bf2_mul(x1, c), bf2_mul(x2, sv));
+		bu[e] = bf2_add(bf2_mul(x2, c), bf2_mul(x1, sv));
+	}
+	a = make_uint4(au[0], au[1], au[2], au[3]);
+	b = make_uint4(bu[0], bu[1], bu[2], bu[3]);
 }
 
 __device__ __forceinline__ void load8f(const float *p, float f[8]) {
