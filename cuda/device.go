@@ -105,7 +105,7 @@ func init() {
 var kernelNames = []string{
 	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "rmsnorm_v8", "add_rmsnorm_v8", "add_rmsnorm_f32x_v8", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
 	"gather_rows", "fill_bf16", "fill_f32", "bits_hash", "attn_prefill", "apply_penalties", "resolve_tokens",
-	"token_logprobs", "bf16_to_f32", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
+	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv2_m1", "gemv_fused_m1",
 	"matmul_tc_t1", "matmul_tc_t2",
@@ -358,6 +358,8 @@ func (d *Device) Convert(dst, src device.Tensor) {
 		d.fail(fmt.Errorf("convert %v to %v", src, dst))
 	case dst.DType == src.DType:
 		d.Copy(dst, src)
+	case dst.DType == device.F32 && src.DType == device.BF16 && n%8 == 0 && dst.Ptr%16 == 0 && src.Ptr%16 == 0:
+		d.launch("bf16_to_f32_v8", gridFor(n/8), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n/8))
 	case dst.DType == device.F32 && src.DType == device.BF16:
 		d.launch("bf16_to_f32", gridFor(n), D1(256), 0, P(dst.Ptr), P(src.Ptr), uint64(n))
 	case dst.DType == device.BF16 && src.DType == device.F32:

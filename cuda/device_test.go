@@ -186,6 +186,22 @@ func TestEmbeddingGatherCopyFill(t *testing.T) {
 	}
 }
 
+// TestConvert covers the dtype conversions: bf16 to float32 eight at a time
+// (a multiple of 8) or one at a time, and float32 to bf16.
+func TestConvert(t *testing.T) {
+	p := newPair(t)
+	for _, n := range []int{8 * 1237, 1001, 8} {
+		src, dst := p.random(device.BF16, 3, n), p.random(device.F32, 1, n)
+		p.gpu.Convert(dst.g, src.g)
+		p.cpu.Convert(dst.c, src.c)
+		p.close(fmt.Sprintf("bf16 to f32, %d", n), dst, 0, 0)
+		src32, dst16 := p.random(device.F32, 3, n), p.random(device.BF16, 1, n)
+		p.gpu.Convert(dst16.g, src32.g)
+		p.cpu.Convert(dst16.c, src32.c)
+		p.close(fmt.Sprintf("f32 to bf16, %d", n), dst16, 0, 1.0/256)
+	}
+}
+
 func TestRMSNorms(t *testing.T) {
 	p := newPair(t)
 	for _, dim := range []int{64, 1024, 1000, 998} {
