@@ -31,18 +31,19 @@ type OneBatchConfig struct {
 
 // OneBatchResult is one batch size's figures.
 type OneBatchResult struct {
-	BatchSize        int     `json:"batch_size"`
-	InputLen         int     `json:"input_len"`
-	OutputLen        int     `json:"output_len"`
-	PrefillMs        float64 `json:"prefill_ms"` // until every request has its first token
-	PrefillSteps     int     `json:"prefill_steps"`
-	PrefillTokPerS   float64 `json:"prefill_tokens_per_s"`
-	DecodeMedianMs   float64 `json:"decode_step_median_ms"`
-	DecodeP90Ms      float64 `json:"decode_step_p90_ms"`
-	DecodeTokPerS    float64 `json:"decode_tokens_per_s"` // batch / median step
-	TotalMs          float64 `json:"total_ms"`
-	OutputTokPerS    float64 `json:"output_tokens_per_s"` // batch*output_len / total
-	GraphDecodeSteps int64   `json:"graph_decode_steps"`
+	BatchSize        int       `json:"batch_size"`
+	InputLen         int       `json:"input_len"`
+	OutputLen        int       `json:"output_len"`
+	PrefillMs        float64   `json:"prefill_ms"` // until every request has its first token
+	PrefillSteps     int       `json:"prefill_steps"`
+	PrefillStepMs    []float64 `json:"prefill_step_ms"` // each prefill step's time, to find a slow one
+	PrefillTokPerS   float64   `json:"prefill_tokens_per_s"`
+	DecodeMedianMs   float64   `json:"decode_step_median_ms"`
+	DecodeP90Ms      float64   `json:"decode_step_p90_ms"`
+	DecodeTokPerS    float64   `json:"decode_tokens_per_s"` // batch / median step
+	TotalMs          float64   `json:"total_ms"`
+	OutputTokPerS    float64   `json:"output_tokens_per_s"` // batch*output_len / total
+	GraphDecodeSteps int64     `json:"graph_decode_steps"`
 }
 
 // OneBatch prefills each batch (in chunks of --chunked-prefill-size tokens,
@@ -140,6 +141,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		for _, ms := range steps[:prefillSteps] {
 			res.PrefillMs += ms
 		}
+		res.PrefillStepMs = steps[:prefillSteps:prefillSteps]
 		res.PrefillSteps = prefillSteps
 		res.PrefillTokPerS = float64(b*cfg.InputLen) / (res.PrefillMs / 1000)
 		decode := append([]float64(nil), steps[prefillSteps:]...)
