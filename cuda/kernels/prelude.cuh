@@ -73,8 +73,8 @@ __device__ __forceinline__ float pairs_sumsq(const float x1[2], const float x2[2
 // rotate-half rotary embedding (c2, s2: the position's cos and sin at the
 // lane's dims) to a lane's dims j, j + 1 (x1) and j + d/2, j + d/2 + 1 (x2),
 // rounding to bf16 after every operation as transformers does in bf16.
-// prepare_qkv and the prefill attention's queries both use it, so either
-// gives the same bits.
+// prepare_qkv uses it; norm_rope8 (prepare_qkv16 and the prefill
+// attention's queries) gives the same bits in bf16x2 arithmetic.
 __device__ __forceinline__ void qk_norm_rope(float x1[2], float x2[2], bool norm, const float w1[2], const float w2[2],
                                              float inv, float2 c2, float2 s2) {
 	if (norm) {
