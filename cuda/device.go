@@ -776,6 +776,9 @@ func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCac
 		vectorisedQKV(qkv, kCache, vCache, t))
 }
 
+// qkv16Units is QKV16_UNITS in layers.cu: (token, head) units a thread.
+const qkv16Units = 1
+
 // vectorisedQKV reports whether a step of t tokens prepares its q, k and v
 // with prepare_qkv16: a prefill of about a thousand tokens or more.
 func vectorisedQKV(qkv, kCache, vCache device.Tensor, t int) bool {
@@ -799,8 +802,8 @@ func (d *Device) prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCac
 		return
 	}
 	if vec {
-		// (token, head) units of dim/16 lanes, two a thread.
-		units, perBlock := t*(hend-head0), 2*128/(dim/16)
+		// (token, head) units of dim/16 lanes, qkv16Units a thread.
+		units, perBlock := t*(hend-head0), qkv16Units*128/(dim/16)
 		d.launch("prepare_qkv16", D1((units+perBlock-1)/perBlock), D1(128), 0,
 			P(qkv.Ptr), P(qNorm.Ptr), P(kNorm.Ptr), P(positions.Ptr), P(cos.Ptr), P(sin.Ptr), P(kCache.Ptr), P(vCache.Ptr),
 			P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm), I(head0), I(hend), I(t))

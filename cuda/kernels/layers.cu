@@ -222,12 +222,15 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // prepare_qkv16 is prepare_qkv for d % 16 == 0 in the 16-byte layout
-// (unpack8): each thread loads 32 bytes of each of its two (token, head)
-// units before any arithmetic, where prepare_qkv's lanes hold 8 bytes, so
-// that a long prefill keeps enough loads in flight to run at bandwidth (a
-// decode step, bound by latency, is faster with prepare_qkv's many small
-// warps). Units run over tokens [0, tokens) and heads [head0, hend).
-#define QKV16_UNITS 2
+// (unpack8): each thread loads the 32 bytes of each of its QKV16_UNITS
+// (token, head) units, and its cache slot, before any arithmetic, where
+// prepare_qkv's lanes hold 8 bytes, so that a long prefill keeps enough
+// loads in flight to run at bandwidth (a decode step, bound by latency, is
+// faster with prepare_qkv's many small warps). Units run over tokens
+// [0, tokens) and heads [head0, hend). One unit a thread: with the bf16x2
+// arithmetic, more blocks an SM beat two units' loads in flight (8k chunk,
+// H100: 30.4 -> 27.3 us a layer).
+#define QKV16_UNITS 1 // qkv16Units in device.go
 extern "C" __global__ void __launch_bounds__(128)
     prepare_qkv16(bf16 *qkv, const bf16 *qnorm, const bf16 *knorm, const int *pos, const float *cos_t,
                   const float *sin_t, bf16 *kc, bf16 *vc, const int *slots, int hq, int hk, int d, float eps,
