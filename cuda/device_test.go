@@ -415,7 +415,7 @@ func TestPrepareQKV(t *testing.T) {
 	}{{"qwen3", 16, 8, 128, true, 6}, {"qwen2", 4, 2, 64, false, 6}, {"mqa-small-dim", 6, 1, 16, true, 6},
 		{"d24-lane-pairs", 4, 2, 24, true, 6},          // not a multiple of 16: prepare_qkv's bf16x2 lanes
 		{"qwen3-prefill", 16, 8, 128, true, 300},       // 128-thread blocks
-		{"qwen3-long-prefill", 16, 8, 128, true, 2100}, // two units a thread
+		{"qwen3-long-prefill", 16, 8, 128, true, 2100}, // prepare_qkv16
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
