@@ -27,7 +27,7 @@ import (
 const (
 	tuneMinRows   = 512
 	tuneCandidate = 8    // algorithms asked of the heuristic
-	tuneReps      = 3    // timed runs of each candidate, after one untimed
+	tuneReps      = 3    // timed runs of each candidate, after the hashed one
 	tuneMargin    = 0.97 // a candidate must beat the first choice by 3%
 )
 
@@ -164,12 +164,10 @@ func (d *Device) tuneGemm(out uintptr, outF32 bool, x, w uintptr, m, n, k int) (
 	// sizes most of L2 or more), so that the weights come from memory as in
 	// a model step: timed back to back with warm operands, persistent
 	// kernels won by a few percent and then ran 6% slower in the model (qkv
-	// at 8,192 rows, H100).
+	// at 8,192 rows, H100). A candidate is timed after the run whose output
+	// was hashed, which loaded its kernel.
 	words := size / 4
 	timed := func(i int) (float32, error) {
-		if err := run(i); err != nil { // loads the kernel on first use
-			return 0, err
-		}
 		var total float32
 		for r := 0; r < tuneReps; r++ {
 			d.launch("bits_hash", gridFor(words), D1(256), 0, P(out), uint64(words), P(d.tuner.hash.Ptr))
@@ -193,11 +191,14 @@ func (d *Device) tuneGemm(out uintptr, outF32 bool, x, w uintptr, m, n, k int) (
 		}
 		return total / tuneReps, nil
 	}
-	first, err := timed(0)
-	if err != nil {
+	if err := run(0); err != nil {
 		return gemmChoice{}, err
 	}
 	want, err := d.outputHash(out, size)
+	if err != nil {
+		return gemmChoice{}, err
+	}
+	first, err := timed(0)
 	if err != nil {
 		return gemmChoice{}, err
 	}
