@@ -131,6 +131,7 @@ typedef struct {
 	X(cuStreamEndCapture, "cuStreamEndCapture", (CUstream s, CUgraph *g), (s, g)) \
 	X(cuGraphInstantiate, "cuGraphInstantiateWithFlags", (CUgraphExec *e, CUgraph g, unsigned long long f), (e, g, f)) \
 	X(cuGraphLaunch, "cuGraphLaunch", (CUgraphExec e, CUstream s), (e, s)) \
+	X(cuGraphUpload, "cuGraphUpload", (CUgraphExec e, CUstream s), (e, s)) \
 	X(cuGraphExecDestroy, "cuGraphExecDestroy", (CUgraphExec e), (e)) \
 	X(cuGraphDestroy, "cuGraphDestroy", (CUgraph g), (g)) \
 	X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *p, CUipcMemHandle h, unsigned int f), (p, h, f)) \
