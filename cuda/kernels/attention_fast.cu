@@ -252,6 +252,15 @@ __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsign
 	             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ex2_ftz is 2^x in one instruction; exp2f adds a range check and two
+// scalings to keep results below 2^-126, which a softmax weight that small
+// does not need.
+__device__ __forceinline__ float ex2_ftz(float x) {
+	float r;
+	asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+	return r;
+}
+
 // swz is the byte offset of element (row, col) in a swizzled tile of rows
 // of D bf16.
 template <int D>
@@ -295,21 +304,27 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	// so a copy does not wait on its address.
 	constexpr int RW = 32 / CH, STEPS = FA_BN * CH / 128;
 	static_assert(RW * STEPS <= 32, "a warp's rows of a tile fit its lanes");
+	static_assert((128 / CH) % 8 == 0, "a thread's rows share their swizzle");
+	// A lane holds its row's cache row (slot * hk), one wide multiply from
+	// the copy's address; rows past kend hold row 0, which is not loaded.
 	auto fetch_slot = [&](int tile) {
 		const int r = tile * FA_BN + lane % RW + warp * RW + (128 / CH) * (lane / RW);
-		return lane < RW * STEPS && r < kend ? kvidx[kv0 + r] : 0;
+		return lane < RW * STEPS && r < kend ? (int)((unsigned)kvidx[kv0 + r] * (unsigned)hk) : 0;
 	};
+	// A thread's copies are of one chunk in rows crow + j * 128 / CH, whose
+	// swizzle is the same, so each lands at a fixed offset from the first.
+	const int crow = tid / CH, cch = tid % CH;
+	const unsigned kdst = smem_u32(ks + swz<D>(crow, cch * 8)), vdst = kdst + (unsigned)(vs - ks);
+	const char *ksrc = (const char *)(kc + g * D + cch * 8), *vsrc = (const char *)(vc + g * D + cch * 8);
 	auto load_kv = [&](int tile, int slot) {
 		const int k0 = tile * FA_BN;
 #pragma unroll
 		for (int j = 0; j < STEPS; j++) {
-			const int i = tid + j * 128, r = i / CH, ch = i % CH;
-			const int sl = __shfl_sync(0xffffffff, slot, lane / CH + RW * j);
-			const bool valid = k0 + r < kend;
-			const long long base = valid ? ((long long)sl * hk + g) * D + ch * 8 : 0;
-			const unsigned off = swz<D>(r, ch * 8);
-			cp_async16(smem_u32(ks + off), kc + base, valid);
-			cp_async16(smem_u32(vs + off), vc + base, valid);
+			const unsigned sl = (unsigned)__shfl_sync(0xffffffff, slot, lane / CH + RW * j);
+			const bool valid = k0 + crow + j * (128 / CH) < kend;
+			const unsigned at = j * (128 / CH) * D * 2;
+			cp_async16(kdst + at, ksrc + (size_t)sl * (D * 2), valid);
+			cp_async16(vdst + at, vsrc + (size_t)sl * (D * 2), valid);
 		}
 		cp_async_commit();
 	};
@@ -379,8 +394,10 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int gi = lane >> 2, ti = lane & 3;
 	// Absolute positions of this thread's two query rows.
 	const int qpos0 = kvlen - qlen + q0 + w0 + gi, qpos1 = qpos0 + 8;
-	// The warp's last query position; a warp past qlen has nothing to do.
-	const int wlast = q0 + w0 < qlen ? kvlen - qlen + q0 + w0 + 15 : -1;
+	// The warp's first and last query positions; a warp past qlen has
+	// nothing to do.
+	const int wfirst = kvlen - qlen + q0 + w0;
+	const int wlast = q0 + w0 < qlen ? wfirst + 15 : -1;
 
 	for (int tile = 0; tile < ntiles; tile++) {
 		if (tile > 0) {
@@ -405,43 +422,53 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 					mma_bf16(sacc[2 * np + 1], qf[kk], b[2], b[3]);
 				}
 			}
+			// Only a tile that reaches past the warp's first query or the
+			// keys' end has keys to mask.
+			if (k0 + FA_BN - 1 > wfirst || k0 + FA_BN > kvlen) {
+#pragma unroll
+				for (int n = 0; n < FA_BN / 8; n++) {
+#pragma unroll
+					for (int e = 0; e < 4; e++) {
+						const int kpos = k0 + n * 8 + ti * 2 + (e & 1);
+						if (kpos > (e < 2 ? qpos0 : qpos1) || kpos >= kvlen) sacc[n][e] = -EBB_INF;
+					}
+				}
+			}
+			// The scores are scaled as they meet the exponent (the row
+			// maximum of the raw scores, scaled, is the maximum of the
+			// scaled ones).
 			float mx[2] = {-EBB_INF, -EBB_INF};
 #pragma unroll
 			for (int n = 0; n < FA_BN / 8; n++) {
 #pragma unroll
-				for (int e = 0; e < 4; e++) {
-					const int kpos = k0 + n * 8 + ti * 2 + (e & 1);
-					const int qpos = e < 2 ? qpos0 : qpos1;
-					float v = sacc[n][e] * sl2;
-					if (kpos > qpos || kpos >= kvlen) v = -EBB_INF;
-					sacc[n][e] = v;
-					mx[e >> 1] = fmaxf(mx[e >> 1], v);
-				}
+				for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], sacc[n][e]);
 			}
 			float alpha[2], muse[2];
 #pragma unroll
 			for (int i = 0; i < 2; i++) {
 				mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
 				mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
-				const float mn = fmaxf(mrow[i], mx[i]);
+				const float mn = fmaxf(mrow[i], mx[i] * sl2);
 				muse[i] = mn == -EBB_INF ? 0.f : mn;
-				alpha[i] = exp2f(mrow[i] - muse[i]);
+				alpha[i] = ex2_ftz(mrow[i] - muse[i]);
 				mrow[i] = mn;
 				lrow[i] *= alpha[i];
 			}
+			if (tile > 0) { // o is still zero after no tile
 #pragma unroll
-			for (int n = 0; n < D / 8; n++) {
-				o[n][0] *= alpha[0];
-				o[n][1] *= alpha[0];
-				o[n][2] *= alpha[1];
-				o[n][3] *= alpha[1];
+				for (int n = 0; n < D / 8; n++) {
+					o[n][0] *= alpha[0];
+					o[n][1] *= alpha[0];
+					o[n][2] *= alpha[1];
+					o[n][3] *= alpha[1];
+				}
 			}
 			unsigned pa[FA_BN / 16][4];
 #pragma unroll
 			for (int n = 0; n < FA_BN / 8; n++) {
 #pragma unroll
 				for (int e = 0; e < 4; e++) {
-					const float p = exp2f(sacc[n][e] - muse[e >> 1]);
+					const float p = ex2_ftz(fmaf(sacc[n][e], sl2, -muse[e >> 1]));
 					sacc[n][e] = p;
 					lrow[e >> 1] += p;
 				}
