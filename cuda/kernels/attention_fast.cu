@@ -6,6 +6,15 @@
 
 #define LOG2E 1.4426950408889634f
 
+// ex2_ftz is 2^x in one instruction; exp2f adds a range check and two
+// scalings to keep results below 2^-126, which a softmax weight that small
+// does not need.
+__device__ __forceinline__ float ex2_ftz(float x) {
+	float r;
+	asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+	return r;
+}
+
 // ---- decode ------------------------------------------------------------------
 
 // attn_decode_vec: one query per sequence. Block (kv head, sequence, split)
@@ -113,7 +122,7 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 				for (int off = LPR / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
 				if (valid && r < G) {
 					const float mn = fmaxf(m[r], dot);
-					const float a = exp2f(m[r] - mn), p = exp2f(dot - mn);
+					const float a = ex2_ftz(m[r] - mn), p = ex2_ftz(dot - mn);
 					l[r] = l[r] * a + p;
 #pragma unroll
 					for (int e = 0; e < 8; e++) o[r][e] = o[r][e] * a + p * v[e];
@@ -250,15 +259,6 @@ __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsign
 	             "{%0, %1, %2, %3};\n"
 	             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
 	             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// ex2_ftz is 2^x in one instruction; exp2f adds a range check and two
-// scalings to keep results below 2^-126, which a softmax weight that small
-// does not need.
-__device__ __forceinline__ float ex2_ftz(float x) {
-	float r;
-	asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-	return r;
 }
 
 // swz is the byte offset of element (row, col) in a swizzled tile of rows
