@@ -326,7 +326,7 @@ func (c *Context) Capture(f func() error) (*Graph, error) {
 		return nil, err
 	}
 	// Uploaded now, a graph's first replay does not pay for it: that was
-	// the step launching a batch's first decode (0.65-0.93 ms -> 0.3-0.45
+	// the step launching a batch's first decode (0.65-1.2 ms -> 0.3-0.55
 	// for the 256 x 128 prefill's last step, H100).
 	if err := check("cuGraphUpload", C.ebb_cuGraphUpload(gr.exec, c.stream)); err != nil {
 		C.ebb_cuGraphExecDestroy(gr.exec)

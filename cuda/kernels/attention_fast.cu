@@ -7,8 +7,8 @@
 #define LOG2E 1.4426950408889634f
 
 // ex2_ftz is 2^x in one instruction; exp2f adds a range check and two
-// scalings to keep results below 2^-126, which a softmax weight that small
-// does not need.
+// scalings so that results below 2^-126 are not flushed to zero, which a
+// softmax weight that small does not need.
 __device__ __forceinline__ float ex2_ftz(float x) {
 	float r;
 	asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
