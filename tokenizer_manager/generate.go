@@ -149,13 +149,14 @@ func (m *Manager) warm(ctx context.Context, ids []int32) (int, error) {
 }
 
 // dispatch registers a request and sends it to engine e, or to the engine
-// with the least unfinished work (prompt plus output tokens) when e < 0,
-// and returns the engine.
+// with the least unfinished work (RequestWork) when e < 0, and returns the
+// engine.
 func (m *Manager) dispatch(ctx context.Context, req *ioschema.TokenizedGenerateReqInput, st *reqState, e int) (int, error) {
-	work := int64(len(req.InputIDs)) + defaultMaxNewTokens
+	out := defaultMaxNewTokens
 	if n := req.SamplingParams.MaxNewTokens; n != nil {
-		work = int64(len(req.InputIDs) + *n)
+		out = *n
 	}
+	work := RequestWork(len(req.InputIDs), out)
 	chosen := make(chan int, 1)
 	m.do(func(t *table) {
 		if e < 0 {
@@ -186,6 +187,21 @@ func (m *Manager) dispatch(ctx context.Context, req *ioschema.TokenizedGenerateR
 
 // defaultMaxNewTokens is SGLang's max_new_tokens when a request names none.
 const defaultMaxNewTokens = 128
+
+// RequestWork is what a request of in prompt tokens and up to out new ones
+// costs an engine, in cached positions read: its i-th decode step reads
+// in + i of them, and prefilling a prompt token costs about as much as
+// reading prefillPositions (0.6B model, H100: 1.8 us a prompt token at
+// 32k-token steps, 35 ns a position at decode). Counting tokens instead
+// left nano-vllm's workload (prompts and outputs of 100-1,024) with 7.45
+// and 6.91 TB of KV reads on two engines, the slower one 4% over the mean
+// (the throughput gained was within the runs' spread; docs/gpu-notes.md).
+func RequestWork(in, out int) int64 {
+	i, o := int64(in), int64(max(out, 0))
+	return prefillPositions*i + o*i + o*(o-1)/2
+}
+
+const prefillPositions = 50
 
 // start expands a request and submits its prompts.
 func (m *Manager) start(ctx context.Context, in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
