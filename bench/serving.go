@@ -19,6 +19,7 @@ import (
 	"ebb/cuda"
 	"ebb/engine"
 	"ebb/model"
+	"ebb/tokenizer_manager"
 )
 
 // ServingConfig is `ebb bench serving`: a workload sent to a server's
@@ -72,9 +73,10 @@ type ServingReport struct {
 	TTFTMs           Percentiles `json:"ttft_ms"` // streaming only
 	ITLMs            Percentiles `json:"itl_ms"`  // streaming only: gap between chunks per token
 	E2EMs            Percentiles `json:"e2e_ms"`
-	KVReadBytes      float64     `json:"kv_read_bytes"`     // the workload's least KV traffic
-	WeightReadBytes  float64     `json:"weight_read_bytes"` // weights once per decode step, longest output's steps
-	PeakGBPerS       float64     `json:"peak_gb_per_s"`
+	KVReadBytes      float64     `json:"kv_read_bytes"`                // the workload's least KV traffic
+	WeightReadBytes  float64     `json:"weight_read_bytes"`            // weights once per decode step, longest output's steps, per engine
+	GPUs             int         `json:"gpus"`                         // tensor- times data-parallel size
+	PeakGBPerS       float64     `json:"peak_gb_per_s"`                // per GPU
 	FloorTokPerS     float64     `json:"bandwidth_floor_tokens_per_s"` // output tokens/s if reads ran at peak
 	FractionOfFloor  float64     `json:"fraction_of_floor"`
 	ThroughputSeries []XY        `json:"throughput_series"` // output tok/s in time bins
@@ -151,7 +153,11 @@ func Serving(cfg ServingConfig) (*ServingReport, error) {
 				peak = p
 			}
 		}
-		rep.bandwidthFloor(mc, reqs, peak)
+		tp, dp := cfg.Engine.TPSize, cfg.Engine.DPSize
+		if cfg.URL != "" {
+			tp, dp = serverParallelism(client, url, cfg.APIKey)
+		}
+		rep.bandwidthFloor(mc, reqs, peak, tp, dp)
 	}
 	if cfg.PlotPath != "" {
 		if err := plotServing(rep, results, cfg.PlotPath); err != nil {
@@ -181,6 +187,36 @@ func serverModelPath(client *http.Client, url, key string) string {
 		return ""
 	}
 	return info.ModelPath
+}
+
+// serverParallelism is the tensor- and data-parallel sizes a server at url
+// reports in /get_server_info (SGLang's and ebb's tp_size and dp_size), 1
+// for what it does not say.
+func serverParallelism(client *http.Client, url, key string) (tp, dp int) {
+	tp, dp = 1, 1
+	req, _ := http.NewRequest("GET", url+"/get_server_info", nil)
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return tp, dp
+	}
+	defer resp.Body.Close()
+	var info struct {
+		TP *int `json:"tp_size"`
+		DP *int `json:"dp_size"`
+	}
+	if json.NewDecoder(resp.Body).Decode(&info) != nil {
+		return tp, dp
+	}
+	if info.TP != nil && *info.TP > 0 {
+		tp = *info.TP
+	}
+	if info.DP != nil && *info.DP > 0 {
+		dp = *info.DP
+	}
+	return tp, dp
 }
 
 // sendAll sends every request at its arrival time and waits for all.
@@ -381,29 +417,52 @@ func throughputSeries(results []requestResult, duration float64) []XY {
 }
 
 // bandwidthFloor is the throughput if the workload's unavoidable reads ran
-// at the GPU's peak: every output token's step reads the KV of its prompt
+// at the GPUs' peak: every output token's step reads the KV of its prompt
 // and of the tokens before it, and each decode step reads the weights once
 // (as many steps as the longest output, with every request in one batch).
-func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, peak float64) {
+// Under data parallelism the requests go to engines as ebb's router sends
+// them (the least unfinished tokenizermanager.RequestWork, in order) and
+// the floor is the slowest engine's; tensor parallelism splits an engine's weights and
+// KV heads over its GPUs (a KV head is replicated where there are fewer
+// than GPUs).
+func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, peak float64, tp, dp int) {
+	tp, dp = max(tp, 1), max(dp, 1)
 	kvPerToken := float64(2 * mc.Layers * mc.KVHeads * mc.HeadDim * 2)
-	steps, kv := 0, 0.0
-	for _, r := range reqs {
-		in, out := float64(len(r.Prompt)), float64(r.OutputLen)
-		kv += in*out + out*(out-1)/2
-		steps = max(steps, r.OutputLen)
+	weights := float64(mc.DecodeWeightBytes())
+	type engineLoad struct {
+		work  int64
+		steps int
+		kv    float64
 	}
-	rep.KVReadBytes = kv * kvPerToken
-	rep.WeightReadBytes = float64(steps) * float64(mc.DecodeWeightBytes())
-	if peak <= 0 {
+	engines := make([]engineLoad, dp)
+	total := 0
+	for _, r := range reqs {
+		e := 0
+		for i := range engines {
+			if engines[i].work < engines[e].work {
+				e = i
+			}
+		}
+		in, out := float64(len(r.Prompt)), float64(r.OutputLen)
+		engines[e].work += tokenizermanager.RequestWork(len(r.Prompt), r.OutputLen)
+		engines[e].kv += (in*out + out*(out-1)/2) * kvPerToken
+		engines[e].steps = max(engines[e].steps, r.OutputLen)
+		total += r.OutputLen
+	}
+	// What one GPU of an engine reads of its KV and of its weights.
+	kvShare := float64(max(mc.KVHeads/tp, 1)) / float64(mc.KVHeads)
+	slowest := 0.0
+	rep.KVReadBytes, rep.WeightReadBytes, rep.GPUs = 0, 0, tp*dp
+	for _, e := range engines {
+		rep.KVReadBytes += e.kv
+		rep.WeightReadBytes += float64(e.steps) * weights
+		slowest = max(slowest, e.kv*kvShare+float64(e.steps)*weights/float64(tp))
+	}
+	if peak <= 0 || slowest == 0 {
 		return
 	}
 	rep.PeakGBPerS = peak / 1e9
-	seconds := (rep.KVReadBytes + rep.WeightReadBytes) / peak
-	total := 0
-	for _, r := range reqs {
-		total += r.OutputLen
-	}
-	rep.FloorTokPerS = float64(total) / seconds
+	rep.FloorTokPerS = float64(total) / (slowest / peak)
 	if rep.OutputTokPerS > 0 {
 		rep.FractionOfFloor = rep.OutputTokPerS / rep.FloorTokPerS
 	}

@@ -65,22 +65,33 @@ func TestArrivals(t *testing.T) {
 
 // TestBandwidthFloor checks the floor against a hand count: two requests,
 // KV per token of 2 layers x 2 (K, V) x 1 head x 4 dims x 2 bytes = 32.
+// KV reads: request 1 (10 in, 3 out) 10+11+12 = 33 positions, 1,056 bytes;
+// request 2 (5 in, 2 out) 5+6 = 11, 352 bytes. Weights: per layer 8x16 qkv
+// + 8x8 o + 3x8x16 mlp = 576, lm_head 80, bf16: 2,464 bytes a step.
 func TestBandwidthFloor(t *testing.T) {
 	mc := &model.Config{Layers: 2, KVHeads: 1, Heads: 2, HeadDim: 4, Hidden: 8, Intermediate: 16, Vocab: 10}
 	reqs := []workRequest{{Prompt: make([]int32, 10), OutputLen: 3}, {Prompt: make([]int32, 5), OutputLen: 2}}
-	rep := &ServingReport{OutputTokPerS: 1}
-	rep.bandwidthFloor(mc, reqs, 1e9)
-	// KV reads: request 1: 10+11+12 = 33 positions, request 2: 5+6 = 11.
-	if want := 44.0 * 32; rep.KVReadBytes != want {
-		t.Fatalf("KV bytes %v, want %v", rep.KVReadBytes, want)
-	}
-	// Weights: per layer 8x16 qkv + 8x8 o + 3x8x16 mlp = 576, lm_head 80; bf16; 3 steps.
-	if want := 3.0 * 2 * (2*576 + 80); rep.WeightReadBytes != want {
-		t.Fatalf("weight bytes %v, want %v", rep.WeightReadBytes, want)
-	}
-	seconds := (rep.KVReadBytes + rep.WeightReadBytes) / 1e9
-	if math.Abs(rep.FloorTokPerS-5/seconds) > 1e-6 || rep.FractionOfFloor != 1/rep.FloorTokPerS {
-		t.Fatalf("floor %v tok/s, fraction %v", rep.FloorTokPerS, rep.FractionOfFloor)
+	const step = 2 * (2*576 + 80)
+	for _, c := range []struct {
+		name          string
+		tp, dp        int
+		weights       float64 // read over all engines
+		slowestEngine float64 // bytes one GPU of the slowest engine reads
+	}{
+		{"one GPU", 1, 1, 3 * step, 1056 + 352 + 3*step},
+		// Request 1 to engine 0 (the larger), request 2 to engine 1.
+		{"dp 2", 1, 2, (3 + 2) * step, 1056 + 3*step},
+		// One KV head: both GPUs hold it; the weights are halved.
+		{"tp 2", 2, 1, 3 * step, 1056 + 352 + 3*step/2},
+	} {
+		rep := &ServingReport{OutputTokPerS: 1}
+		rep.bandwidthFloor(mc, reqs, 1e9, c.tp, c.dp)
+		if rep.KVReadBytes != 1408 || rep.WeightReadBytes != c.weights || rep.GPUs != c.tp*c.dp {
+			t.Fatalf("%s: KV %v, weights %v (want %v), GPUs %d", c.name, rep.KVReadBytes, rep.WeightReadBytes, c.weights, rep.GPUs)
+		}
+		if want := 5 / (c.slowestEngine / 1e9); math.Abs(rep.FloorTokPerS-want) > 1e-6*want || rep.FractionOfFloor != 1/rep.FloorTokPerS {
+			t.Fatalf("%s: floor %v tok/s (want %v), fraction %v", c.name, rep.FloorTokPerS, want, rep.FractionOfFloor)
+		}
 	}
 }
 

@@ -397,7 +397,11 @@ func printServing(r *bench.ServingReport) {
 		fmt.Printf("%-12s %10.2f %10.2f %10.2f %10.2f\n", p.name, p.v.Mean, p.v.P50, p.v.P90, p.v.P99)
 	}
 	if r.FloorTokPerS > 0 {
-		fmt.Printf("bandwidth floor %.0f output tok/s (KV %.2f TB + weights %.2f TB at %.0f GB/s): %.1f %% of it\n",
-			r.FloorTokPerS, r.KVReadBytes/1e12, r.WeightReadBytes/1e12, r.PeakGBPerS, 100*r.FractionOfFloor)
+		gpus := ""
+		if r.GPUs > 1 {
+			gpus = fmt.Sprintf(" on %d GPUs", r.GPUs)
+		}
+		fmt.Printf("bandwidth floor %.0f output tok/s (KV %.2f TB + weights %.2f TB at %.0f GB/s%s): %.1f %% of it\n",
+			r.FloorTokPerS, r.KVReadBytes/1e12, r.WeightReadBytes/1e12, r.PeakGBPerS, gpus, 100*r.FractionOfFloor)
 	}
 }
