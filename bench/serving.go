@@ -74,7 +74,7 @@ type ServingReport struct {
 	ITLMs            Percentiles `json:"itl_ms"`  // streaming only: gap between chunks per token
 	E2EMs            Percentiles `json:"e2e_ms"`
 	KVReadBytes      float64     `json:"kv_read_bytes"`                // the workload's least KV traffic
-	WeightReadBytes  float64     `json:"weight_read_bytes"`            // weights once per decode step, longest output's steps, per engine
+	WeightReadBytes  float64     `json:"weight_read_bytes"`            // weights once per decode step of each engine's longest output, over all engines
 	GPUs             int         `json:"gpus"`                         // tensor- times data-parallel size
 	PeakGBPerS       float64     `json:"peak_gb_per_s"`                // per GPU
 	FloorTokPerS     float64     `json:"bandwidth_floor_tokens_per_s"` // output tokens/s if reads ran at peak
@@ -422,9 +422,9 @@ func throughputSeries(results []requestResult, duration float64) []XY {
 // (as many steps as the longest output, with every request in one batch).
 // Under data parallelism the requests go to engines as ebb's router sends
 // them (the least unfinished tokenizermanager.RequestWork, in order) and
-// the floor is the slowest engine's; tensor parallelism splits an engine's weights and
-// KV heads over its GPUs (a KV head is replicated where there are fewer
-// than GPUs).
+// the floor is the slowest engine's; tensor parallelism splits an engine's
+// weights and KV heads over its GPUs (a KV head is replicated where there
+// are fewer heads than GPUs).
 func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, peak float64, tp, dp int) {
 	tp, dp = max(tp, 1), max(dp, 1)
 	kvPerToken := float64(2 * mc.Layers * mc.KVHeads * mc.HeadDim * 2)
