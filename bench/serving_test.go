@@ -3,6 +3,7 @@ package bench
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"net/http/httptest"
@@ -158,5 +159,34 @@ func TestServingAgainstFakeServer(t *testing.T) {
 	rep, err := Serving(cfg)
 	if err != nil || rep.Failed != 2 || rep.FirstError == "" {
 		t.Fatalf("refusing server: %v, %+v", err, rep)
+	}
+}
+
+// TestServerParallelism reads tp_size and dp_size from /get_server_info
+// and falls back to one GPU where the server says nothing.
+func TestServerParallelism(t *testing.T) {
+	for _, c := range []struct {
+		body   string
+		status int
+		tp, dp int
+	}{
+		{`{"tp_size": 2, "dp_size": 4, "model_path": "m"}`, http.StatusOK, 2, 4},
+		{`{"tp_size": 2}`, http.StatusOK, 2, 1},
+		{`{"tp_size": 0, "dp_size": null}`, http.StatusOK, 1, 1},
+		{`not found`, http.StatusNotFound, 1, 1},
+	} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/get_server_info" {
+				http.NotFound(w, r)
+				return
+			}
+			w.WriteHeader(c.status)
+			io.WriteString(w, c.body)
+		}))
+		tp, dp := serverParallelism(srv.Client(), srv.URL, "")
+		srv.Close()
+		if tp != c.tp || dp != c.dp {
+			t.Errorf("%s: tp %d dp %d, want %d %d", c.body, tp, dp, c.tp, c.dp)
+		}
 	}
 }
