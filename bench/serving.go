@@ -168,19 +168,10 @@ func Serving(cfg ServingConfig) (*ServingReport, error) {
 }
 
 func serverModelPath(client *http.Client, url, key string) string {
-	req, _ := http.NewRequest("GET", url+"/get_model_info", nil)
-	if key != "" {
-		req.Header.Set("Authorization", "Bearer "+key)
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		return ""
-	}
-	defer resp.Body.Close()
 	var info struct {
 		ModelPath string `json:"model_path"`
 	}
-	if json.NewDecoder(resp.Body).Decode(&info) != nil {
+	if getJSON(client, url+"/get_model_info", key, &info) != nil {
 		return ""
 	}
 	if _, err := os.Stat(filepath.Join(info.ModelPath, "config.json")); err != nil {
@@ -193,30 +184,31 @@ func serverModelPath(client *http.Client, url, key string) string {
 // reports in /get_server_info (SGLang's and ebb's tp_size and dp_size), 1
 // for what it does not say.
 func serverParallelism(client *http.Client, url, key string) (tp, dp int) {
-	tp, dp = 1, 1
-	req, _ := http.NewRequest("GET", url+"/get_server_info", nil)
+	var info struct {
+		TP int `json:"tp_size"`
+		DP int `json:"dp_size"`
+	}
+	if getJSON(client, url+"/get_server_info", key, &info) != nil {
+		return 1, 1
+	}
+	return max(info.TP, 1), max(info.DP, 1)
+}
+
+// getJSON decodes the JSON body of a GET of url into v.
+func getJSON(client *http.Client, url, key string, v any) error {
+	req, err := http.NewRequest("GET", url, nil)
+	if err != nil {
+		return err
+	}
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return tp, dp
+		return err
 	}
 	defer resp.Body.Close()
-	var info struct {
-		TP *int `json:"tp_size"`
-		DP *int `json:"dp_size"`
-	}
-	if json.NewDecoder(resp.Body).Decode(&info) != nil {
-		return tp, dp
-	}
-	if info.TP != nil && *info.TP > 0 {
-		tp = *info.TP
-	}
-	if info.DP != nil && *info.DP > 0 {
-		dp = *info.DP
-	}
-	return tp, dp
+	return json.NewDecoder(resp.Body).Decode(v)
 }
 
 // sendAll sends every request at its arrival time and waits for all.
@@ -437,12 +429,7 @@ func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, p
 	engines := make([]engineLoad, dp)
 	total := 0
 	for _, r := range reqs {
-		e := 0
-		for i := range engines {
-			if engines[i].work < engines[e].work {
-				e = i
-			}
-		}
+		e := tokenizermanager.LeastLoaded(engines, func(l engineLoad) int64 { return l.work })
 		in, out := float64(len(r.Prompt)), float64(r.OutputLen)
 		engines[e].work += tokenizermanager.RequestWork(len(r.Prompt), r.OutputLen)
 		engines[e].kv += (in*out + out*(out-1)/2) * kvPerToken

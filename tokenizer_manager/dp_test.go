@@ -98,10 +98,7 @@ func TestRoutingBalancesKVReads(t *testing.T) {
 	var reads [2]float64
 	for range 256 {
 		in, out := 100+rng.IntN(925), 100+rng.IntN(925)
-		e := 0
-		if work[1] < work[0] {
-			e = 1
-		}
+		e := LeastLoaded(work[:], func(w int64) int64 { return w })
 		work[e] += RequestWork(in, out)
 		reads[e] += float64(out)*float64(in) + float64(out)*float64(out-1)/2
 	}

@@ -160,12 +160,7 @@ func (m *Manager) dispatch(ctx context.Context, req *ioschema.TokenizedGenerateR
 	chosen := make(chan int, 1)
 	m.do(func(t *table) {
 		if e < 0 {
-			e = 0
-			for i, w := range t.work {
-				if w < t.work[e] {
-					e = i
-				}
-			}
+			e = LeastLoaded(t.work, func(w int64) int64 { return w })
 		}
 		st.engine, st.work = e, work
 		t.work[e] += work
@@ -202,6 +197,18 @@ func RequestWork(in, out int) int64 {
 }
 
 const prefillPositions = 50
+
+// LeastLoaded is the index of the engine with the least work(engine), the
+// first of equals: where dispatch sends a request it has no engine for.
+func LeastLoaded[E any](engines []E, work func(E) int64) int {
+	e := 0
+	for i := range engines {
+		if work(engines[i]) < work(engines[e]) {
+			e = i
+		}
+	}
+	return e
+}
 
 // start expands a request and submits its prompts.
 func (m *Manager) start(ctx context.Context, in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
