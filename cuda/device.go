@@ -90,7 +90,7 @@ const (
 	// MatMul on one row is a gemv, fused with the norms around it; from
 	// two rows matmul_tc with separate add_rmsnorm and silu_mul is faster
 	// than the fused gemvs were (H100 decode steps, batch 2, 3, 4:
-	// 1.207, 1.491, 1.495 ms -> 1.140, 1.157, 1.164 ms); past 16 rows cuBLAS.
+	// 1.207, 1.491, 1.495 ms -> 1.140, 1.157, 1.164 ms); past 24 rows cuBLAS.
 	gemvMaxRows     = 1
 	cublasWorkspace = 32 << 20
 	partialBytes    = 16 << 20
@@ -108,7 +108,7 @@ var kernelNames = []string{
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv2_m1", "gemv_fused_m1",
-	"matmul_tc_t1", "matmul_tc_t2",
+	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3",
 	"allreduce_f32", "allreduce_f32_v4", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
 
@@ -563,9 +563,7 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
 			P(0), P(0), I(0), F(0), I(0))
 	} else if d.useMatMulTC(m, k) && aligned {
-		name, grid := d.matMulTCShape(m, n, k)
-		d.launch(name, grid, D1(matMulTCWarps*32), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr),
-			I(m), I(n), I(k), P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4))
+		d.matMulTC(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false)
 	} else if !d.tunedMatMul(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k) {
 		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false))
 	}
@@ -597,14 +595,16 @@ func useGemv(m, k int) bool { return m <= gemvMaxRows && k%8 == 0 }
 
 const (
 	matMulTCWarps    = 8     // MMT_WARPS in matmul.cu
-	matMulTCMaxTiles = 2     // the largest T of matmul_tc_t*
+	matMulTCMaxTiles = 3     // the largest T of matmul_tc_t*
 	matMulCountersAt = 32768 // its split counters, after the attention's in d.counters
 )
 
-// useMatMulTC says whether matmul_tc takes m rows. Past 16 its 16-column
+// useMatMulTC says whether matmul_tc takes m rows. Past 24 its 16-column
 // warps, each reading every row of x from L2, fall behind cuBLAS (H100,
 // 0.6B shapes: at 8 and 16 rows 4.2-6.1 us against cuBLAS's 5.3-7.0, at
-// 32 rows level or slower, at 128 two to three times slower).
+// 17-24 rows level with it but launched early like the kernels around it,
+// decode steps 1-2% faster; at 32 rows decode steps 5% slower, at 128 the
+// products two to three times slower).
 func (d *Device) useMatMulTC(m, k int) bool {
 	return m > gemvMaxRows && m <= 8*matMulTCMaxTiles && k%32 == 0
 }
@@ -615,10 +615,7 @@ func (d *Device) useMatMulTC(m, k int) bool {
 // 32-wide step and the partials room in d.partO (1024 x 2048 at 8 rows:
 // four splits 4.2 us, two 4.9 us).
 func (d *Device) matMulTCShape(m, n, k int) (string, Dim3) {
-	t := 1
-	for t < matMulTCMaxTiles && 8*t < m {
-		t *= 2
-	}
+	t := (m + 7) / 8
 	cols := (n + 15) / 16
 	splits := 1
 	for cols*splits*2 <= 2*d.ctx.SMs && k/32 >= 2*splits*matMulTCWarps &&
@@ -626,6 +623,14 @@ func (d *Device) matMulTCShape(m, n, k int) (string, Dim3) {
 		splits *= 2
 	}
 	return fmt.Sprintf("matmul_tc_t%d", t), Dim3{uint32(cols), 1, uint32(splits)}
+}
+
+// matMulTC launches matmul_tc; with glu w is [gate | up] and out takes
+// silu(gate) * up (n/2 columns, bf16).
+func (d *Device) matMulTC(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
+	name, grid := d.matMulTCShape(m, n, k)
+	d.launch(name, grid, D1(matMulTCWarps*32), 0, P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
+		P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4), I(boolInt(glu)))
 }
 
 // matMulKernel names the kernel MatMul runs for aligned operands.
@@ -748,17 +753,25 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 }
 
 // MatMulSiLU implements device.Fused: for one row, gemv2 with each gate
-// and its up in one warp group, which applies silu (tensor parallelism
-// uses it too: gate_up is split by columns, so nothing is added across
-// ranks before silu).
+// and its up in one warp group; for matmul_tc's rows, matmul_tc with each
+// gate and its up in one warp, which applies silu in place of a silu_mul
+// pass (tensor parallelism uses it too: gate_up is split by columns, so
+// nothing is added across ranks before silu).
 func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 	m, n, k := x.Dim(0), w.Dim(0), w.Dim(-1)
-	if m != 1 || n%2 != 0 || k%8 != 0 || x.Numel() != k || out.Numel() != n/2 || x.DType != device.BF16 ||
+	if n%2 != 0 || x.Numel() != m*k || out.Numel() != m*n/2 || x.DType != device.BF16 ||
 		w.DType != device.BF16 || out.DType != device.BF16 || x.Ptr%16 != 0 || w.Ptr%16 != 0 {
 		return false
 	}
-	gemv, wpo, blocks := d.gemvShape(m, n, k, true)
-	d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo), P(0), P(0), I(0), F(0), I(1))
+	switch {
+	case m == 1 && k%8 == 0:
+		gemv, wpo, blocks := d.gemvShape(m, n, k, true)
+		d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo), P(0), P(0), I(0), F(0), I(1))
+	case d.useMatMulTC(m, k):
+		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
+	default:
+		return false
+	}
 	return true
 }
 

@@ -231,7 +231,9 @@ func TestMatMul(t *testing.T) {
 	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072},
 		// matmul_tc (2 to 16 rows): one and two tiles, K splits, ragged
 		// N; a K that is no multiple of 32 goes to cuBLAS.
-		{5, 1024, 301}, {16, 2048, 1024}, {12, 256, 40}, {9, 12288, 512}, {13, 1000, 64}, {64, 3072, 1024}, {200, 2048, 1000}} {
+		{5, 1024, 301}, {16, 2048, 1024}, {12, 256, 40}, {9, 12288, 512}, {13, 1000, 64}, {64, 3072, 1024}, {200, 2048, 1000},
+		// matmul_tc with three tiles (17 to 24 rows).
+		{17, 1024, 4096}, {24, 3072, 1024}, {20, 96, 512}, {23, 1024, 301}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		bias := p.random(device.BF16, 0.5, s.n)
@@ -243,6 +245,28 @@ func TestMatMul(t *testing.T) {
 		p.gpu.MatMul(logits.g, x.g, w.g, device.Tensor{})
 		p.cpu.MatMul(logits.c, x.c, w.c, device.Tensor{})
 		p.close("matmul f32 out", logits, 1e-3, 1e-3)
+	}
+}
+
+// TestMatMulSameBits: matmul_tc adds its K splits in a fixed order (and
+// cuBLAS's products do not split K), so running one twice gives the same
+// bits.
+func TestMatMulSameBits(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct{ m, k, n int }{{8, 2048, 1024}, {24, 3072, 1024}, {128, 1024, 4096}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		var runs [2][]float32
+		for i := range runs {
+			out := p.random(device.F32, 1, s.m, s.n)
+			p.gpu.MatMul(out.g, x.g, w.g, device.Tensor{})
+			runs[i], _ = p.download(out)
+		}
+		for i := range runs[0] {
+			if math.Float32bits(runs[0][i]) != math.Float32bits(runs[1][i]) {
+				t.Fatalf("%+v: element %d is %v, then %v", s, i, runs[0][i], runs[1][i])
+			}
+		}
 	}
 }
 
@@ -368,24 +392,39 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 	}
 }
 
-// TestMatMulSiLU compares the gemv whose warp groups take a gate and its
-// up with the CPU's MatMul then SiLUMul.
+// TestMatMulSiLU compares the fused gate_up products (the gemv whose warp
+// groups take a gate and its up, for one row; matmul_tc whose warps do,
+// for 2 to 24 rows) with the CPU's MatMul then SiLUMul, and matmul_tc's
+// with the GPU's own MatMul then SiLUMul, which it must equal bit for bit.
 func TestMatMulSiLU(t *testing.T) {
 	p := newPair(t)
-	for _, s := range []struct{ k, inter int }{{1024, 3072}, {4096, 6144}, {256, 501}} {
-		x := p.random(device.BF16, 1, 1, s.k)
+	for _, s := range []struct{ m, k, inter int }{{1, 1024, 3072}, {1, 4096, 6144}, {1, 256, 501},
+		{2, 1024, 3072}, {8, 4096, 6144}, {13, 256, 501}, {24, 1024, 3072}, {19, 2048, 100}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), 2*s.inter, s.k)
-		gateUp := p.random(device.BF16, 1, 1, 2*s.inter)
-		out := p.random(device.BF16, 1, 1, s.inter)
+		gateUp := p.random(device.BF16, 1, s.m, 2*s.inter)
+		out := p.random(device.BF16, 1, s.m, s.inter)
 		if !p.gpu.MatMulSiLU(out.g, x.g, w.g) {
 			t.Fatalf("%+v: not fused", s)
 		}
 		p.cpu.MatMul(gateUp.c, x.c, w.c, device.Tensor{})
 		p.cpu.SiLUMul(out.c, gateUp.c)
-		p.close("matmul silu", out, 2e-2, 2e-2)
+		p.close(fmt.Sprintf("matmul silu %+v", s), out, 2e-2, 2e-2)
+		if s.m == 1 {
+			continue
+		}
+		fused, _ := p.download(out)
+		p.gpu.MatMul(gateUp.g, x.g, w.g, device.Tensor{})
+		p.gpu.SiLUMul(out.g, gateUp.g)
+		apart, _ := p.download(out)
+		for i := range fused {
+			if math.Float32bits(fused[i]) != math.Float32bits(apart[i]) {
+				t.Fatalf("%+v: activation %d fused %v, product then silu_mul %v", s, i, fused[i], apart[i])
+			}
+		}
 	}
-	if p.gpu.MatMulSiLU(p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 2, 256).g, p.random(device.BF16, 1, 128, 256).g) {
-		t.Fatal("fused for two rows")
+	if p.gpu.MatMulSiLU(p.random(device.BF16, 1, 25, 64).g, p.random(device.BF16, 1, 25, 256).g, p.random(device.BF16, 1, 128, 256).g) {
+		t.Fatal("fused for 25 rows")
 	}
 }
 
@@ -870,7 +909,7 @@ func TestBenchMatMul(t *testing.T) {
 	for _, c := range []struct {
 		m      int
 		kernel string
-	}{{1, "gemv_m1"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {64, "cublasGemmEx"}} {
+	}{{1, "gemv_m1"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {24, "matmul_tc_t3"}, {25, "cublasGemmEx"}} {
 		r, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: c.m, N: 1024, K: 2048, Iters: 3})
 		if err != nil {
 			t.Fatal(err)

@@ -321,7 +321,7 @@ __device__ __forceinline__ uint4 bf16x8_map(uint4 a, uint4 b, F f) {
 
 // silu_mul8 forms 8 activations silu(gate) * up, rounded as silu_mul does.
 __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
-	return bf16x8_map(g, u, [](float gv, float uv) { return f2bf(rbf(gv / (1.f + expf(-gv))) * uv); });
+	return bf16x8_map(g, u, [](float gv, float uv) { return silu_mul1(gv, uv); });
 }
 
 // rmsnorm8 forms 8 inputs norm_w * rmsnorm(h) from h and its row's
@@ -460,7 +460,7 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 #pragma unroll
 		for (int m = 0; m < M; m++) {
 			const float g = rbf(sum[m]), u = rbf(sum[(C - 1) * M + m]);
-			((bf16 *)out)[(long long)m * half + n] = f2bf(rbf(g / (1.f + expf(-g))) * u);
+			((bf16 *)out)[(long long)m * half + n] = silu_mul1(g, u);
 		}
 		return;
 	}
@@ -576,7 +576,7 @@ extern "C" __global__ void silu_mul(bf16 *out, const bf16 *gate_up, int inter, l
 	FOR_GRID(i, total) {
 		const long long r = i / inter, j = i % inter;
 		float g = bf2f(gate_up[r * 2 * inter + j]), u = bf2f(gate_up[r * 2 * inter + inter + j]);
-		out[i] = f2bf(rbf(g / (1.f + expf(-g))) * u);
+		out[i] = silu_mul1(g, u);
 	}
 }
 

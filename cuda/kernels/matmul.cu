@@ -1,10 +1,11 @@
 // matmul_tc computes out[m, n] = sum_k x[m, k] w[n, k] for decode batches
-// of 2 to 16 rows on tensor cores. Such a step is bound by reading the
+// of 2 to 24 rows on tensor cores. Such a step is bound by reading the
 // weights once; cuBLAS's tiles, made for large m, leave most SMs idle on
 // it (1024 x 2048 at 8 rows: 5.3 us, a quarter of HBM bandwidth, H100),
 // and the gemv's multiply-adds cost more than its loads from two rows.
-// Past 16 rows each warp's reads of x from L2 make it slower than cuBLAS
-// (tried: column groups sharing x through L1, 2.2x slower at 64 rows).
+// Past 24 rows each warp's reads of x from L2 make it slower than cuBLAS
+// (32 rows: decode steps 5% slower; tried: column groups sharing x
+// through L1, 2.2x slower at 64 rows).
 //
 // The weight rows are the M side of mma.m16n8k16 and the batch rows its
 // N side, so a warp covers 16 output columns and 8*T rows, streaming the
@@ -21,6 +22,12 @@
 // fp32 partials and the last of a column's blocks adds them in split
 // order, so every run gives the same bits. K is a multiple of 32; rows
 // past m and columns past N are not stored.
+//
+// With glu, w is [gate | up] (N rows, N/2 of each) and out[m, N/2] takes
+// silu(gate) * up, rounded as the product and then silu_mul would round
+// it: a warp's rows g are gates 8 blockIdx.x + g and its rows g + 8 the
+// matching ups, so each gate meets its up in the same thread (grid N/16
+// as without glu).
 #define MMT_WARPS 8
 #define MMT_PRE 4 // 32-wide steps of weights each warp loads ahead
 
@@ -49,15 +56,17 @@ __device__ __forceinline__ void matmul_tc_step(float acc[T][4], uint4 wa, uint4 
 
 template <int T>
 __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K,
-                               float *partial, int *counters) {
+                               float *partial, int *counters, int glu) {
 	__shared__ float red[MMT_WARPS - 1][T][32][4];
 	__shared__ int last;
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-	const long long n0 = (long long)blockIdx.x * 16;
+	const long long n0 = (long long)blockIdx.x * (glu ? 8 : 16);
 	const int split = blockIdx.z, splits = gridDim.z;
 	const int steps = K / 32, stride = MMT_WARPS * splits;
 	const int first = split * MMT_WARPS + warp;
-	const long long na = min(n0 + g, (long long)N - 1), nb = min(n0 + g + 8, (long long)N - 1);
+	const long long half = N / 2;
+	const long long na = glu ? min(n0 + g, half - 1) : min(n0 + g, (long long)N - 1),
+	                nb = glu ? half + na : min(n0 + g + 8, (long long)N - 1);
 	const bf16 *wra = w + na * K + 8 * q, *wrb = w + nb * K + 8 * q;
 	const bf16 *xr = x + 8 * q;
 	// The weights do not depend on earlier kernels: the first steps are
@@ -127,9 +136,18 @@ __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16
 	}
 	if (warp > 0) return;
 	// acc[t]: c0, c1 rows (output columns) g, batch rows 2q, 2q+1 of tile
-	// t; c2, c3 the same for column g + 8.
+	// t; c2, c3 the same for column g + 8 (with glu: the up of gate g).
 #pragma unroll
 	for (int t = 0; t < T; t++) {
+		if (glu) {
+#pragma unroll
+			for (int e = 0; e < 2; e++) {
+				const int r = 8 * t + 2 * q + e;
+				const long long n = n0 + g;
+				if (r < m && n < half) ((bf16 *)out)[r * half + n] = silu_mul1(rbf(acc[t][e]), rbf(acc[t][e + 2]));
+			}
+			continue;
+		}
 #pragma unroll
 		for (int e = 0; e < 4; e++) {
 			const int r = 8 * t + 2 * q + (e & 1);
@@ -144,8 +162,9 @@ __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16
 #define MATMUL_TC(T)                                                                                          \
 	extern "C" __global__ void __launch_bounds__(MMT_WARPS * 32)                                              \
 	    matmul_tc_t##T(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, float *partial, \
-	                   int *counters) {                                                                       \
-		matmul_tc_impl<T>(out, out_f32, x, w, m, N, K, partial, counters);                                    \
+	                   int *counters, int glu) {                                                              \
+		matmul_tc_impl<T>(out, out_f32, x, w, m, N, K, partial, counters, glu);                               \
 	}
 MATMUL_TC(1)
 MATMUL_TC(2)
+MATMUL_TC(3)

@@ -62,6 +62,10 @@ __device__ __forceinline__ unsigned bf16x2_pack(float lo, float hi) {
 	return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
 }
 
+// silu_mul1 is one activation silu(gate) * up from bf16 gate and up, as
+// transformers rounds it in bf16 (silu, then the product).
+__device__ __forceinline__ bf16 silu_mul1(float g, float u) { return f2bf(rbf(g / (1.f + expf(-g))) * u); }
+
 // pairs_sumsq is one lane's share of a head's sum of squares: its dims
 // j, j + 1 (x1) and j + d/2, j + d/2 + 1 (x2).
 __device__ __forceinline__ float pairs_sumsq(const float x1[2], const float x2[2]) {
