@@ -40,6 +40,7 @@ type Device struct {
 	mmaShared     map[int]bool   // head sizes whose tensor-core prefill kernel was allowed its shared memory
 	fences        []*Event       // idle events for Fence
 	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
+	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
 }
 
 var (
@@ -108,7 +109,8 @@ var kernelNames = []string{
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"gemv_m1", "gemv2_m1", "gemv_fused_m1",
-	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3",
+	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
+	"matmul_wg_n128",
 	"allreduce_f32", "allreduce_f32_v4", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
 
@@ -167,6 +169,9 @@ func (d *Device) init() error {
 		return err
 	}
 	if d.rowSquares, err = d.Alloc(memory.CUDAGraph, device.F32, gemvMaxRows*8*1024); err != nil {
+		return err
+	}
+	if err := d.initMatMulWG(); err != nil {
 		return err
 	}
 	if d.nvml, err = OpenNVML(d.ctx); err != nil {
@@ -564,6 +569,8 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 			P(0), P(0), I(0), F(0), I(0))
 	} else if d.useMatMulTC(m, k) && aligned {
 		d.matMulTC(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false)
+	} else if d.useMatMulWG(m, n, k, false) && aligned {
+		d.matMulWG(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false)
 	} else if !d.tunedMatMul(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k) {
 		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false))
 	}
@@ -641,6 +648,9 @@ func (d *Device) matMulKernel(m, n, k int) string {
 		return name
 	case d.useMatMulTC(m, k):
 		name, _ := d.matMulTCShape(m, n, k)
+		return name
+	case d.useMatMulWG(m, n, k, false):
+		name, _, _, _ := d.matMulWGShape(m, n, k)
 		return name
 	}
 	return "cublasGemmEx"
@@ -753,10 +763,11 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 }
 
 // MatMulSiLU implements device.Fused: for one row, gemv2 with each gate
-// and its up in one warp group; for matmul_tc's rows, matmul_tc with each
-// gate and its up in one warp, which applies silu in place of a silu_mul
-// pass (tensor parallelism uses it too: gate_up is split by columns, so
-// nothing is added across ranks before silu).
+// and its up in one warp group; for matmul_tc's and matmul_wg's rows,
+// those kernels with each gate and its up in one thread, which apply
+// silu in place of a silu_mul pass (tensor parallelism uses it too:
+// gate_up is split by columns, so nothing is added across ranks before
+// silu).
 func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 	m, n, k := x.Dim(0), w.Dim(0), w.Dim(-1)
 	if n%2 != 0 || x.Numel() != m*k || out.Numel() != m*n/2 || x.DType != device.BF16 ||
@@ -769,6 +780,8 @@ func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 		d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo), P(0), P(0), I(0), F(0), I(1))
 	case d.useMatMulTC(m, k):
 		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
+	case d.useMatMulWG(m, n, k, true):
+		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
 	default:
 		return false
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -228,12 +229,23 @@ func TestRMSNorms(t *testing.T) {
 
 func TestMatMul(t *testing.T) {
 	p := newPair(t)
+	// An H100's kernels are built for sm_90a, so that matmul_wg runs and
+	// is what this test checks for its rows.
+	if major, _, err := NVRTCVersion(); err == nil && major >= 12 && p.gpu.ctx.CCMajor == 9 && p.gpu.ctx.CCMinor == 0 &&
+		os.Getenv("EBB_MATMUL_WG") != "0" {
+		if got := p.gpu.matMulKernel(64, 1024, 1024); got != "matmul_wg_n64" {
+			t.Fatalf("64 rows on %s run %s, not matmul_wg_n64", p.gpu.mod.Arch, got)
+		}
+	}
 	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072},
 		// matmul_tc (2 to 16 rows): one and two tiles, K splits, ragged
 		// N; a K that is no multiple of 32 goes to cuBLAS.
 		{5, 1024, 301}, {16, 2048, 1024}, {12, 256, 40}, {9, 12288, 512}, {13, 1000, 64}, {64, 3072, 1024}, {200, 2048, 1000},
 		// matmul_tc with three tiles (17 to 24 rows).
-		{17, 1024, 4096}, {24, 3072, 1024}, {20, 96, 512}, {23, 1024, 301}} {
+		{17, 1024, 4096}, {24, 3072, 1024}, {20, 96, 512}, {23, 1024, 301},
+		// matmul_wg's narrow products (25 to 256 rows on sm_90a); a K that
+		// is no multiple of 64 or an N no multiple of 16 goes to cuBLAS.
+		{32, 2048, 1024}, {48, 3072, 1024}, {128, 2048, 1008}, {33, 96, 512}, {40, 1024, 1000}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		bias := p.random(device.BF16, 0.5, s.n)
@@ -248,12 +260,35 @@ func TestMatMul(t *testing.T) {
 	}
 }
 
+// TestMatMulWG runs matmul_wg on shapes MatMul gives it and on those it
+// leaves to cuBLAS: every batch tile, one to eight K splits, N past the
+// last full tile, fp32 and bf16 out.
+func TestMatMulWG(t *testing.T) {
+	p := newPair(t)
+	if !p.gpu.wgmma {
+		t.Skipf("matmul_wg needs sm_90a kernels (these are %s)", p.gpu.mod.Arch)
+	}
+	for _, s := range []struct{ m, k, n int }{{25, 1024, 4096}, {32, 2048, 1024}, {48, 3072, 1024}, {64, 1024, 6144},
+		{90, 1024, 4096}, {128, 2048, 1008}, {100, 1024, 304}, {97, 64, 256}, {128, 3072, 1024}, {120, 4096, 2048}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		out := p.random(device.BF16, 1, s.m, s.n)
+		p.gpu.matMulWG(out.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false)
+		p.cpu.MatMul(out.c, x.c, w.c, device.Tensor{})
+		p.close(fmt.Sprintf("matmul_wg %+v", s), out, 2e-2, 2e-2)
+		logits := p.random(device.F32, 1, s.m, s.n)
+		p.gpu.matMulWG(logits.g.Ptr, true, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false)
+		p.cpu.MatMul(logits.c, x.c, w.c, device.Tensor{})
+		p.close(fmt.Sprintf("matmul_wg f32 %+v", s), logits, 1e-3, 1e-3)
+	}
+}
+
 // TestMatMulSameBits: matmul_tc adds its K splits in a fixed order (and
 // cuBLAS's products do not split K), so running one twice gives the same
 // bits.
 func TestMatMulSameBits(t *testing.T) {
 	p := newPair(t)
-	for _, s := range []struct{ m, k, n int }{{8, 2048, 1024}, {24, 3072, 1024}, {128, 1024, 4096}} {
+	for _, s := range []struct{ m, k, n int }{{8, 2048, 1024}, {24, 3072, 1024}, {128, 1024, 4096}, {64, 3072, 1024}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		first, again := p.random(device.F32, 1, s.m, s.n), p.random(device.F32, 1, s.m, s.n)
@@ -392,7 +427,8 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 func TestMatMulSiLU(t *testing.T) {
 	p := newPair(t)
 	for _, s := range []struct{ m, k, inter int }{{1, 1024, 3072}, {1, 4096, 6144}, {1, 256, 501},
-		{2, 1024, 3072}, {8, 4096, 6144}, {13, 256, 501}, {24, 1024, 3072}, {19, 2048, 100}} {
+		{2, 1024, 3072}, {8, 4096, 6144}, {13, 256, 501}, {24, 1024, 3072}, {19, 2048, 100},
+		{25, 1024, 3072}, {64, 1024, 3072}, {128, 2048, 104}, {100, 1024, 3072}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), 2*s.inter, s.k)
 		gateUp := p.random(device.BF16, 1, s.m, 2*s.inter)
@@ -407,12 +443,20 @@ func TestMatMulSiLU(t *testing.T) {
 			continue
 		}
 		apart := p.random(device.BF16, 1, s.m, s.inter)
-		p.gpu.MatMul(gateUp.g, x.g, w.g, device.Tensor{})
+		if s.m > 8*matMulTCMaxTiles { // the product as matmul_wg forms it; MatMul leaves gate_up to cuBLAS
+			p.gpu.matMulWG(gateUp.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, 2*s.inter, s.k, false)
+		} else {
+			p.gpu.MatMul(gateUp.g, x.g, w.g, device.Tensor{})
+		}
 		p.gpu.SiLUMul(apart.g, gateUp.g)
 		p.sameBits(fmt.Sprintf("matmul silu %+v against product then silu_mul", s), out.g, apart.g)
 	}
-	if p.gpu.MatMulSiLU(p.random(device.BF16, 1, 25, 64).g, p.random(device.BF16, 1, 25, 256).g, p.random(device.BF16, 1, 128, 256).g) {
-		t.Fatal("fused for 25 rows")
+	if rows := 8*matMulTCMaxTiles + 1; !p.gpu.wgmma &&
+		p.gpu.MatMulSiLU(p.random(device.BF16, 1, rows, 64).g, p.random(device.BF16, 1, rows, 256).g, p.random(device.BF16, 1, 128, 256).g) {
+		t.Fatalf("fused for %d rows without matmul_wg", rows)
+	}
+	if p.gpu.MatMulSiLU(p.random(device.BF16, 1, 129, 64).g, p.random(device.BF16, 1, 129, 256).g, p.random(device.BF16, 1, 128, 256).g) {
+		t.Fatal("fused for 129 rows")
 	}
 }
 
@@ -894,10 +938,16 @@ func (p *pair) refill(b both, scale float32) both {
 // each row count and times it.
 func TestBenchMatMul(t *testing.T) {
 	p := newPair(t)
+	// 25 to 128 rows: matmul_wg where its kernels were built, in its 32-
+	// to 128-row tiles.
+	wg32, wg128 := "cublasGemmEx", "cublasGemmEx"
+	if p.gpu.wgmma {
+		wg32, wg128 = "matmul_wg_n32", "matmul_wg_n128"
+	}
 	for _, c := range []struct {
 		m      int
 		kernel string
-	}{{1, "gemv_m1"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {24, "matmul_tc_t3"}, {25, "cublasGemmEx"}} {
+	}{{1, "gemv_m1"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {24, "matmul_tc_t3"}, {25, wg32}, {128, wg128}, {129, "cublasGemmEx"}} {
 		r, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: c.m, N: 1024, K: 2048, Iters: 3})
 		if err != nil {
 			t.Fatal(err)

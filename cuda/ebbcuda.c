@@ -27,6 +27,10 @@ static int (*p_cuGetErrorName)(int, const char **);
 // cuLaunchKernelEx (CUDA 12.0+) is optional: without it kernels launch the
 // classic way and programmatic dependent launch is off.
 static int (*p_cuLaunchKernelEx)(const ebbLaunchConfig *, CUfunction, void **, void **);
+// cuTensorMapEncodeTiled (CUDA 12.0+) is optional too: without it the
+// products that read through the tensor memory accelerator stay off.
+static int (*p_cuTensorMapEncodeTiled)(void *, int, unsigned int, void *, const unsigned long long *,
+	const unsigned long long *, const unsigned int *, const unsigned int *, int, int, int, int);
 static const char *(*p_nvrtcGetErrorString)(int);
 static const char *(*p_ncclGetErrorString)(int);
 
@@ -59,6 +63,9 @@ int ebb_load_cuda(char *err, int n) {
 	EBB_CU_FUNCS(EBB_RESOLVE)
 	p_cuGetErrorName = (int (*)(int, const char **))dlsym(h, "cuGetErrorName");
 	p_cuLaunchKernelEx = (int (*)(const ebbLaunchConfig *, CUfunction, void **, void **))dlsym(h, "cuLaunchKernelEx");
+	p_cuTensorMapEncodeTiled = (int (*)(void *, int, unsigned int, void *, const unsigned long long *,
+		const unsigned long long *, const unsigned int *, const unsigned int *, int, int, int, int))dlsym(h,
+		"cuTensorMapEncodeTiled");
 	return 0;
 }
 
@@ -131,28 +138,49 @@ const char *ebb_nccl_error_string(int code) {
 }
 
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl) {
+	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl,
+	unsigned int cluster_z, void *maps, int nmaps) {
 	void *params[32];
-	if (nargs > 32) return 1; // CUDA_ERROR_INVALID_VALUE
-	for (int i = 0; i < nargs; i++) params[i] = &args[i];
-	if (pdl && p_cuLaunchKernelEx) {
-		ebbLaunchAttribute attr;
+	if (nmaps + nargs > 32) return 1; // CUDA_ERROR_INVALID_VALUE
+	for (int i = 0; i < nmaps; i++) params[i] = (char *)maps + 128 * i;
+	for (int i = 0; i < nargs; i++) params[nmaps + i] = &args[i];
+	if ((pdl || cluster_z > 1) && p_cuLaunchKernelEx) {
+		ebbLaunchAttribute attrs[2];
 		ebbLaunchConfig cfg;
-		memset(&attr, 0, sizeof attr);
-		attr.id = 6; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
-		attr.value.programmaticStreamSerializationAllowed = 1;
+		unsigned int n = 0;
+		memset(attrs, 0, sizeof attrs);
+		if (pdl) {
+			attrs[n].id = 6; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+			attrs[n++].value.programmaticStreamSerializationAllowed = 1;
+		}
+		if (cluster_z > 1) {
+			attrs[n].id = 4; /* CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION */
+			attrs[n].value.clusterDim.x = 1, attrs[n].value.clusterDim.y = 1;
+			attrs[n++].value.clusterDim.z = cluster_z;
+		}
 		cfg.gridDimX = gx, cfg.gridDimY = gy, cfg.gridDimZ = gz;
 		cfg.blockDimX = bx, cfg.blockDimY = by, cfg.blockDimZ = bz;
 		cfg.sharedMemBytes = shmem;
 		cfg.hStream = s;
-		cfg.attrs = &attr;
-		cfg.numAttrs = 1;
+		cfg.attrs = attrs;
+		cfg.numAttrs = n;
 		return p_cuLaunchKernelEx(&cfg, f, params, NULL);
 	}
+	if (cluster_z > 1) return 801; // CUDA_ERROR_NOT_SUPPORTED
 	return ebb_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL);
 }
 
 int ebb_has_launch_ex(void) { return p_cuLaunchKernelEx != NULL; }
+
+int ebb_tensor_map_bf16(void *map, unsigned int rank, CUdeviceptr addr, const unsigned long long *dims,
+	const unsigned long long *strides, const unsigned int *box, int swizzle128) {
+	unsigned int ones[5] = {1, 1, 1, 1, 1};
+	if (!p_cuTensorMapEncodeTiled) return 801; // CUDA_ERROR_NOT_SUPPORTED
+	if (rank > 5) return 1;
+	/* CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, no interleave, 128-byte swizzle or
+	   none, 256-byte L2 promotion, zeros out of bounds */
+	return p_cuTensorMapEncodeTiled(map, 9, rank, (void *)addr, dims, strides, box, ones, 0, swizzle128 ? 3 : 0, 3, 0);
+}
 
 int ebb_nccl_broadcast(CUdeviceptr buf, size_t n, int dtype, int root, ncclComm_t c, CUstream s) {
 	return ebb_ncclBroadcast((const void *)buf, (void *)buf, n, dtype, root, c, s);

@@ -73,6 +73,9 @@ typedef struct {
 	union {
 		char pad[64];
 		int programmaticStreamSerializationAllowed;
+		struct {
+			unsigned int x, y, z;
+		} clusterDim;
 	} value;
 } ebbLaunchAttribute;
 typedef struct {
@@ -220,9 +223,18 @@ const char *ebb_nccl_error_string(int code);
 // ebb_launch passes nargs 8-byte kernel arguments packed in args. With pdl
 // (and cuLaunchKernelEx in the driver) the kernel may start while the
 // previous one in the stream finishes (programmatic dependent launch).
+// cluster_z > 1 launches thread block clusters of that many blocks along z
+// (cuLaunchKernelEx only). The nmaps 128-byte tensor maps at maps come
+// first, as the kernel's first parameters.
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl);
+	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl,
+	unsigned int cluster_z, void *maps, int nmaps);
 int ebb_has_launch_ex(void);
+
+// ebb_tensor_map_bf16 encodes a tiled tensor map (CUtensorMap, 128 bytes)
+// of a bf16 tensor: dims innermost first, strides in bytes of dims 1..rank-1.
+int ebb_tensor_map_bf16(void *map, unsigned int rank, CUdeviceptr addr, const unsigned long long *dims,
+	const unsigned long long *strides, const unsigned int *box, int swizzle128);
 
 // ebb_mem_import_fd imports an allocation exported as a POSIX file
 // descriptor (the driver takes the descriptor in place of a pointer).

@@ -168,6 +168,7 @@ func compileCached(source, arch string) ([]byte, error) {
 type Module struct {
 	m     C.CUmodule
 	funcs map[string]*Kernel
+	Arch  string // the target it was compiled for, e.g. "sm_90a"
 }
 
 // Kernel is one __global__ function.
@@ -184,11 +185,14 @@ func (c *Context) LoadKernels() (*Module, error) {
 		return nil, err
 	}
 	arch := fmt.Sprintf("sm_%d%d", c.CCMajor, c.CCMinor)
+	if major, _, verr := NVRTCVersion(); arch == "sm_90" && verr == nil && major >= 12 {
+		arch = "sm_90a" // with the warpgroup MMA (matmul_wg); NVRTC 12.0 added "a" targets
+	}
 	bin, err := compileCached(src, arch)
 	if err != nil {
 		return nil, err
 	}
-	m := &Module{funcs: map[string]*Kernel{}}
+	m := &Module{funcs: map[string]*Kernel{}, Arch: arch}
 	if err := check("cuModuleLoadData", C.ebb_cuModuleLoadData(&m.m, unsafe.Pointer(&bin[0]))); err != nil {
 		return nil, err
 	}
@@ -257,14 +261,51 @@ func cBool(b bool) C.int {
 
 // LaunchKernel queues k on the stream.
 func (c *Context) LaunchKernel(k *Kernel, grid, block Dim3, shmem int, args ...uint64) error {
+	return c.LaunchCluster(k, grid, block, shmem, 1, nil, args...)
+}
+
+// LaunchCluster queues k as thread block clusters of clusterZ blocks
+// along z (1: no clusters), with maps as its first parameters.
+func (c *Context) LaunchCluster(k *Kernel, grid, block Dim3, shmem, clusterZ int, maps []TensorMap, args ...uint64) error {
 	var a *C.ulonglong
 	if len(args) > 0 {
 		a = (*C.ulonglong)(unsafe.Pointer(&args[0]))
 	}
+	var m unsafe.Pointer
+	if len(maps) > 0 {
+		m = unsafe.Pointer(&maps[0])
+	}
 	r := C.ebb_launch(k.f, C.uint(grid.X), C.uint(grid.Y), C.uint(grid.Z), C.uint(block.X), C.uint(block.Y),
-		C.uint(block.Z), C.uint(shmem), c.stream, a, C.int(len(args)), cBool(c.PDL))
+		C.uint(block.Z), C.uint(shmem), c.stream, a, C.int(len(args)), cBool(c.PDL), C.uint(clusterZ), m, C.int(len(maps)))
 	if r != 0 {
 		return &Error{Call: "cuLaunchKernel(" + k.Name + ")", Code: int(r), Name: C.GoString(C.ebb_cu_error_name(r))}
 	}
 	return nil
+}
+
+// TensorMap is an encoded CUtensorMap: how the tensor memory accelerator
+// copies tiles of a tensor in global memory to shared memory.
+type TensorMap [16]uint64
+
+// NewTensorMapBF16 encodes a map of the bf16 tensor at addr: dims and box
+// innermost first, strides in bytes of dims 1 and up; with swizzle128 the
+// tiles land in shared memory in the 128-byte swizzle.
+func NewTensorMapBF16(addr uintptr, dims, strides []uint64, box []uint32, swizzle128 bool) (TensorMap, error) {
+	var out TensorMap
+	if len(dims) == 0 || len(strides) != len(dims)-1 || len(box) != len(dims) {
+		return out, fmt.Errorf("tensor map: %d dims, %d strides, %d box sizes", len(dims), len(strides), len(box))
+	}
+	// The driver wants the map 64-byte aligned.
+	var buf [24]uint64
+	off := (64 - int(uintptr(unsafe.Pointer(&buf[0]))%64)) % 64 / 8
+	st := append(append([]uint64(nil), strides...), 0) // non-empty for rank 1
+	r := C.ebb_tensor_map_bf16(unsafe.Pointer(&buf[off]), C.uint(len(dims)), C.CUdeviceptr(addr),
+		(*C.ulonglong)(unsafe.Pointer(&dims[0])), (*C.ulonglong)(unsafe.Pointer(&st[0])),
+		(*C.uint)(unsafe.Pointer(&box[0])), cBool(swizzle128))
+	if r != 0 {
+		return out, &Error{Call: fmt.Sprintf("cuTensorMapEncodeTiled(dims %v, strides %v, box %v)", dims, strides, box),
+			Code: int(r), Name: C.GoString(C.ebb_cu_error_name(r))}
+	}
+	copy(out[:], buf[off:off+16])
+	return out, nil
 }

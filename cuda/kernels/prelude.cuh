@@ -212,6 +212,19 @@ __device__ __forceinline__ void dep_launch() {
 		dep_launch();    \
 	} while (0)
 
+// Asynchronous 16-byte copies from global to shared memory (sm_80 and
+// later); an invalid source fills the 16 bytes with zeros.
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void *src, bool valid) {
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+	asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // Grid-stride loop over [0, n).
 #define FOR_GRID(i, n) \
 	for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)

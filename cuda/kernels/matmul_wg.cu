@@ -1,0 +1,305 @@
+// matmul_wg computes out[m, n] = sum_k x[m, k] w[n, k] for decode batches
+// of 25 to 128 rows, on Hopper's warpgroup MMA (wgmma; sm_90a only).
+// Such a product reads its weights once and x many times. cuBLAS's tiles
+// take 5.3-7 us for the 0.6B model's products whatever the rows between 8
+// and 128, a quarter to half of HBM bandwidth (H100); kernels of our own
+// on mma.sync lost to it past 24 rows (each x fragment fed two mma.sync
+// and was read from shared memory by every warp), and so did this one
+// while 256 threads copied the tiles with cp.async (the address arithmetic
+// alone held it to a stage a microsecond).
+//
+// A block takes 128 weight rows, the M side of two warpgroups' m64nBNk16
+// (BN: the batch rows, padded), over a range of K: the K splits of a tile
+// are one thread block cluster, sized so that the grid fills the SMs once.
+// A producer warp has the tensor memory accelerator copy each stage (64 of
+// k: the weights' 128 x 64 and x's BN x 64) into a ring of shared memory
+// in the 128-byte swizzle, which wgmma reads through matrix descriptors;
+// full and empty barriers pass the stages between it and the warpgroups.
+// The first stages' weights are requested before waiting for the previous
+// kernel, which never writes them.
+//
+// With splits, each block leaves its fp32 sums in its shared memory and
+// block r of the cluster adds fragments r, r + splits, ... of all blocks in
+// rank order (distributed shared memory), so every run gives the same bits.
+//
+// w's tensor map is 4-d (k, row within 8, gate or up, group of 8 rows), so
+// that with glu each 16-row group of the tile is 8 gates and their 8 ups:
+// a warp's accumulator rows g and g + 8 are a gate and its up, and the
+// block writes silu(gate) * up as silu_mul would (as matmul_tc does).
+// Without glu the same map walks 128 consecutive rows.
+#define MWG_ROWS 128
+#define MWG_CONSUMERS 256
+#define MWG_THREADS (MWG_CONSUMERS + 32)
+#define MWG_BK 64
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MWG_ON 1
+#define MWG_GRID_CONST __grid_constant__
+#else
+#define MWG_GRID_CONST
+#endif
+
+// A CUtensorMap, passed by value as a kernel parameter.
+struct __align__(64) TmaDesc {
+	unsigned long long v[16];
+};
+
+// mwg_stages: the ring's depth for a batch tile, within 192 KB (the host's
+// matMulWGShared counts the same).
+__host__ __device__ constexpr int mwg_stages(int bn) {
+	return 196608 / (MWG_ROWS * 128 + bn * 128) < 8 ? 196608 / (MWG_ROWS * 128 + bn * 128) : 8;
+}
+
+// wgmma_bf16 adds m64nBNk16 into d (BN / 2 fp32 a thread). Inline asm
+// names each accumulator register, so every BN has its own operand list:
+// the specialisations below differ only in their length.
+template <int BN> __device__ __forceinline__ void wgmma_bf16(float *d, unsigned long long a, unsigned long long b);
+#ifdef MWG_ON
+template <> __device__ __forceinline__ void wgmma_bf16<32>(float *d, unsigned long long a, unsigned long long b) {
+	asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+	             "}, %16, %17, 1, 1, 1, 0, 0;"
+	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+	             : "l"(a), "l"(b));
+}
+template <> __device__ __forceinline__ void wgmma_bf16<48>(float *d, unsigned long long a, unsigned long long b) {
+	asm volatile("wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
+	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+	             "%16, %17, %18, %19, %20, %21, %22, %23"
+	             "}, %24, %25, 1, 1, 1, 0, 0;"
+	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+	             : "l"(a), "l"(b));
+}
+template <> __device__ __forceinline__ void wgmma_bf16<64>(float *d, unsigned long long a, unsigned long long b) {
+	asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+	             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+	             "}, %32, %33, 1, 1, 1, 0, 0;"
+	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+	             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+	             : "l"(a), "l"(b));
+}
+template <> __device__ __forceinline__ void wgmma_bf16<96>(float *d, unsigned long long a, unsigned long long b) {
+	asm volatile("wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
+	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+	             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+	             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+	             "}, %48, %49, 1, 1, 1, 0, 0;"
+	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+	             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+	             "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+	             "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+	             : "l"(a), "l"(b));
+}
+template <> __device__ __forceinline__ void wgmma_bf16<128>(float *d, unsigned long long a, unsigned long long b) {
+	asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+	             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+	             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+	             "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+	             "}, %64, %65, 1, 1, 1, 0, 0;"
+	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+	             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+	             "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+	             "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+	             "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+	             "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+	             : "l"(a), "l"(b));
+}
+#endif
+
+// wg_desc describes a K-major operand at addr (1024-byte aligned tile, or
+// that plus 32 bytes per 16 of k): 128-byte swizzle, 8-row groups 1024
+// bytes apart.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+	return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+	       (1ull << 62);
+}
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+	asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+	asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+	asm volatile("{\n.reg .pred p;\nWAIT:\n"
+	             "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+	             "@!p bra WAIT;\n}" ::"r"(bar),
+	             "r"(parity)
+	             : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc *map, unsigned bar, int c0, int c1) {
+	asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+	             "[%4];" ::"r"(dst),
+	             "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar)
+	             : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc *map, unsigned bar, int c0, int c1, int c2,
+                                            int c3) {
+	asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+	             "%4, %5}], [%6];" ::"r"(dst),
+	             "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+	             : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+	asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// ld_cluster_f4 reads 16 bytes at a shared address of the cluster's block rank.
+__device__ __forceinline__ float4 ld_cluster_f4(unsigned addr, int rank) {
+	unsigned remote;
+	float4 v;
+	asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+	asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+	             : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+	             : "r"(remote)
+	             : "memory");
+	return v;
+}
+
+template <int BN>
+__device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *out, int out_f32, int m, int N, int K,
+                               int glu, int kps) {
+#ifdef MWG_ON
+	constexpr int WBYTES = MWG_ROWS * 128, STAGE = WBYTES + BN * 128, S = mwg_stages(BN);
+	extern __shared__ unsigned char wg_smem[];
+	__shared__ __align__(8) unsigned long long bars[2 * 8];
+	const int tid = threadIdx.x, lane = tid & 31;
+	const bool consumer = tid < MWG_CONSUMERS;
+	const unsigned base = (smem_u32(wg_smem) + 1023) & ~1023u;
+	const unsigned full = smem_u32(bars), empty = full + 8 * S; // stage s: + 8 s
+	const int tile = blockIdx.x, split = blockIdx.z, splits = gridDim.z;
+	const int kt0 = split * kps, nt = min(kps, K / MWG_BK - kt0);
+	if (tid == MWG_CONSUMERS) {
+		for (int s = 0; s < S; s++) {
+			mbar_init(full + 8 * s, 1);
+			mbar_init(empty + 8 * s, MWG_CONSUMERS);
+		}
+		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+	}
+	__syncthreads();
+
+	float d[BN / 2];
+#pragma unroll
+	for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
+	if (!consumer) {
+		const bool issue = lane == 0;
+		if (issue) {
+			asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)xmap) : "memory");
+			for (int t = 0; t < min(nt, S); t++) {
+				mbar_expect_tx(full + 8 * t, STAGE);
+				tma_load_4d(base + t * STAGE, wmap, full + 8 * t, (kt0 + t) * MWG_BK, 0, 0, tile * 8);
+			}
+		}
+		DEP();
+		if (issue) {
+			for (int t = 0; t < min(nt, S); t++)
+				tma_load_2d(base + t * STAGE + WBYTES, xmap, full + 8 * t, (kt0 + t) * MWG_BK, 0);
+			for (int t = S; t < nt; t++) {
+				const int s = t % S;
+				mbar_wait(empty + 8 * s, (t / S - 1) & 1);
+				mbar_expect_tx(full + 8 * s, STAGE);
+				tma_load_4d(base + s * STAGE, wmap, full + 8 * s, (kt0 + t) * MWG_BK, 0, 0, tile * 8);
+				tma_load_2d(base + s * STAGE + WBYTES, xmap, full + 8 * s, (kt0 + t) * MWG_BK, 0);
+			}
+		}
+	} else {
+		DEP();
+		const int wg = tid >> 7;
+		for (int t = 0; t < nt; t++) {
+			const int s = t % S;
+			mbar_wait(full + 8 * s, (t / S) & 1);
+			const unsigned st = base + s * STAGE;
+			asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+			for (int kk = 0; kk < MWG_BK / 16; kk++)
+				wgmma_bf16<BN>(d, wg_desc(st + wg * 64 * 128 + kk * 32), wg_desc(st + WBYTES + kk * 32));
+			asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+			// The stage before is free once only this one's wgmma is in flight.
+			asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+			if (t > 0) mbar_arrive(empty + 8 * ((t - 1) % S));
+		}
+		asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+		for (int i = 0; i < BN / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
+	}
+
+	// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
+	// 8 j + 2 q + (e & 1).
+	const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
+	const long long half = N / 2;
+	auto store = [&](int j, float4 v) {
+		const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			const int r = 8 * j + 2 * q + (e & 1);
+			if (r >= m) continue;
+			if (glu) {
+				const long long col = 64LL * tile + 8 * (trow >> 4) + g;
+				if (e < 2 && col < half) ((bf16 *)out)[r * half + col] = silu_mul1(rbf(f[e]), rbf(f[e + 2]));
+				continue;
+			}
+			const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
+			if (n >= N) continue;
+			if (out_f32) ((float *)out)[r * (long long)N + n] = f[e];
+			else ((bf16 *)out)[r * (long long)N + n] = f2bf(f[e]);
+		}
+	};
+	if (splits == 1) {
+		if (consumer) {
+#pragma unroll
+			for (int j = 0; j < BN / 8; j++) store(j, make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]));
+		}
+		return;
+	}
+	__syncthreads(); // every stage has been read: the ring takes the sums
+	const unsigned acc = base + tid * 16;
+	if (consumer) {
+#pragma unroll
+		for (int j = 0; j < BN / 8; j++)
+			asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(acc + j * MWG_CONSUMERS * 16), "f"(d[4 * j]),
+			             "f"(d[4 * j + 1]), "f"(d[4 * j + 2]), "f"(d[4 * j + 3])
+			             : "memory");
+	}
+	cluster_sync();
+	if (consumer) {
+		for (int j = split; j < BN / 8; j += splits) {
+			float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+			for (int rank = 0; rank < splits; rank++) {
+				const float4 p = ld_cluster_f4(acc + j * MWG_CONSUMERS * 16, rank);
+				v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+			}
+			store(j, v);
+		}
+	}
+	cluster_sync(); // no block leaves while another reads its shared memory
+#else
+	__trap(); // the host runs matmul_wg only from an sm_90a build
+#endif
+}
+
+#define MATMUL_WG(BN)                                                                                                  \
+	extern "C" __global__ void __launch_bounds__(MWG_THREADS, 1)                                                       \
+	    matmul_wg_n##BN(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, void *out, int out_f32, \
+	                    int m, int N, int K, int glu, int kps) {                                                       \
+		matmul_wg_impl<BN>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps);                                             \
+	}
+MATMUL_WG(32)
+MATMUL_WG(48)
+MATMUL_WG(64)
+MATMUL_WG(96)
+MATMUL_WG(128)

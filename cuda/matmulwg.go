@@ -1,0 +1,109 @@
+package cuda
+
+import (
+	"fmt"
+	"os"
+)
+
+// matMulWGRows are the batch tiles matmul_wg is built for (BN in
+// matmul_wg.cu): a batch runs the smallest that holds it. Past 128 rows
+// cuBLAS is faster (H100 decode steps, batch 192 3.21 -> 3.31 ms, 256
+// 3.87 -> 4.06 with matmul_wg): its tiles split the batch as well, ours
+// leave a block all of it (the tensor cores' time grows with the rows).
+var matMulWGRows = []int{32, 48, 64, 96, 128}
+
+const (
+	matMulWGTileRows = 128 // MWG_ROWS: weight rows a block
+	matMulWGThreads  = 288 // MWG_THREADS: two warpgroups and the producer warp
+	matMulWGBK       = 64
+	// matMulWGMaxCluster is the portable cluster size: a tile's K splits.
+	matMulWGMaxCluster = 8
+)
+
+// initMatMulWG lets matmul_wg's kernels have their shared memory, where
+// the module was built for sm_90a and the driver encodes tensor maps
+// (EBB_MATMUL_WG=0 leaves them unused).
+func (d *Device) initMatMulWG() error {
+	if d.mod.Arch != "sm_90a" || os.Getenv("EBB_MATMUL_WG") == "0" {
+		return nil
+	}
+	if _, err := NewTensorMapBF16(0x1000, []uint64{64, 64}, []uint64{128}, []uint32{64, 8}, true); err != nil {
+		return nil // a driver without cuTensorMapEncodeTiled
+	}
+	for _, bn := range matMulWGRows {
+		if err := d.k[fmt.Sprintf("matmul_wg_n%d", bn)].SetMaxDynamicShared(matMulWGShared(bn)); err != nil {
+			return err
+		}
+	}
+	d.wgmma = true
+	return nil
+}
+
+// matMulWGShared is matmul_wg's shared memory for a batch tile: the ring
+// (mwg_stages in matmul_wg.cu) and room to align it.
+func matMulWGShared(bn int) int {
+	stage := (matMulWGTileRows + bn) * matMulWGBK * 2
+	return min(8, 196608/stage)*stage + 1024
+}
+
+// useMatMulWG says whether matmul_wg takes m rows of an n x k product
+// (n a multiple of 16 for its tensor map's 16-row groups). With glu it
+// replaces cuBLAS and a silu_mul pass; alone, only where the weight tiles
+// are few enough for K splits of a full cluster each. H100, 0.6B decode
+// steps: o_proj and down_proj (8 tiles) and gate_up with glu on matmul_wg,
+// batch 32 1.68 -> 1.49 ms, 64 1.87 -> 1.76, 128 2.56 -> 2.54; qkv (32
+// tiles) on it too made 96 and 128 slower than cuBLAS (2.32 -> 2.38, 2.58
+// -> 2.76: a cluster of four splits a tile, and the grid's 32 clusters do
+// not fit at once).
+func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
+	tiles := (n + matMulWGTileRows - 1) / matMulWGTileRows
+	return d.wgmma && m > 8*matMulTCMaxTiles && m <= matMulWGRows[len(matMulWGRows)-1] && k%matMulWGBK == 0 &&
+		n%16 == 0 && (glu || tiles*matMulWGMaxCluster <= d.ctx.SMs)
+}
+
+// matMulWGShape picks matmul_wg's batch tile and grid (128-row tiles of
+// w, K splits): K is split over a cluster of up to 8 blocks so that the
+// grid fills the SMs once.
+func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps int) {
+	bn = matMulWGRows[len(matMulWGRows)-1]
+	for _, b := range matMulWGRows {
+		if m <= b {
+			bn = b
+			break
+		}
+	}
+	tiles, kt := (n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK
+	splits := max(1, min(kt, matMulWGMaxCluster, d.ctx.SMs/tiles))
+	kps = (kt + splits - 1) / splits
+	splits = (kt + kps - 1) / kps
+	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), 1, uint32(splits)}, kps
+}
+
+// matMulWG launches matmul_wg; with glu w is [gate | up] and out takes
+// silu(gate) * up (n/2 columns, bf16).
+func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
+	if d.err != nil {
+		return
+	}
+	name, bn, grid, kps := d.matMulWGShape(m, n, k)
+	// w as (k, row within 8, gate or up, group of 8): without glu the
+	// halves of a 16-row group are rows 0-7 and 8-15, with glu 8 gates and
+	// their ups n/2 rows further.
+	row := uint64(2 * k)
+	dims, strides := []uint64{uint64(k), 8, 2, uint64(n / 16)}, []uint64{row, 8 * row, 16 * row}
+	if glu {
+		strides[1], strides[2] = uint64(n/2)*row, 8*row
+	}
+	wmap, err := NewTensorMapBF16(w, dims, strides, []uint32{matMulWGBK, 8, 2, 8}, true)
+	if err != nil {
+		d.fail(err)
+		return
+	}
+	xmap, err := NewTensorMapBF16(x, []uint64{uint64(k), uint64(m)}, []uint64{row}, []uint32{matMulWGBK, uint32(bn)}, true)
+	if err != nil {
+		d.fail(err)
+		return
+	}
+	d.fail(d.ctx.LaunchCluster(d.k[name], grid, D1(matMulWGThreads), matMulWGShared(bn), int(grid.Z), []TensorMap{wmap, xmap},
+		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps)))
+}
