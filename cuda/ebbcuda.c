@@ -172,6 +172,8 @@ int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, 
 
 int ebb_has_launch_ex(void) { return p_cuLaunchKernelEx != NULL; }
 
+int ebb_has_tensor_maps(void) { return p_cuTensorMapEncodeTiled != NULL; }
+
 int ebb_tensor_map_bf16(void *map, unsigned int rank, CUdeviceptr addr, const unsigned long long *dims,
 	const unsigned long long *strides, const unsigned int *box, int swizzle128) {
 	unsigned int ones[5] = {1, 1, 1, 1, 1};

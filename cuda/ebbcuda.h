@@ -230,6 +230,7 @@ int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, 
 	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl,
 	unsigned int cluster_z, void *maps, int nmaps);
 int ebb_has_launch_ex(void);
+int ebb_has_tensor_maps(void);
 
 // ebb_tensor_map_bf16 encodes a tiled tensor map (CUtensorMap, 128 bytes)
 // of a bf16 tensor: dims innermost first, strides in bytes of dims 1..rank-1.

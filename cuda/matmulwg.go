@@ -18,17 +18,18 @@ const (
 	matMulWGBK       = 64
 	// matMulWGMaxCluster is the portable cluster size: a tile's K splits.
 	matMulWGMaxCluster = 8
+	// The ring: at most matMulWGMaxStages stages within matMulWGRingBytes
+	// (mwg_stages in matmul_wg.cu).
+	matMulWGMaxStages = 8
+	matMulWGRingBytes = 192 << 10
 )
 
 // initMatMulWG lets matmul_wg's kernels have their shared memory, where
 // the module was built for sm_90a and the driver encodes tensor maps
 // (EBB_MATMUL_WG=0 leaves them unused).
 func (d *Device) initMatMulWG() error {
-	if d.mod.Arch != "sm_90a" || os.Getenv("EBB_MATMUL_WG") == "0" {
+	if d.mod.Arch != "sm_90a" || !HasTensorMaps() || os.Getenv("EBB_MATMUL_WG") == "0" {
 		return nil
-	}
-	if _, err := NewTensorMapBF16(0x1000, []uint64{64, 64}, []uint64{128}, []uint32{64, 8}, true); err != nil {
-		return nil // a driver without cuTensorMapEncodeTiled
 	}
 	for _, bn := range matMulWGRows {
 		if err := d.k[fmt.Sprintf("matmul_wg_n%d", bn)].SetMaxDynamicShared(matMulWGShared(bn)); err != nil {
@@ -40,10 +41,10 @@ func (d *Device) initMatMulWG() error {
 }
 
 // matMulWGShared is matmul_wg's shared memory for a batch tile: the ring
-// (mwg_stages in matmul_wg.cu) and room to align it.
+// and room to align it to 1024 bytes (the swizzle's period).
 func matMulWGShared(bn int) int {
 	stage := (matMulWGTileRows + bn) * matMulWGBK * 2
-	return min(8, 196608/stage)*stage + 1024
+	return min(matMulWGMaxStages, matMulWGRingBytes/stage)*stage + 1024
 }
 
 // useMatMulWG says whether matmul_wg takes m rows of an n x k product

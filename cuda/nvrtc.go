@@ -283,6 +283,9 @@ func (c *Context) LaunchCluster(k *Kernel, grid, block Dim3, shmem, clusterZ int
 	return nil
 }
 
+// HasTensorMaps says whether the driver encodes tensor maps (CUDA 12.0+).
+func HasTensorMaps() bool { return C.ebb_has_tensor_maps() != 0 }
+
 // TensorMap is an encoded CUtensorMap: how the tensor memory accelerator
 // copies tiles of a tensor in global memory to shared memory.
 type TensorMap [16]uint64

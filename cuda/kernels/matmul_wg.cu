@@ -44,8 +44,8 @@ struct __align__(64) TmaDesc {
 	unsigned long long v[16];
 };
 
-// mwg_stages: the ring's depth for a batch tile, within 192 KB (the host's
-// matMulWGShared counts the same).
+// mwg_stages: the ring's depth for a batch tile, at most 8 stages within
+// 192 KB (the host's matMulWGShared counts the same).
 __host__ __device__ constexpr int mwg_stages(int bn) {
 	return 196608 / (MWG_ROWS * 128 + bn * 128) < 8 ? 196608 / (MWG_ROWS * 128 + bn * 128) : 8;
 }
