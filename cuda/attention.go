@@ -32,7 +32,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	}
 	if meta.MaxQLen == 1 && !meta.Sparse {
 		if name, ok := decodeVecKernel(g, dim); ok {
-			d.attnDecode(name, 4, 32, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			d.attnDecode(name, decodeVecWaves(meta.NumSeqs*hk, d.ctx.SMs), 32, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
 			return
 		}
 		if name, ok := decodeKernel(g, dim); ok {
@@ -45,6 +45,23 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 		return
 	}
 	d.attnPrefill(out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+}
+
+// decodeVecWaves is the blocks (in SMs' worth) attn_decode_vec's fair
+// shares are cut for, for a batch of pairs (sequence, kv head): four,
+// except where the pairs fill between half and all of one wave of four
+// blocks an SM. There, shares of a quarter of the GPU's blocks left the
+// longest of mixed contexts one block each, running long after the rest;
+// shares of an eighth give them two (H100, 200-1800 positions, `bench
+// attention`: 48-64 sequences 73-76% -> 79-84% of HBM bandwidth; 128
+// requests of nano-vllm's workload 61.6 / 61.7% -> 62.6 / 62.7% of the
+// bandwidth floor). Beyond one wave it made 128 sequences slower (90% ->
+// 78%), and below half a wave it changed nothing.
+func decodeVecWaves(pairs, sms int) int {
+	if pairs > 2*sms && pairs <= 4*sms {
+		return 8
+	}
+	return 4
 }
 
 // decodeVecKernel picks attention_fast.cu's decode kernel: head sizes of

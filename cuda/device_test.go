@@ -731,6 +731,7 @@ func TestAttention(t *testing.T) {
 		// fills the GPU.
 		{"decode-ragged-small-batch", 16, 8, 128, []int{1, 1, 1, 1}, []int{4000, 100, 65, 1}},
 		{"decode-ragged-full-gpu", 16, 8, 128, repeat(1, 80), raggedContexts(80)},
+		{"decode-ragged-one-wave", 16, 8, 128, repeat(1, 48), raggedContexts(48)},
 		{"prefill-mma-d128-ragged", 16, 8, 128, []int{1, 63, 64, 65, 130, 7}, []int{1, 63, 100, 65, 300, 500}},
 		{"prefill-mma-d64-g3", 6, 2, 64, []int{200, 33}, []int{200, 97}},
 		{"prefill-mma-d128-long", 16, 8, 128, []int{700}, []int{1000}},
@@ -759,6 +760,16 @@ func TestAttention(t *testing.T) {
 			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
 			p.close("attention", out, 2e-2, 2e-2)
 		})
+	}
+}
+
+// TestDecodeVecWaves: shares of an eighth of the GPU's blocks only where
+// the batch's (sequence, kv head) pairs fill half to all of one wave.
+func TestDecodeVecWaves(t *testing.T) {
+	for _, c := range []struct{ pairs, want int }{{8, 4}, {264, 4}, {265, 8}, {512, 8}, {528, 8}, {529, 4}, {2048, 4}} {
+		if got := decodeVecWaves(c.pairs, 132); got != c.want {
+			t.Errorf("decodeVecWaves(%d, 132) = %d, want %d", c.pairs, got, c.want)
+		}
 	}
 }
 
