@@ -44,6 +44,10 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	const int g = blockIdx.x, s = blockIdx.y, sp = blockIdx.z;
 	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int sub = lane % LPR, grp = warp * RPW + lane / LPR;
+	// The indices and every cached position but the newest were written
+	// before this step's first kernel (the newest comes from the kernel
+	// before this one): they are read, and the first rows of K and V
+	// requested, before dep_wait, while the previous kernel finishes.
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
 	// Splits of at least DV_MIN_SPLIT positions; where a sequence's fair
@@ -59,10 +63,50 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 		used = (int)min((long long)splits, max(1LL, (kvlen + share / 4) / share));
 		per = (kvlen + used - 1) / used;
 	}
-	if (sp >= used) return;
+	if (sp >= used) {
+		DEP();
+		return;
+	}
 	const int c0 = sp * per, c1 = min(kvlen, c0 + per);
 	const long long stride = (long long)(hq + 2 * hk) * D;
 	const float qs = scale * LOG2E;
+	// The loop bound is the same for a whole warp (its row groups differ by
+	// lane), as the shuffles need every lane. Loads run one step ahead of
+	// the arithmetic, so each warp keeps two steps of rows in flight.
+	constexpr int STEP = GROUPS * DV_UNROLL;
+	const int lrow = lane / LPR;
+	uint4 kr[DV_UNROLL], vr[DV_UNROLL];
+	// Every slot index is requested before any row, so that the rows'
+	// loads wait for one round trip, not one each.
+	auto load = [&](int cb, int lim, uint4 *kd, uint4 *vd) {
+		int slot[DV_UNROLL];
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			const int pos = cb + lrow + u * GROUPS;
+			slot[u] = pos < lim ? kvidx[kv0 + pos] : -1;
+		}
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			kd[u] = vd[u] = make_uint4(0, 0, 0, 0);
+			if (slot[u] >= 0) {
+				const long long base = ((long long)slot[u] * hk + g) * D + sub * 8;
+				kd[u] = __ldcs((const uint4 *)(kc + base));
+				vd[u] = __ldcs((const uint4 *)(vc + base));
+			}
+		}
+	};
+	load(c0 + warp * RPW, min(c1, kvlen - 1), kr, vr);
+	DEP();
+	if (c1 == kvlen) {
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			if (c0 + warp * RPW + lrow + u * GROUPS == kvlen - 1) {
+				const long long base = ((long long)kvidx[kv0 + kvlen - 1] * hk + g) * D + sub * 8;
+				kr[u] = __ldcs((const uint4 *)(kc + base));
+				vr[u] = __ldcs((const uint4 *)(vc + base));
+			}
+		}
+	}
 	float q[MG][8], o[MG][8], m[MG], l[MG];
 #pragma unroll
 	for (int r = 0; r < MG; r++) {
@@ -79,28 +123,9 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 #pragma unroll
 		for (int e = 0; e < 8; e++) o[r][e] = 0.f;
 	}
-	// The loop bound is the same for a whole warp (its row groups differ by
-	// lane), as the shuffles need every lane. Loads run one step ahead of
-	// the arithmetic, so each warp keeps two steps of rows in flight.
-	constexpr int STEP = GROUPS * DV_UNROLL;
-	const int lrow = lane / LPR;
-	uint4 kr[DV_UNROLL], vr[DV_UNROLL];
-	auto load = [&](int cb, uint4 *kd, uint4 *vd) {
-#pragma unroll
-		for (int u = 0; u < DV_UNROLL; u++) {
-			const int pos = cb + lrow + u * GROUPS;
-			kd[u] = vd[u] = make_uint4(0, 0, 0, 0);
-			if (pos < c1) {
-				const long long base = ((long long)kvidx[kv0 + pos] * hk + g) * D + sub * 8;
-				kd[u] = __ldcs((const uint4 *)(kc + base));
-				vd[u] = __ldcs((const uint4 *)(vc + base));
-			}
-		}
-	};
-	load(c0 + warp * RPW, kr, vr);
 	for (int cb = c0 + warp * RPW; cb < c1; cb += STEP) {
 		uint4 kn[DV_UNROLL], vn[DV_UNROLL];
-		load(cb + STEP, kn, vn);
+		load(cb + STEP, c1, kn, vn);
 #pragma unroll
 		for (int u = 0; u < DV_UNROLL; u++) {
 			const bool valid = cb + lrow + u * GROUPS < c1;
@@ -203,7 +228,6 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
 	    const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits,         \
 	    int units, float scale) {                                                                                 \
-		DEP(); \
 		attn_decode_vec_impl<D, MG>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk,     \
 		                            splits, units, scale);                                                    \
 	}

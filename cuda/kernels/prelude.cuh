@@ -193,6 +193,9 @@ __device__ __forceinline__ void load8f(const float *p, float f[8]) {
 // visible; dep_launch lets the next kernel start. Every kernel waits in
 // every block before it reads what earlier kernels wrote, or writes what
 // they read, and before it exits, so the waits chain from kernel to kernel.
+// What the step's host copies wrote, and what earlier steps' kernels wrote,
+// may be read before the wait: a copy in the stream waits for every earlier
+// kernel, and each step's inputs come by copy before its first kernel.
 // Without the launch attribute (older GPUs, EBB_PDL=0) both are no-ops.
 __device__ __forceinline__ void dep_wait() {
 #if __CUDA_ARCH__ >= 900
