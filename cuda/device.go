@@ -562,17 +562,24 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.fail(fmt.Errorf("matmul: x %v, w %v, out %v", x, w, out))
 		return
 	}
-	aligned := x.Ptr%16 == 0 && w.Ptr%16 == 0
-	if useGemv(m, k) && aligned {
+	route := routeBLAS
+	if x.Ptr%16 == 0 && w.Ptr%16 == 0 {
+		route = d.matMulRoute(m, n, k, false)
+	}
+	outF32 := out.DType == device.F32
+	switch route {
+	case routeGemv:
 		name, wpo, blocks := d.gemvShape(m, n, k, false)
-		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
+		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(outF32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
 			P(0), P(0), I(0), F(0), I(0))
-	} else if d.useMatMulTC(m, k) && aligned {
-		d.matMulTC(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false)
-	} else if d.useMatMulWG(m, n, k, false) && aligned {
-		d.matMulWG(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false)
-	} else if !d.tunedMatMul(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k) {
-		d.fail(d.blas.gemm(out.Ptr, out.DType == device.F32, x.Ptr, w.Ptr, m, n, k, false))
+	case routeTC:
+		d.matMulTC(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
+	case routeWG:
+		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
+	default:
+		if !d.tunedMatMul(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k) {
+			d.fail(d.blas.gemm(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false))
+		}
 	}
 	if bias.Valid() {
 		total := int64(m) * int64(n)
@@ -640,16 +647,42 @@ func (d *Device) matMulTC(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4), I(boolInt(glu)))
 }
 
+// matMulRoute is the family of kernels that takes a product.
+type matMulRoute int
+
+const (
+	routeBLAS matMulRoute = iota // cuBLAS, with a tuned algorithm where one was timed
+	routeGemv
+	routeTC
+	routeWG
+)
+
+// matMulRoute picks the kernels for m rows of an n x k matrix with 16-byte
+// aligned operands; with glu the product is gate_up with silu applied,
+// which the gemvs do for one row only. MatMul, MatMulSiLU and the
+// benchmark's kernel names all ask here, so that they cannot disagree.
+func (d *Device) matMulRoute(m, n, k int, glu bool) matMulRoute {
+	switch {
+	case useGemv(m, k) && (!glu || m == 1):
+		return routeGemv
+	case d.useMatMulTC(m, k):
+		return routeTC
+	case d.useMatMulWG(m, n, k, glu):
+		return routeWG
+	}
+	return routeBLAS
+}
+
 // matMulKernel names the kernel MatMul runs for aligned operands.
 func (d *Device) matMulKernel(m, n, k int) string {
-	switch {
-	case useGemv(m, k):
+	switch d.matMulRoute(m, n, k, false) {
+	case routeGemv:
 		name, _, _ := d.gemvShape(m, n, k, false)
 		return name
-	case d.useMatMulTC(m, k):
+	case routeTC:
 		name, _ := d.matMulTCShape(m, n, k)
 		return name
-	case d.useMatMulWG(m, n, k, false):
+	case routeWG:
 		name, _, _, _ := d.matMulWGShape(m, n, k)
 		return name
 	}
@@ -774,13 +807,13 @@ func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 		w.DType != device.BF16 || out.DType != device.BF16 || x.Ptr%16 != 0 || w.Ptr%16 != 0 {
 		return false
 	}
-	switch {
-	case m == 1 && k%8 == 0:
+	switch d.matMulRoute(m, n, k, true) {
+	case routeGemv:
 		gemv, wpo, blocks := d.gemvShape(m, n, k, true)
 		d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo), P(0), P(0), I(0), F(0), I(1))
-	case d.useMatMulTC(m, k):
+	case routeTC:
 		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
-	case d.useMatMulWG(m, n, k, true):
+	case routeWG:
 		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
 	default:
 		return false
