@@ -1,0 +1,279 @@
+package cuda
+
+import (
+	"fmt"
+
+	"ebb/device"
+)
+
+// The products: which kernels take a product of m rows (gemv, matmul_tc,
+// matmul_wg or cuBLAS), and the fused forms the decode step uses.
+
+// MatMul implements device.Device.
+func (d *Device) MatMul(out, x, w, bias device.Tensor) {
+	if d.err != nil {
+		return
+	}
+	m, k, n := x.Dim(0), x.Dim(-1), w.Dim(0)
+	if w.Dim(-1) != k || out.Numel() != m*n || x.DType != device.BF16 || w.DType != device.BF16 {
+		d.fail(fmt.Errorf("matmul: x %v, w %v, out %v", x, w, out))
+		return
+	}
+	route := routeBLAS
+	if x.Ptr%16 == 0 && w.Ptr%16 == 0 {
+		route = d.matMulRoute(m, n, k, false)
+	}
+	outF32 := out.DType == device.F32
+	switch route {
+	case routeGemv:
+		name, wpo, blocks := d.gemvShape(m, n, k, false)
+		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(outF32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
+			P(0), P(0), I(0), F(0), I(0))
+	case routeTC:
+		d.matMulTC(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
+	case routeWG:
+		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
+	default:
+		if !d.tunedMatMul(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k) {
+			d.fail(d.blas.gemm(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false))
+		}
+	}
+	if bias.Valid() {
+		total := int64(m) * int64(n)
+		name := "add_bias"
+		if out.DType == device.F32 {
+			name = "add_bias_f32"
+		}
+		d.launch(name, gridFor(total), D1(256), 0, P(out.Ptr), P(bias.Ptr), uint64(total), I(n))
+	}
+}
+
+// MatMulAccumulate implements device.Accumulating for prefills (a
+// thousand rows or more): out += x @ w^T in cuBLAS's epilogue, which reads
+// out while the product is compute-bound, instead of a pass that reads the
+// product back. Decode steps keep their kernels.
+func (d *Device) MatMulAccumulate(out, x, w device.Tensor) bool {
+	m, k, n := x.Dim(0), x.Dim(-1), w.Dim(0)
+	if d.err != nil || m < 1024 || w.Dim(-1) != k || out.Numel() != m*n ||
+		x.DType != device.BF16 || w.DType != device.BF16 || out.DType != device.BF16 {
+		return false
+	}
+	d.fail(d.blas.gemm(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true))
+	return true
+}
+
+func useGemv(m, k int) bool { return m <= gemvMaxRows && k%8 == 0 }
+
+const (
+	matMulTCWarps    = 8     // MMT_WARPS in matmul.cu
+	matMulTCMaxTiles = 3     // the largest T of matmul_tc_t*
+	matMulCountersAt = 32768 // its split counters, after the attention's in d.counters
+)
+
+// useMatMulTC says whether matmul_tc takes m rows. Past 24 its 16-column
+// warps, each reading every row of x from L2, fall behind cuBLAS (H100,
+// 0.6B shapes: at 8 and 16 rows 4.2-6.1 us against cuBLAS's 5.3-7.0, at
+// 17-24 rows level with it but launched early like the kernels around it,
+// decode steps 1-2% faster; at 32 rows decode steps 5% slower, at 128 the
+// products two to three times slower).
+func (d *Device) useMatMulTC(m, k int) bool {
+	return m > gemvMaxRows && m <= 8*matMulTCMaxTiles && k%32 == 0
+}
+
+// matMulTCShape picks matmul_tc's tile count T (8T rows) and grid (N/16
+// column blocks, K splits) for m rows of an n x k matrix: K is split
+// while that leaves fewer than two blocks per SM, every warp at least one
+// 32-wide step and the partials room in d.partO (1024 x 2048 at 8 rows:
+// four splits 4.2 us, two 4.9 us).
+func (d *Device) matMulTCShape(m, n, k int) (string, Dim3) {
+	t := (m + 7) / 8
+	cols := (n + 15) / 16
+	splits := 1
+	for cols*splits*2 <= 2*d.ctx.SMs && k/32 >= 2*splits*matMulTCWarps &&
+		int64(2*splits*cols*t*32*4)*4 <= d.partO.Bytes() && cols <= d.counters.Numel()-1-matMulCountersAt {
+		splits *= 2
+	}
+	return fmt.Sprintf("matmul_tc_t%d", t), Dim3{uint32(cols), 1, uint32(splits)}
+}
+
+// matMulTC launches matmul_tc; with glu w is [gate | up] and out takes
+// silu(gate) * up (n/2 columns, bf16).
+func (d *Device) matMulTC(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
+	name, grid := d.matMulTCShape(m, n, k)
+	d.launch(name, grid, D1(matMulTCWarps*32), 0, P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
+		P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4), I(boolInt(glu)))
+}
+
+// matMulRoute is the family of kernels that takes a product.
+type matMulRoute int
+
+const (
+	routeBLAS matMulRoute = iota // cuBLAS, with a tuned algorithm where one was timed
+	routeGemv
+	routeTC
+	routeWG
+)
+
+// matMulRoute picks the kernels for m rows of an n x k matrix with 16-byte
+// aligned operands; with glu the product is gate_up with silu applied,
+// which the gemvs do for one row only. MatMul, MatMulSiLU and the
+// benchmark's kernel names all ask here, so that they cannot disagree.
+func (d *Device) matMulRoute(m, n, k int, glu bool) matMulRoute {
+	switch {
+	case useGemv(m, k) && (!glu || m == 1):
+		return routeGemv
+	case d.useMatMulTC(m, k):
+		return routeTC
+	case d.useMatMulWG(m, n, k, glu):
+		return routeWG
+	}
+	return routeBLAS
+}
+
+// matMulKernel names the kernel MatMul runs for aligned operands.
+func (d *Device) matMulKernel(m, n, k int) string {
+	switch d.matMulRoute(m, n, k, false) {
+	case routeGemv:
+		name, _, _ := d.gemvShape(m, n, k, false)
+		return name
+	case routeTC:
+		name, _ := d.matMulTCShape(m, n, k)
+		return name
+	case routeWG:
+		name, _, _, _ := d.matMulWGShape(m, n, k)
+		return name
+	}
+	return "cublasGemmEx"
+}
+
+// gemvWarps is how many warps share one output column of a gemv: more for
+// a narrow matrix, as long as the grid stays within four blocks per SM
+// and every lane still has a 16-byte chunk of K to load. A grid that
+// fills the GPU leaves no room for the next kernel's blocks, which start
+// early (dependent launch) to load their weights while this one runs:
+// at batch 1 up to eight warps a column (1,024 blocks for o_proj) made
+// decode steps 1.29 ms, at most four blocks per SM 1.14 ms (H100).
+func (d *Device) gemvWarps(n, k int) int {
+	wpo := 1
+	for wpo < 8 && n*2*wpo/8 <= 4*d.ctx.SMs && k/8/(2*wpo) >= 32 {
+		wpo *= 2
+	}
+	return wpo
+}
+
+// gemvShape picks the gemv kernel for m rows of an n x k matrix, its
+// warps per output column and its grid. Where even one warp a column
+// would put more than four blocks per SM (gate_up, lm_head), a warp group
+// takes two columns, forming each input chunk once for both (H100 decode
+// steps: batch 2 1.26 -> 1.18 ms, batch 4 1.68 -> 1.48 ms).
+// With glu the two columns of a group are a gate and its up.
+func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int) {
+	cols, name := 1, fmt.Sprintf("gemv_m%d", m)
+	if m <= 4 && (glu || n/8 > 4*d.ctx.SMs) {
+		cols, name = 2, fmt.Sprintf("gemv2_m%d", m)
+	}
+	wpo = d.gemvWarps((n+cols-1)/cols, k)
+	perBlock := 8 / wpo * cols
+	return name, wpo, (n + perBlock - 1) / perBlock
+}
+
+// MatMulAddRMSNorm implements device.Fused for one row.
+func (d *Device) MatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, normed, normW device.Tensor, eps float32) bool {
+	if !fusable(out.Dim(0), x, w) || out.DType != device.BF16 {
+		return false
+	}
+	if d.err != nil {
+		return true
+	}
+	d.pendingNorm = pendingNorm{}
+	n, k := w.Dim(0), w.Dim(-1)
+	wpo := d.gemvWarps(n, k)
+	d.launch(fmt.Sprintf("gemv_fused_m%d", out.Dim(0)), D1((n*wpo+7)/8), D1(256), 0, P(out.Ptr), P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
+		P(residual.Ptr), P(normed.Ptr), P(normW.Ptr), F(eps), P(d.counters.Ptr+uintptr(d.counters.Bytes()-4)), P(0))
+	return true
+}
+
+// fusable says whether gemv_fused takes m rows of x (silu: [gate | up]).
+func fusable(m int, x, w device.Tensor) bool {
+	n, k := w.Dim(0), w.Dim(-1)
+	return m <= gemvMaxRows && k%8 == 0 && n <= 8*1024 && x.Ptr%16 == 0 && w.Ptr%16 == 0
+}
+
+// pendingNorm is what RMSNormMatMul needs from the MatMulAdd before it:
+// the residual it wrote and how many partial sums of squares per row.
+type pendingNorm struct {
+	residual   uintptr
+	rows, cols int
+	parts      int
+}
+
+// MatMulAdd implements device.Fused: gemv_fused in squares mode. The
+// residual must suit RMSNormMatMul's gemv (16-byte rows), so that the
+// normalisation cannot be left undone.
+func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual device.Tensor) bool {
+	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
+	wpo := d.gemvWarps(n, k)
+	parts := (n*wpo + 7) / 8
+	if !fusable(m, x, w) || residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 ||
+		residual.Ptr%16 != 0 || m*parts > d.rowSquares.Numel() {
+		return false
+	}
+	if d.err != nil {
+		return true
+	}
+	d.launch(fmt.Sprintf("gemv_fused_m%d", m), D1(parts), D1(256), 0, P(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
+		P(residual.Ptr), P(0), P(0), F(0), P(0), P(d.rowSquares.Ptr))
+	d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: parts}
+	return true
+}
+
+// RMSNormMatMul implements device.Fused: a gemv that normalises the
+// residual MatMulAdd left as it reads it (with glu also applying silu).
+func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float32, glu bool) bool {
+	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
+	if d.err != nil {
+		return true
+	}
+	p := d.pendingNorm
+	d.pendingNorm = pendingNorm{}
+	cols := n
+	if glu {
+		cols = n / 2
+	}
+	if p.residual == 0 || p.residual != residual.Ptr || p.rows != m || p.cols != k || residual.Numel() != m*k ||
+		normW.Numel() != k || out.Numel() != m*cols || (glu && n%2 != 0) || out.DType != device.BF16 || w.Ptr%16 != 0 {
+		d.fail(fmt.Errorf("rmsnorm matmul: residual %v (last MatMulAdd: %d x %d at %#x), norm %v, w %v, out %v, glu %v",
+			residual, p.rows, p.cols, p.residual, normW, w, out, glu))
+		return true
+	}
+	gemv, wpo, blocks := d.gemvShape(m, n, k, glu)
+	d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(residual.Ptr), P(w.Ptr),
+		I(n), I(k), I(wpo), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps), I(boolInt(glu)))
+	return true
+}
+
+// MatMulSiLU implements device.Fused: for one row, gemv2 with each gate
+// and its up in one warp group; for matmul_tc's and matmul_wg's rows,
+// those kernels with each gate and its up in one thread, which apply
+// silu in place of a silu_mul pass (tensor parallelism uses it too:
+// gate_up is split by columns, so nothing is added across ranks before
+// silu).
+func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
+	m, n, k := x.Dim(0), w.Dim(0), w.Dim(-1)
+	if n%2 != 0 || x.Numel() != m*k || out.Numel() != m*n/2 || x.DType != device.BF16 ||
+		w.DType != device.BF16 || out.DType != device.BF16 || x.Ptr%16 != 0 || w.Ptr%16 != 0 {
+		return false
+	}
+	switch d.matMulRoute(m, n, k, true) {
+	case routeGemv:
+		gemv, wpo, blocks := d.gemvShape(m, n, k, true)
+		d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo), P(0), P(0), I(0), F(0), I(1))
+	case routeTC:
+		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
+	case routeWG:
+		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
+	default:
+		return false
+	}
+	return true
+}
