@@ -1,0 +1,334 @@
+package cuda
+
+import (
+	"errors"
+	"math"
+	"slices"
+	"strings"
+	"testing"
+
+	"ebb/device"
+	"ebb/model"
+)
+
+func ropeTables(p *pair, positions, half int) (cos, sin both) {
+	cfg := &model.Config{HeadDim: 2 * half, RopeTheta: 10000, Rope: model.RopeScaling{Type: "default"}}
+	c, s := cfg.RopeTables(positions)
+	return p.floats(device.F32, c, positions, half), p.floats(device.F32, s, positions, half)
+}
+
+func TestPrepareQKV(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		hq, hk, d int
+		norm      bool
+		tokens    int
+	}{{"qwen3", 16, 8, 128, true, 6}, {"qwen2", 4, 2, 64, false, 6}, {"mqa-small-dim", 6, 1, 16, true, 6},
+		{"d24-lane-pairs", 4, 2, 24, true, 6},          // not a multiple of 16: prepare_qkv's bf16x2 lanes
+		{"qwen3-prefill", 16, 8, 128, true, 300},       // 128-thread blocks
+		{"qwen3-long-prefill", 16, 8, 128, true, 2100}, // prepare_qkv16
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			slots := tc.tokens + 44
+			qkv := p.random(device.BF16, 1.5, tc.tokens, tc.hq+2*tc.hk, tc.d)
+			var qn, kn both
+			if tc.norm { // weights near 1, as trained norms are
+				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
+			}
+			positions, slotIDs := []int32{0, 1, 7, 300, 1023, 4}, []int32{3, 17, 0, 49, 22, 8}
+			if tc.tokens != len(positions) {
+				positions, slotIDs = nil, nil
+				for i, s := range p.rng.Perm(slots)[:tc.tokens] {
+					positions, slotIDs = append(positions, int32(i%1024)), append(slotIDs, int32(s))
+				}
+			}
+			pos, sl := p.ints(positions), p.ints(slotIDs)
+			cos, sin := ropeTables(p, 1024, tc.d/2)
+			kc := p.random(device.BF16, 1, slots, tc.hk, tc.d)
+			vc := p.random(device.BF16, 1, slots, tc.hk, tc.d)
+			p.gpu.PrepareQKV(qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, 1e-6)
+			p.cpu.PrepareQKV(qkv.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc.c, vc.c, sl.c, 1e-6)
+			p.closeQueries("q", qkv, tc.hq, tc.hk, tc.d, 3e-2)
+			p.close("k cache", kc, 3e-2, 3e-2)
+			p.close("v cache", vc, 0, 0)
+		})
+	}
+}
+
+// closeQueries compares the q heads of qkv [T, hq+2hk, d] (the k and v
+// heads are left unspecified by PrepareQKV).
+func (p *pair) closeQueries(name string, qkv both, hq, hk, d int, tol float64) {
+	p.t.Helper()
+	g, c := p.download(qkv)
+	row := (hq + 2*hk) * d
+	for i := range g {
+		if i%row >= hq*d {
+			continue
+		}
+		if diff := math.Abs(float64(g[i]) - float64(c[i])); math.IsNaN(float64(g[i])) || diff > tol+tol*math.Abs(float64(c[i])) {
+			p.t.Fatalf("%s: token %d element %d: gpu %v, cpu %v", name, i/row, i%row, g[i], c[i])
+		}
+	}
+}
+
+// clone uploads a copy of b's CPU values to both devices.
+func (p *pair) clone(dtype device.DType, b both) both {
+	p.t.Helper()
+	_, c := p.download(b)
+	return p.floats(dtype, c, b.c.Shape...)
+}
+
+// TestPrepareAttention: the prefill kernel normalising and rotating the
+// queries itself gives the bits of PrepareQKV then Attention on the GPU,
+// and the CPU reference within bf16 rounding, in prefill and mixed steps
+// (of 32k (token, head) units or more: smaller steps keep prepare_qkv).
+func TestPrepareAttention(t *testing.T) {
+	cases := []struct {
+		name          string
+		hq, hk, d     int
+		norm          bool
+		qlens, kvlens []int
+	}{
+		{"prefill-qwen3", 16, 8, 128, true, []int{5, 400, 1, 600, 130}, []int{5, 500, 33, 600, 300}},
+		{"mixed-qwen3", 16, 8, 128, true, []int{1, 1, 1, 400, 1, 700}, []int{90, 1, 600, 400, 33, 900}},
+		{"mixed-d64-g3-no-norm", 12, 4, 64, false, []int{1, 1, 1700}, []int{400, 7, 1800}},
+		// Sixteen query heads a kv head: no decode kernel, so the decodes
+		// take the prefill kernel and its query preparation too.
+		{"mixed-g16", 32, 2, 128, true, []int{1, 1000}, []int{50, 1000}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
+			idx := make([]int32, meta[1].KVIndices.Numel())
+			if err := p.cpu.DownloadI32(meta[1].KVIndices, idx); err != nil {
+				t.Fatal(err)
+			}
+			var positions, slots []int32
+			kv0 := 0
+			for i, q := range tc.qlens {
+				for j := tc.kvlens[i] - q; j < tc.kvlens[i]; j++ {
+					positions = append(positions, int32(j))
+					slots = append(slots, idx[kv0+j])
+				}
+				kv0 += tc.kvlens[i]
+			}
+			pos, sl := p.ints(positions), p.ints(slots)
+			cos, sin := ropeTables(p, slices.Max(tc.kvlens), tc.d/2)
+			var qn, kn both
+			if tc.norm {
+				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
+			}
+			qkv2, kc2, vc2, out2 := p.clone(device.BF16, qkv), p.clone(device.BF16, kc), p.clone(device.BF16, vc), p.clone(device.BF16, out)
+			scale, eps := float32(1/math.Sqrt(float64(tc.d))), float32(1e-6)
+			if !p.gpu.PrepareAttention(out.g, qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, meta[0], scale, eps) {
+				t.Fatal("PrepareAttention did not apply")
+			}
+			p.gpu.PrepareQKV(qkv2.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, eps)
+			p.gpu.Attention(out2.g, qkv2.g, kc2.g, vc2.g, meta[0], scale)
+			p.cpu.PrepareQKV(qkv.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc.c, vc.c, sl.c, eps)
+			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
+			p.close("attention", out, 2e-2, 2e-2)
+			p.close("k cache", kc, 3e-2, 3e-2)
+			p.close("v cache", vc, 0, 0)
+			p.sameBits("attention", out.g, out2.g)
+			p.sameBits("k cache", kc.g, kc2.g)
+			p.sameBits("v cache", vc.g, vc2.g)
+			// A step of a few hundred tokens keeps prepare_qkv.
+			sout, sqkv, skc, svc, smeta := attnCase(p, tc.hq, tc.hk, tc.d, []int{100}, []int{100})
+			spos := p.ints(make([]int32, 100))
+			if p.gpu.PrepareAttention(sout.g, sqkv.g, qn.g, kn.g, spos.g, cos.g, sin.g, skc.g, svc.g, spos.g, smeta[0], scale, eps) {
+				t.Fatal("PrepareAttention applied to a 100-token step")
+			}
+		})
+	}
+}
+
+// sameBits fails unless GPU tensors a (the path under test) and b (the
+// reference path) hold the same bits.
+func (p *pair) sameBits(name string, a, b device.Tensor) {
+	p.t.Helper()
+	p.sync()
+	av, bv := make([]float32, a.Numel()), make([]float32, b.Numel())
+	if err := errors.Join(p.gpu.DownloadF32(a, av), p.gpu.DownloadF32(b, bv)); err != nil {
+		p.t.Fatal(err)
+	}
+	for i := range av {
+		if math.Float32bits(av[i]) != math.Float32bits(bv[i]) {
+			p.t.Fatalf("%s: element %d: %v, reference path %v", name, i, av[i], bv[i])
+		}
+	}
+}
+
+// TestPrepareQKVLayouts checks that prepare_qkv16 (bf16x2 arithmetic in
+// the 16-byte layout) gives prepare_qkv's bits (fp32 rounded after every
+// operation): a prompt's K, prepared by the one, meets decodes' K, prepared
+// by the other, in the same cache.
+func TestPrepareQKVLayouts(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		hq, hk, d int
+		norm      bool
+	}{{"qwen3", 16, 8, 128, true}, {"d64-no-norm", 12, 4, 64, false}, {"d16", 6, 1, 16, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			const tokens, slots = 700, 800
+			// Multiples of 1/8 up to 2: every partial sum of squares is exact
+			// in fp32, so both kernels' heads get the same inverse root
+			// (they add the squares in different orders).
+			vals := make([]float32, tokens*(tc.hq+2*tc.hk)*tc.d)
+			for i := range vals {
+				vals[i] = float32(p.rng.IntN(33)-16) / 8
+			}
+			qkv := p.floats(device.BF16, vals, tokens, tc.hq+2*tc.hk, tc.d)
+			var qn, kn both
+			if tc.norm {
+				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
+			}
+			var positions, slotIDs []int32
+			for _, s := range p.rng.Perm(slots)[:tokens] {
+				positions, slotIDs = append(positions, int32(p.rng.IntN(4096))), append(slotIDs, int32(s))
+			}
+			pos, sl := p.ints(positions), p.ints(slotIDs)
+			cos, sin := ropeTables(p, 4096, tc.d/2)
+			kc, vc := p.random(device.BF16, 1, slots, tc.hk, tc.d), p.random(device.BF16, 1, slots, tc.hk, tc.d)
+			qkv2, kc2, vc2 := p.clone(device.BF16, qkv), p.clone(device.BF16, kc), p.clone(device.BF16, vc)
+			heads := qkv.g.Dim(1)
+			p.gpu.prepareQKV(qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, 1e-6, tokens, 0, heads, true)
+			p.gpu.prepareQKV(qkv2.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, 1e-6, tokens, 0, heads, false)
+			p.sameBits("qkv", qkv.g, qkv2.g)
+			p.sameBits("k cache", kc.g, kc2.g)
+			p.sameBits("v cache", vc.g, vc2.g)
+		})
+	}
+}
+
+func onesPlus(p *pair, n int) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = 1 + 0.1*float32(p.rng.NormFloat64())
+	}
+	return v
+}
+
+// attnCase builds caches and metadata for sequences with the given query
+// and KV lengths (queries are the last positions).
+func attnCase(p *pair, hq, hk, d int, qlens, kvlens []int) (out, qkv, kc, vc both, meta [2]device.AttnMeta) {
+	tokens, total := 0, 0
+	for i := range qlens {
+		tokens += qlens[i]
+		total += kvlens[i]
+	}
+	slots := total + 10
+	perm := p.rng.Perm(slots)
+	qptr, kvptr, idx := []int32{0}, []int32{0}, []int32{}
+	maxQ, maxKV, decodes := 0, 0, 0
+	for i := range qlens {
+		if decodes == i && qlens[i] == 1 {
+			decodes++
+		}
+		for j := 0; j < kvlens[i]; j++ {
+			idx = append(idx, int32(perm[len(idx)]))
+		}
+		qptr = append(qptr, qptr[i]+int32(qlens[i]))
+		kvptr = append(kvptr, kvptr[i]+int32(kvlens[i]))
+		maxQ, maxKV = max(maxQ, qlens[i]), max(maxKV, kvlens[i])
+	}
+	qkv = p.random(device.BF16, 1, tokens, hq+2*hk, d)
+	kc = p.random(device.BF16, 1, slots, hk, d)
+	vc = p.random(device.BF16, 1, slots, hk, d)
+	out = p.random(device.BF16, 1, tokens, hq, d)
+	q, kv, ix := p.ints(qptr), p.ints(kvptr), p.ints(idx)
+	for i, pick := range []func(both) device.Tensor{func(b both) device.Tensor { return b.g }, func(b both) device.Tensor { return b.c }} {
+		meta[i] = device.AttnMeta{NumSeqs: len(qlens), MaxQLen: maxQ, MaxKVLen: maxKV, Decodes: decodes, QIndptr: pick(q),
+			KVIndptr: pick(kv), KVIndices: pick(ix)}
+	}
+	return
+}
+
+func TestAttention(t *testing.T) {
+	cases := []struct {
+		name          string
+		hq, hk, d     int
+		qlens, kvlens []int
+	}{
+		{"decode-qwen3", 16, 8, 128, []int{1, 1, 1}, []int{1, 70, 1500}},
+		{"decode-mqa", 6, 1, 24, []int{1, 1}, []int{33, 200}},
+		{"decode-g4-d64", 16, 4, 64, []int{1, 1, 1, 1}, []int{5, 64, 65, 9}},
+		{"decode-g1-d256", 4, 4, 256, []int{1}, []int{300}},
+		{"decode-many", 16, 8, 128, repeat(1, 200), repeat(130, 200)},
+		{"prefill-qwen3", 16, 8, 128, []int{5, 40, 1, 100}, []int{5, 100, 33, 100}},
+		{"prefill-g3-d48", 6, 2, 48, []int{17, 2}, []int{20, 70}},
+		{"prefill-g8-d16", 8, 1, 16, []int{70}, []int{200}},
+		// attention_fast.cu: vectorised decode and tensor-core prefill.
+		{"decode-default-model-g3-d64", 6, 2, 64, []int{1, 1, 1}, []int{1, 200, 4000}},
+		{"decode-tiny-d32", 4, 2, 32, []int{1, 1}, []int{3, 129}},
+		{"decode-g4-d128-long", 32, 8, 128, []int{1, 1}, []int{4096, 777}},
+		{"decode-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
+		// Contexts of very different lengths: long ones take more than one
+		// split by their share of the batch, also where the batch alone
+		// fills the GPU.
+		{"decode-ragged-small-batch", 16, 8, 128, []int{1, 1, 1, 1}, []int{4000, 100, 65, 1}},
+		{"decode-ragged-full-gpu", 16, 8, 128, repeat(1, 80), raggedContexts(80)},
+		{"decode-ragged-one-wave", 16, 8, 128, repeat(1, 48), raggedContexts(48)},
+		{"prefill-mma-d128-ragged", 16, 8, 128, []int{1, 63, 64, 65, 130, 7}, []int{1, 63, 100, 65, 300, 500}},
+		{"prefill-mma-d64-g3", 6, 2, 64, []int{200, 33}, []int{200, 97}},
+		{"prefill-mma-d128-long", 16, 8, 128, []int{700}, []int{1000}},
+		{"prefill-mma-g4-two-heads-a-block", 32, 8, 128, []int{70, 5, 130}, []int{100, 5, 130}},
+		// A mixed step: decodes first (decode kernel), then prompts (a
+		// one-token chunk among them stays with the prefill kernel).
+		{"mixed-decodes-first", 16, 8, 128, []int{1, 1, 1, 40, 1, 70}, []int{90, 1, 600, 40, 33, 200}},
+		{"mixed-d64-g3", 6, 2, 64, []int{1, 1, 129}, []int{4000, 7, 129}},
+		// Sparse: a last layer on the logit rows alone (one query at the
+		// last position, none for sequences without a logit row).
+		{"sparse-d128", 16, 8, 128, []int{1, 0, 1, 1, 0}, []int{1, 128, 300, 65, 20}},
+		{"sparse-d64-g3", 6, 2, 64, []int{0, 1, 1}, []int{40, 4000, 7}},
+		{"sparse-d32", 4, 2, 32, []int{1, 0, 1}, []int{3, 5, 129}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
+			if strings.HasPrefix(tc.name, "sparse") {
+				for i := range meta {
+					meta[i].Sparse, meta[i].Decodes = true, 0
+				}
+			}
+			scale := float32(1 / math.Sqrt(float64(tc.d)))
+			p.gpu.Attention(out.g, qkv.g, kc.g, vc.g, meta[0], scale)
+			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
+			p.close("attention", out, 2e-2, 2e-2)
+		})
+	}
+}
+
+// TestDecodeVecWaves: shares of an eighth of the GPU's blocks only where
+// the batch's (sequence, kv head) pairs fill half to all of one wave.
+func TestDecodeVecWaves(t *testing.T) {
+	for _, c := range []struct{ pairs, want int }{{8, 4}, {264, 4}, {265, 8}, {512, 8}, {528, 8}, {529, 4}, {2048, 4}} {
+		if got := decodeVecWaves(c.pairs, 132); got != c.want {
+			t.Errorf("decodeVecWaves(%d, 132) = %d, want %d", c.pairs, got, c.want)
+		}
+	}
+}
+
+// raggedContexts is one context in eight of 3,000 positions, the rest short.
+func raggedContexts(n int) []int {
+	c := make([]int, n)
+	for i := range c {
+		c[i] = 60 + i
+		if i%8 == 0 {
+			c[i] = 3000 - i
+		}
+	}
+	return c
+}
+
+func repeat(v, n int) []int {
+	s := make([]int, n)
+	for i := range s {
+		s[i] = v
+	}
+	return s
+}

@@ -1,0 +1,318 @@
+package cuda
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"strings"
+	"testing"
+
+	"ebb/device"
+)
+
+func TestMatMul(t *testing.T) {
+	p := newPair(t)
+	// An H100's kernels are built for sm_90a, so that matmul_wg runs and
+	// is what this test checks for its rows.
+	if major, _, err := NVRTCVersion(); err == nil && major >= 12 && p.gpu.ctx.CCMajor == 9 && p.gpu.ctx.CCMinor == 0 &&
+		os.Getenv("EBB_MATMUL_WG") != "0" {
+		if got := p.gpu.matMulKernel(64, 1024, 1024); got != "matmul_wg_n64" {
+			t.Fatalf("64 rows on %s run %s, not matmul_wg_n64", p.gpu.mod.Arch, got)
+		}
+	}
+	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072},
+		// matmul_tc (2 to 16 rows): one and two tiles, K splits, ragged
+		// N; a K that is no multiple of 32 goes to cuBLAS.
+		{5, 1024, 301}, {16, 2048, 1024}, {12, 256, 40}, {9, 12288, 512}, {13, 1000, 64}, {64, 3072, 1024}, {200, 2048, 1000},
+		// matmul_tc with three tiles (17 to 24 rows).
+		{17, 1024, 4096}, {24, 3072, 1024}, {20, 96, 512}, {23, 1024, 301},
+		// matmul_wg's narrow products (25 to 256 rows on sm_90a); a K that
+		// is no multiple of 64 or an N no multiple of 16 goes to cuBLAS.
+		{32, 2048, 1024}, {48, 3072, 1024}, {128, 2048, 1008}, {33, 96, 512}, {40, 1024, 1000}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		bias := p.random(device.BF16, 0.5, s.n)
+		out := p.random(device.BF16, 1, s.m, s.n)
+		p.gpu.MatMul(out.g, x.g, w.g, bias.g)
+		p.cpu.MatMul(out.c, x.c, w.c, bias.c)
+		p.close("matmul bf16+bias", out, 2e-2, 2e-2)
+		logits := p.random(device.F32, 1, s.m, s.n)
+		p.gpu.MatMul(logits.g, x.g, w.g, device.Tensor{})
+		p.cpu.MatMul(logits.c, x.c, w.c, device.Tensor{})
+		p.close("matmul f32 out", logits, 1e-3, 1e-3)
+	}
+}
+
+// TestMatMulWG runs matmul_wg on shapes MatMul gives it and on those it
+// leaves to cuBLAS: every batch tile, one to eight K splits, N past the
+// last full tile, fp32 and bf16 out.
+func TestMatMulWG(t *testing.T) {
+	p := newPair(t)
+	if !p.gpu.wgmma {
+		t.Skipf("matmul_wg needs sm_90a kernels (these are %s)", p.gpu.mod.Arch)
+	}
+	for _, s := range []struct{ m, k, n int }{{25, 1024, 4096}, {32, 2048, 1024}, {48, 3072, 1024}, {64, 1024, 6144},
+		{90, 1024, 4096}, {128, 2048, 1008}, {100, 1024, 304}, {97, 64, 256}, {128, 3072, 1024}, {120, 4096, 2048}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		out := p.random(device.BF16, 1, s.m, s.n)
+		p.gpu.matMulWG(out.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false)
+		p.cpu.MatMul(out.c, x.c, w.c, device.Tensor{})
+		p.close(fmt.Sprintf("matmul_wg %+v", s), out, 2e-2, 2e-2)
+		logits := p.random(device.F32, 1, s.m, s.n)
+		p.gpu.matMulWG(logits.g.Ptr, true, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false)
+		p.cpu.MatMul(logits.c, x.c, w.c, device.Tensor{})
+		p.close(fmt.Sprintf("matmul_wg f32 %+v", s), logits, 1e-3, 1e-3)
+	}
+}
+
+// TestMatMulSameBits: matmul_tc adds its K splits in a fixed order (and
+// cuBLAS's products do not split K), so running one twice gives the same
+// bits.
+func TestMatMulSameBits(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct{ m, k, n int }{{8, 2048, 1024}, {24, 3072, 1024}, {128, 1024, 4096}, {64, 3072, 1024}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		first, again := p.random(device.F32, 1, s.m, s.n), p.random(device.F32, 1, s.m, s.n)
+		p.gpu.MatMul(first.g, x.g, w.g, device.Tensor{})
+		p.gpu.MatMul(again.g, x.g, w.g, device.Tensor{})
+		p.sameBits(fmt.Sprintf("matmul run twice %+v", s), again.g, first.g)
+	}
+}
+
+// cpuMatMulAddRMSNorm is what the fused kernels stand for, on the CPU:
+// out = in @ w^T, in being x or, with silu, SiLUMul(x) (through act); then
+// AddRMSNorm into res and normed.
+func cpuMatMulAddRMSNorm(p *pair, out, x, w, act both, silu bool, res, normed, normW both) {
+	in := x.c
+	if silu {
+		p.cpu.SiLUMul(act.c, x.c)
+		in = act.c
+	}
+	p.cpu.MatMul(out.c, in, w.c, device.Tensor{})
+	p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
+}
+
+// TestMatMulAddRMSNorm compares the fused decode kernel with the CPU's
+// separate SiLUMul, MatMul and AddRMSNorm, which define its result; twice
+// in a row, as the counter that elects the last block must reset itself.
+func TestMatMulAddRMSNorm(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct {
+		m, k, n int
+		silu    bool
+	}{{1, 1024, 1024, false}, {1, 2048, 1024, false}, {1, 3072, 1024, true}, {1, 384, 384, true}, {1, 4096, 4096, false}, {1, 1024, 1000, true}, {1, 1024, 301, false}} {
+		kin := s.k
+		if s.silu {
+			kin = 2 * s.k
+		}
+		x := p.random(device.BF16, 2, s.m, kin)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
+		normW := p.random(device.BF16, 0.3, s.n)
+		out := p.random(device.BF16, 1, s.m, s.n)
+		normed := p.random(device.BF16, 1, s.m, s.n)
+		act := p.random(device.BF16, 1, s.m, s.k)
+		for range 2 {
+			res := p.random(device.BF16, 3, s.m, s.n) // fresh: errors would compound
+			if !p.gpu.MatMulAddRMSNorm(out.g, x.g, w.g, s.silu, res.g, normed.g, normW.g, 1e-6) {
+				t.Fatalf("%+v: not fused", s)
+			}
+			cpuMatMulAddRMSNorm(p, out, x, w, act, s.silu, res, normed, normW)
+			// The CPU's silu_mul does not round silu(gate) to bf16 before
+			// the product as the GPU's does: its activations differ by
+			// an ulp, and K of them add up in out.
+			tol := 2e-2
+			if s.silu {
+				tol = 3e-2
+			}
+			p.close("fused out", out, tol, 2e-2)
+			p.close("fused residual", res, 3e-2, 1e-2)
+			p.close("fused normed", normed, 3e-2, 3e-2)
+		}
+	}
+	x := p.random(device.BF16, 1, 2, 256)
+	if p.gpu.MatMulAddRMSNorm(p.random(device.BF16, 1, 2, 64).g, x.g, p.random(device.BF16, 1, 64, 256).g, false,
+		p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 64).g, 1e-6) {
+		t.Fatal("fused for 2 rows")
+	}
+}
+
+// TestMatMulAddThenRMSNormMatMul compares gemv_fused's squares mode and
+// the gemv that normalises its residual as it reads it (and with glu
+// applies silu to gate and up) with the CPU's MatMul, AddRMSNorm, MatMul
+// and SiLUMul; twice in a row, as in decode.
+func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct {
+		m, k, hidden, n int
+		silu, glu       bool
+	}{
+		{1, 2048, 1024, 4096, false, false}, {1, 2048, 1024, 6144, false, true}, {1, 3072, 1024, 6144, true, false},
+		{1, 384, 512, 384, true, true}, {1, 2048, 1024, 1000, false, false}, {1, 256, 512, 1002, false, true},
+		{1, 64, 4096, 256, false, false},
+	} {
+		kin, ny := s.k, s.n
+		if s.silu {
+			kin = 2 * s.k
+		}
+		if s.glu {
+			ny = s.n / 2
+		}
+		x := p.random(device.BF16, 2, s.m, kin)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.hidden, s.k)
+		next := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.hidden))), s.n, s.hidden)
+		normW := p.random(device.BF16, 0.3, s.hidden)
+		out := p.random(device.BF16, 1, s.m, s.hidden)
+		normed := p.random(device.BF16, 1, s.m, s.hidden)
+		act := p.random(device.BF16, 1, s.m, s.k)
+		gateUp := p.random(device.BF16, 1, s.m, s.n)
+		y := p.random(device.BF16, 1, s.m, ny)
+		for range 2 {
+			res := p.random(device.BF16, 3, s.m, s.hidden)
+			if !p.gpu.MatMulAdd(x.g, w.g, s.silu, res.g) {
+				t.Fatalf("%+v: not fused", s)
+			}
+			if !p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6, s.glu) {
+				t.Fatalf("%+v: glu not fused", s)
+			}
+			cpuMatMulAddRMSNorm(p, out, x, w, act, s.silu, res, normed, normW)
+			if s.glu {
+				p.cpu.MatMul(gateUp.c, normed.c, next.c, device.Tensor{})
+				p.cpu.SiLUMul(y.c, gateUp.c)
+			} else {
+				p.cpu.MatMul(y.c, normed.c, next.c, device.Tensor{})
+			}
+			p.close("squares residual", res, 3e-2, 1e-2)
+			p.close(fmt.Sprintf("normalising matmul (glu %v)", s.glu), y, 4e-2, 3e-2)
+		}
+	}
+	// Two rows are not fused: the model adds and normalises on its own.
+	if p.gpu.MatMulAdd(p.random(device.BF16, 1, 2, 128).g, p.random(device.BF16, 1, 256, 128).g, false, p.random(device.BF16, 1, 2, 256).g) {
+		t.Fatal("fused for two rows")
+	}
+	// A normalising matmul needs the sums of the residual it reads.
+	res := p.random(device.BF16, 1, 1, 256)
+	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 1, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res.g) {
+		t.Fatal("not fused")
+	}
+	other := p.random(device.BF16, 1, 1, 256)
+	p.gpu.RMSNormMatMul(p.random(device.BF16, 1, 1, 64).g, other.g, p.random(device.BF16, 1, 256).g, p.random(device.BF16, 1, 64, 256).g, 1e-6, false)
+	if err := p.gpu.Sync(); err == nil || !strings.Contains(err.Error(), "rmsnorm matmul") {
+		t.Fatalf("normalising matmul on another residual: %v", err)
+	}
+}
+
+// TestMatMulSiLU compares the fused gate_up products (the gemv whose warp
+// groups take a gate and its up, for one row; matmul_tc whose warps do,
+// for 2 to 24 rows) with the CPU's MatMul then SiLUMul, and matmul_tc's
+// with the GPU's own MatMul then SiLUMul, which it must equal bit for bit.
+func TestMatMulSiLU(t *testing.T) {
+	p := newPair(t)
+	for _, s := range []struct{ m, k, inter int }{{1, 1024, 3072}, {1, 4096, 6144}, {1, 256, 501},
+		{2, 1024, 3072}, {8, 4096, 6144}, {13, 256, 501}, {24, 1024, 3072}, {19, 2048, 100},
+		{25, 1024, 3072}, {64, 1024, 3072}, {128, 2048, 104}, {100, 1024, 3072}} {
+		x := p.random(device.BF16, 1, s.m, s.k)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), 2*s.inter, s.k)
+		gateUp := p.random(device.BF16, 1, s.m, 2*s.inter)
+		out := p.random(device.BF16, 1, s.m, s.inter)
+		if !p.gpu.MatMulSiLU(out.g, x.g, w.g) {
+			t.Fatalf("%+v: not fused", s)
+		}
+		p.cpu.MatMul(gateUp.c, x.c, w.c, device.Tensor{})
+		p.cpu.SiLUMul(out.c, gateUp.c)
+		p.close(fmt.Sprintf("matmul silu %+v", s), out, 2e-2, 2e-2)
+		if s.m == 1 {
+			continue
+		}
+		apart := p.random(device.BF16, 1, s.m, s.inter)
+		if s.m > 8*matMulTCMaxTiles { // the product as matmul_wg forms it; MatMul leaves gate_up to cuBLAS
+			p.gpu.matMulWG(gateUp.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, 2*s.inter, s.k, false)
+		} else {
+			p.gpu.MatMul(gateUp.g, x.g, w.g, device.Tensor{})
+		}
+		p.gpu.SiLUMul(apart.g, gateUp.g)
+		p.sameBits(fmt.Sprintf("matmul silu %+v against product then silu_mul", s), out.g, apart.g)
+	}
+	if rows := 8*matMulTCMaxTiles + 1; !p.gpu.wgmma &&
+		p.gpu.MatMulSiLU(p.random(device.BF16, 1, rows, 64).g, p.random(device.BF16, 1, rows, 256).g, p.random(device.BF16, 1, 128, 256).g) {
+		t.Fatalf("fused for %d rows without matmul_wg", rows)
+	}
+	if p.gpu.MatMulSiLU(p.random(device.BF16, 1, 129, 64).g, p.random(device.BF16, 1, 129, 256).g, p.random(device.BF16, 1, 128, 256).g) {
+		t.Fatal("fused for 129 rows")
+	}
+}
+
+func TestSiLUMul(t *testing.T) {
+	p := newPair(t)
+	for _, inter := range []int{200, 203} { // vectorised, and not
+		gu := p.random(device.BF16, 2, 9, 2*inter)
+		out := p.random(device.BF16, 1, 9, inter)
+		p.gpu.SiLUMul(out.g, gu.g)
+		p.cpu.SiLUMul(out.c, gu.c)
+		p.close("silu_mul", out, 1e-2, 2e-2)
+	}
+}
+
+// TestBenchMatMul: the kernel benchmark names the kernel MatMul picks for
+// each row count and times it.
+func TestBenchMatMul(t *testing.T) {
+	p := newPair(t)
+	// 25 to 128 rows: matmul_wg where its kernels were built, in its 32-
+	// to 128-row tiles.
+	wg32, wg128 := "cublasGemmEx", "cublasGemmEx"
+	if p.gpu.wgmma {
+		wg32, wg128 = "matmul_wg_n32", "matmul_wg_n128"
+	}
+	for _, c := range []struct {
+		m      int
+		kernel string
+	}{{1, "gemv_m1"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {24, "matmul_tc_t3"}, {25, wg32}, {128, wg128}, {129, "cublasGemmEx"}} {
+		r, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: c.m, N: 1024, K: 2048, Iters: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Kernel != c.kernel || !(r.MinUs > 0 && r.MedianUs >= r.MinUs && r.GBPerS > 0 && r.TFLOPS > 0) {
+			t.Fatalf("%d rows: %+v, want kernel %s and positive times", c.m, r, c.kernel)
+		}
+	}
+	if _, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: 0, N: 8, K: 8, Iters: 1}); err == nil {
+		t.Fatal("zero rows accepted")
+	}
+}
+
+// TestMatMulAccumulate: out += x @ w^T for a prefill's rows, against the
+// sum in float64 of the same bf16 values; decode-sized x is left to the
+// separate add.
+func TestMatMulAccumulate(t *testing.T) {
+	p := newPair(t)
+	const m, n, k = 1100, 48, 64
+	x, w, out := p.random(device.BF16, 1, m, k), p.random(device.BF16, 1, n, k), p.random(device.BF16, 1, m, n)
+	xs, _ := p.download(x)
+	ws, _ := p.download(w)
+	before, _ := p.download(out)
+	if !p.gpu.MatMulAccumulate(out.g, x.g, w.g) {
+		t.Fatal("MatMulAccumulate did not apply to 1100 rows")
+	}
+	after, _ := p.download(out)
+	worst := 0.0
+	for i := 0; i < m; i++ {
+		for j := 0; j < n; j++ {
+			want := float64(before[i*n+j])
+			for l := 0; l < k; l++ {
+				want += float64(xs[i*k+l]) * float64(ws[j*k+l])
+			}
+			got := float64(after[i*n+j])
+			if d := math.Abs(got - want); d > 1e-2+1e-2*math.Abs(want) {
+				t.Fatalf("row %d col %d: %v, want %v", i, j, got, want)
+			} else if d > worst {
+				worst = d
+			}
+		}
+	}
+	t.Logf("max |gpu-float64| %.3g", worst)
+	small := p.random(device.BF16, 1, 16, k)
+	if p.gpu.MatMulAccumulate(out.g.Rows(0, 16), small.g, w.g) {
+		t.Fatal("MatMulAccumulate applied to 16 rows")
+	}
+}
