@@ -41,6 +41,7 @@ type Device struct {
 	fences        []*Event       // idle events for Fence
 	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
 	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
+	wgmmaNorm     bool           // matmul_wg takes part in add_rmsnorm (EBB_MATMUL_WG_NORM=0: not)
 }
 
 var (
@@ -168,7 +169,9 @@ func (d *Device) init() error {
 	if d.samplePart, err = d.Alloc(memory.CUDAGraph, device.F32, 1<<18); err != nil {
 		return err
 	}
-	if d.rowSquares, err = d.Alloc(memory.CUDAGraph, device.F32, gemvMaxRows*8*1024); err != nil {
+	// Sums of squares: gemv_fused's blocks for one row, or matmul_wg's
+	// 128-column tiles for its rows (hidden sizes to 8,192).
+	if d.rowSquares, err = d.Alloc(memory.CUDAGraph, device.F32, max(gemvMaxRows*8*1024, matMulWGRows[len(matMulWGRows)-1]*64)); err != nil {
 		return err
 	}
 	if err := d.initMatMulWG(); err != nil {

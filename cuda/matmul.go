@@ -32,7 +32,7 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 	case routeTC:
 		d.matMulTC(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
 	case routeWG:
-		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
+		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, wgNorm{})
 	default:
 		if !d.tunedMatMul(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k) {
 			d.fail(d.blas.gemm(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false))
@@ -207,15 +207,30 @@ type pendingNorm struct {
 	parts      int
 }
 
-// MatMulAdd implements device.Fused: gemv_fused in squares mode. The
-// residual must suit RMSNormMatMul's gemv (16-byte rows), so that the
-// normalisation cannot be left undone.
-func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual device.Tensor) bool {
+// MatMulAdd implements device.Fused: for one row gemv_fused in squares
+// mode, for 25-48 rows matmul_wg in add mode, where RMSNormMatMul takes
+// next after it (so that the normalisation cannot be left undone).
+func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.Tensor, glu bool) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
+	if residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 || residual.Ptr%16 != 0 ||
+		x.Ptr%16 != 0 || w.Ptr%16 != 0 || next.Dim(-1) != n || next.Ptr%16 != 0 {
+		return false
+	}
+	if m > gemvMaxRows {
+		parts := (n + matMulWGTileRows - 1) / matMulWGTileRows
+		if !d.wgmmaNorm || m > matMulWGNormRows || silu || x.DType != device.BF16 || w.DType != device.BF16 || x.Numel() != m*k || m*parts > d.rowSquares.Numel() ||
+			d.matMulRoute(m, n, k, false) != routeWG || d.matMulRoute(m, next.Dim(0), n, glu) != routeWG {
+			return false
+		}
+		if d.err == nil {
+			d.matMulWG(0, false, x.Ptr, w.Ptr, m, n, k, false, wgNorm{residual: residual.Ptr})
+			d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: parts}
+		}
+		return true
+	}
 	wpo := d.gemvWarps(n, k)
 	parts := (n*wpo + 7) / 8
-	if !fusable(m, x, w) || residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 ||
-		residual.Ptr%16 != 0 || m*parts > d.rowSquares.Numel() {
+	if !fusable(m, x, w) || m*parts > d.rowSquares.Numel() {
 		return false
 	}
 	if d.err != nil {
@@ -227,8 +242,9 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual device.Tensor
 	return true
 }
 
-// RMSNormMatMul implements device.Fused: a gemv that normalises the
-// residual MatMulAdd left as it reads it (with glu also applying silu).
+// RMSNormMatMul implements device.Fused: a gemv, or matmul_wg in norm
+// mode, that normalises the residual MatMulAdd left as it reads it (with
+// glu also applying silu).
 func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float32, glu bool) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
 	if d.err != nil {
@@ -240,10 +256,16 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 	if glu {
 		cols = n / 2
 	}
+	wide := m > gemvMaxRows
 	if p.residual == 0 || p.residual != residual.Ptr || p.rows != m || p.cols != k || residual.Numel() != m*k ||
-		normW.Numel() != k || out.Numel() != m*cols || (glu && n%2 != 0) || out.DType != device.BF16 || w.Ptr%16 != 0 {
+		normW.Numel() != k || out.Numel() != m*cols || (glu && n%2 != 0) || out.DType != device.BF16 || w.Ptr%16 != 0 ||
+		(wide && (m > matMulWGNormRows || d.matMulRoute(m, n, k, glu) != routeWG)) {
 		d.fail(fmt.Errorf("rmsnorm matmul: residual %v (last MatMulAdd: %d x %d at %#x), norm %v, w %v, out %v, glu %v",
 			residual, p.rows, p.cols, p.residual, normW, w, out, glu))
+		return true
+	}
+	if wide {
+		d.matMulWG(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, wgNorm{normW: normW.Ptr, parts: p.parts, eps: eps})
 		return true
 	}
 	gemv, wpo, blocks := d.gemvShape(m, n, k, glu)
@@ -271,7 +293,7 @@ func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 	case routeTC:
 		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
 	case routeWG:
-		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
+		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true, wgNorm{})
 	default:
 		return false
 	}

@@ -56,11 +56,11 @@ func TestMatMulWG(t *testing.T) {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		out := p.random(device.BF16, 1, s.m, s.n)
-		p.gpu.matMulWG(out.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false)
+		p.gpu.matMulWG(out.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, wgNorm{})
 		p.cpu.MatMul(out.c, x.c, w.c, device.Tensor{})
 		p.close(fmt.Sprintf("matmul_wg %+v", s), out, 2e-2, 2e-2)
 		logits := p.random(device.F32, 1, s.m, s.n)
-		p.gpu.matMulWG(logits.g.Ptr, true, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false)
+		p.gpu.matMulWG(logits.g.Ptr, true, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, wgNorm{})
 		p.cpu.MatMul(logits.c, x.c, w.c, device.Tensor{})
 		p.close(fmt.Sprintf("matmul_wg f32 %+v", s), logits, 1e-3, 1e-3)
 	}
@@ -138,20 +138,33 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 	}
 }
 
-// TestMatMulAddThenRMSNormMatMul compares gemv_fused's squares mode and
-// the gemv that normalises its residual as it reads it (and with glu
-// applies silu to gate and up) with the CPU's MatMul, AddRMSNorm, MatMul
-// and SiLUMul; twice in a row, as in decode.
+// TestMatMulAddThenRMSNormMatMul compares the products that add to the
+// residual and leave its sums of squares (gemv_fused's squares mode for
+// one row, matmul_wg's add mode for 25-128) and those that normalise it
+// as they read it (and with glu apply silu to gate and up) with the CPU's
+// MatMul, AddRMSNorm, MatMul and SiLUMul; twice in a row, as in decode.
 func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 	p := newPair(t)
-	for _, s := range []struct {
+	type addCase struct {
 		m, k, hidden, n int
 		silu, glu       bool
-	}{
+	}
+	cases := []addCase{
 		{1, 2048, 1024, 4096, false, false}, {1, 2048, 1024, 6144, false, true}, {1, 3072, 1024, 6144, true, false},
 		{1, 384, 512, 384, true, true}, {1, 2048, 1024, 1000, false, false}, {1, 256, 512, 1002, false, true},
 		{1, 64, 4096, 256, false, false},
-	} {
+	}
+	if p.gpu.wgmma {
+		// o_proj then gate_up with silu, at each batch tile and between;
+		// down then a product narrow enough for matmul_wg.
+		for _, m := range []int{25, 32, 40, 48} {
+			cases = append(cases, addCase{m, 2048, 1024, 6144, false, true})
+		}
+		cases = append(cases, addCase{37, 3072, 1024, 1024, false, false})
+		// 67 tiles: no K split, the ring goes round four times.
+		cases = append(cases, addCase{48, 256, 2048, 67 * 128, false, true})
+	}
+	for _, s := range cases {
 		kin, ny := s.k, s.n
 		if s.silu {
 			kin = 2 * s.k
@@ -170,7 +183,7 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 		y := p.random(device.BF16, 1, s.m, ny)
 		for range 2 {
 			res := p.random(device.BF16, 3, s.m, s.hidden)
-			if !p.gpu.MatMulAdd(x.g, w.g, s.silu, res.g) {
+			if !p.gpu.MatMulAdd(x.g, w.g, s.silu, res.g, next.g, s.glu) {
 				t.Fatalf("%+v: not fused", s)
 			}
 			if !p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6, s.glu) {
@@ -187,13 +200,19 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 			p.close(fmt.Sprintf("normalising matmul (glu %v)", s.glu), y, 4e-2, 3e-2)
 		}
 	}
-	// Two rows are not fused: the model adds and normalises on its own.
-	if p.gpu.MatMulAdd(p.random(device.BF16, 1, 2, 128).g, p.random(device.BF16, 1, 256, 128).g, false, p.random(device.BF16, 1, 2, 256).g) {
-		t.Fatal("fused for two rows")
+	// Where the next product would not normalise its input (two rows, a
+	// product too wide for matmul_wg, more rows than its norm mode takes),
+	// the model adds and normalises on its own.
+	for _, s := range []struct{ m, n int }{{2, 256}, {32, 4096}, {64, 6144}} {
+		if p.gpu.MatMulAdd(p.random(device.BF16, 1, s.m, 1024).g, p.random(device.BF16, 1, 1024, 1024).g, false,
+			p.random(device.BF16, 1, s.m, 1024).g, p.random(device.BF16, 1, s.n, 1024).g, false) {
+			t.Fatalf("fused for %d rows before a %d-wide product", s.m, s.n)
+		}
 	}
 	// A normalising matmul needs the sums of the residual it reads.
 	res := p.random(device.BF16, 1, 1, 256)
-	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 1, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res.g) {
+	if !p.gpu.MatMulAdd(p.random(device.BF16, 1, 1, 128).g, p.random(device.BF16, 1, 256, 128).g, false, res.g,
+		p.random(device.BF16, 1, 64, 256).g, false) {
 		t.Fatal("not fused")
 	}
 	other := p.random(device.BF16, 1, 1, 256)
@@ -227,7 +246,7 @@ func TestMatMulSiLU(t *testing.T) {
 		}
 		apart := p.random(device.BF16, 1, s.m, s.inter)
 		if s.m > 8*matMulTCMaxTiles { // the product as matmul_wg forms it; MatMul leaves gate_up to cuBLAS
-			p.gpu.matMulWG(gateUp.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, 2*s.inter, s.k, false)
+			p.gpu.matMulWG(gateUp.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, 2*s.inter, s.k, false, wgNorm{})
 		} else {
 			p.gpu.MatMul(gateUp.g, x.g, w.g, device.Tensor{})
 		}

@@ -12,6 +12,14 @@ import (
 // leave a block all of it (the tensor cores' time grows with the rows).
 var matMulWGRows = []int{32, 48, 64, 96, 128}
 
+// matMulWGNormRows is the most rows for which matmul_wg takes part in
+// add_rmsnorm (FOLD in matmul_wg.cu). H100, 0.6B decode steps with o_proj
+// adding to the residual and gate_up normalising it: batch 25 1.445 ->
+// 1.420 ms, 32 1.483 -> 1.452, 48 1.765 -> 1.757; 64 1.89 -> 1.96 and 128
+// 2.42 -> 2.49, where every block's pass over x costs more than the
+// add_rmsnorm launch it saves.
+const matMulWGNormRows = 48
+
 const (
 	matMulWGTileRows = 128 // MWG_ROWS: weight rows a block
 	matMulWGThreads  = 288 // MWG_THREADS: two warpgroups and the producer warp
@@ -37,6 +45,7 @@ func (d *Device) initMatMulWG() error {
 		}
 	}
 	d.wgmma = true
+	d.wgmmaNorm = os.Getenv("EBB_MATMUL_WG_NORM") != "0"
 	return nil
 }
 
@@ -80,9 +89,18 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), 1, uint32(splits)}, kps
 }
 
+// wgNorm is matmul_wg's part in a decode layer's add_rmsnorm; the zero
+// value is a plain product.
+type wgNorm struct {
+	residual uintptr // add mode: residual += the product, its rows' squares to d.rowSquares
+	normW    uintptr // norm mode: x is such a residual, normalised as each stage lands
+	parts    int     // norm mode: partial sums of squares a row in d.rowSquares
+	eps      float32
+}
+
 // matMulWG launches matmul_wg; with glu w is [gate | up] and out takes
 // silu(gate) * up (n/2 columns, bf16).
-func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
+func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm wgNorm) {
 	if d.err != nil {
 		return
 	}
@@ -106,5 +124,6 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		return
 	}
 	d.fail(d.ctx.LaunchCluster(d.k[name], grid, D1(matMulWGThreads), matMulWGShared(bn), int(grid.Z), []TensorMap{wmap, xmap},
-		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps)))
+		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
+		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps)))
 }

@@ -352,8 +352,10 @@ type Fused interface {
 	MatMulAddRMSNorm(out, x, w Tensor, silu bool, residual, normed, normW Tensor, eps float32) bool
 	// MatMulAdd is MatMulAddRMSNorm without normed: residual += in @ w^T,
 	// rounded as AddRMSNorm rounds it, and the device keeps what
-	// RMSNormMatMul needs to normalise residual as it reads it.
-	MatMulAdd(x, w Tensor, silu bool, residual Tensor) bool
+	// RMSNormMatMul needs to normalise residual as it reads it. It returns
+	// false where RMSNormMatMul would not take next (with glu: as gate_up)
+	// after it, so that the model never leaves a norm undone.
+	MatMulAdd(x, w Tensor, silu bool, residual, next Tensor, glu bool) bool
 	// RMSNormMatMul: y = (rmsnorm(residual) * normW) @ w^T, where the
 	// last operation to write residual was MatMulAdd (an error otherwise);
 	// out is y, or with glu (w being [gate | up] rows) SiLUMul of y. It

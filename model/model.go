@@ -253,10 +253,11 @@ func (m *Model) forward(in Inputs, a activations) {
 		dev.MatMul(out, a.x, wt, bias)
 	}
 	// addNorm: h += in @ wt^T (+ bias; in formed by SiLUMul when silu),
-	// x = rmsnorm(h) * norm. lazy: x goes only to a matMulX without bias.
-	addNorm := func(in, wt, bias device.Tensor, silu bool, norm device.Tensor, lazy bool) {
+	// x = rmsnorm(h) * norm. With next set, x goes only to a product by
+	// next without bias (with glu: gate_up, then silu).
+	addNorm := func(in, wt, bias device.Tensor, silu bool, norm, next device.Tensor, glu bool) {
 		if fused != nil && !bias.Valid() {
-			if lazy && fused.MatMulAdd(in, wt, silu, a.h) {
+			if next.Valid() && fused.MatMulAdd(in, wt, silu, a.h, next, glu) {
 				lazyNorm = norm
 				return
 			}
@@ -300,26 +301,29 @@ func (m *Model) forward(in Inputs, a activations) {
 			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		}
-		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, true)
+		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, l.GateUp, true)
 		// The last layer's x goes to GatherRows, and a biased qkv is not
 		// normalised on the fly.
-		next, lazy := w.Norm, false
+		norm, nextQKV := w.Norm, device.Tensor{}
 		if i+1 < len(w.Layers) {
-			next, lazy = w.Layers[i+1].InputNorm, !w.Layers[i+1].QKVBias.Valid()
+			norm = w.Layers[i+1].InputNorm
+			if !w.Layers[i+1].QKVBias.Valid() {
+				nextQKV = w.Layers[i+1].QKV
+			}
 		}
 		if lazyNorm.Valid() && fused.RMSNormMatMul(a.act, a.h, lazyNorm, l.GateUp, eps, true) {
-			// The gemv that normalised x also applied silu: each gate
-			// met its up in one group of warps.
+			// The product that normalised x also applied silu: each gate
+			// met its up in one thread or group of warps.
 			lazyNorm = device.Tensor{}
-			addNorm(a.act, l.Down, device.Tensor{}, false, next, lazy)
+			addNorm(a.act, l.Down, device.Tensor{}, false, norm, nextQKV, false)
 			continue
 		}
 		if !lazyNorm.Valid() && fusedDev != nil && fusedDev.MatMulSiLU(a.act, a.x, l.GateUp) {
-			addNorm(a.act, l.Down, device.Tensor{}, false, next, lazy)
+			addNorm(a.act, l.Down, device.Tensor{}, false, norm, nextQKV, false)
 			continue
 		}
 		matMulX(a.gateUp, l.GateUp, device.Tensor{})
-		addNorm(a.gateUp, l.Down, device.Tensor{}, true, next, lazy)
+		addNorm(a.gateUp, l.Down, device.Tensor{}, true, norm, nextQKV, false)
 	}
 	sel := a.x // the last layer ran on the logit rows alone
 	if !pruned {

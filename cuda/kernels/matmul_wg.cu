@@ -27,6 +27,18 @@
 // a warp's accumulator rows g and g + 8 are a gate and its up, and the
 // block writes silu(gate) * up as silu_mul would (as matmul_tc does).
 // Without glu the same map walks 128 consecutive rows.
+//
+// Two modes, for tiles of up to 48 rows, fold the decode layer's
+// add_rmsnorm into the products around it, as gemv_fused's squares mode
+// and the normalising gemv do for one row (a kernel boundary costs 2.4-2.7
+// us at these batches, H100):
+//   - add (residual set): residual += the product, rounded as add_rmsnorm
+//     rounds it; out is not written, and sq[row * gridDim.x + tile] takes
+//     the sum of squares of the tile's new residual values;
+//   - norm (norm_w set): x is such a residual h, which the consumers turn
+//     into norm_w * rmsnorm(h) in shared memory once a round of the ring
+//     has landed (the row's nsq partial sums in sq give its scale), before
+//     wgmma reads it.
 #define MWG_ROWS 128
 #define MWG_CONSUMERS 256
 #define MWG_THREADS (MWG_CONSUMERS + 32)
@@ -171,13 +183,84 @@ __device__ __forceinline__ float4 ld_cluster_f4(unsigned addr, int rank) {
 	return v;
 }
 
+// mwg_rmsnorm2 is two elements of norm_w * rmsnorm(h) (bf16 pairs h and w),
+// rounded as add_rmsnorm rounds them: h * inv to bf16, then the product
+// with w, exact in fp32, rounded once: one bf16x2 multiply does it.
+__device__ __forceinline__ unsigned mwg_rmsnorm2(unsigned h, unsigned w, float inv) {
+	unsigned y, r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
+	    : "=r"(y)
+	    : "f"(__uint_as_float(h & 0xffff0000u) * inv), "f"(__uint_as_float(h << 16) * inv));
+	asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(y), "r"(w));
+	return r;
+}
+
+// mwg_normalise turns the x of a round of landed stages (BN rows of 64 k
+// each, in the 128-byte swizzle: row r's 16-byte chunk c at r * 128 + 16
+// (c ^ (r & 7))) into norm_w * rmsnorm(h), all at once: one barrier a
+// round, not a stage. Consumer i of 256 takes chunks i, i + 256, ... of a
+// stage: rows i / 8 + 32 u, all with the same logical chunk, so one norm_w
+// chunk (nw[stage]).
+template <int BN, int S>
+__device__ __forceinline__ void mwg_normalise(unsigned x0, unsigned stage_bytes, int stages, const uint4 *nw,
+                                              const float *inv) {
+#pragma unroll
+	for (int j = 0; j < S; j++) {
+		if (j >= stages) break;
+#pragma unroll
+		for (int u = 0; u < (BN * 8 + MWG_CONSUMERS - 1) / MWG_CONSUMERS; u++) {
+			const int i = threadIdx.x + u * MWG_CONSUMERS;
+			if (i >= BN * 8) break;
+			const unsigned a = x0 + j * stage_bytes + 16 * i;
+			uint4 h;
+			asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(h.x), "=r"(h.y), "=r"(h.z), "=r"(h.w) : "r"(a));
+			h.x = mwg_rmsnorm2(h.x, nw[j].x, inv[u]), h.y = mwg_rmsnorm2(h.y, nw[j].y, inv[u]);
+			h.z = mwg_rmsnorm2(h.z, nw[j].z, inv[u]), h.w = mwg_rmsnorm2(h.w, nw[j].w, inv[u]);
+			asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(h.x), "r"(h.y), "r"(h.z), "r"(h.w)
+			             : "memory");
+		}
+	}
+	// wgmma reads through the async proxy, and each warpgroup reads rows
+	// that every consumer wrote.
+	asm volatile("fence.proxy.async.shared::cta;\nbar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+}
+
+// mwg_row_scales leaves in inv_s each row's inverse root mean square from
+// the nsq partial sums of squares in sq (two consumers a row, their loads
+// issued together; the same order of additions in every block).
+template <int BN>
+__device__ __forceinline__ void mwg_row_scales(float *inv_s, const float *sq, int nsq, int m, int K, float eps) {
+	const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+	float ss = 0.f;
+	if (r < m && r < BN) {
+		const float *p = sq + (long long)r * nsq;
+		float v[8];
+#pragma unroll
+		for (int i = 0; i < 8; i++) v[i] = half + 2 * i < nsq ? __ldcg(p + half + 2 * i) : 0.f;
+#pragma unroll
+		for (int i = 0; i < 8; i++) ss += v[i];
+		for (int i = half + 16; i < nsq; i += 2) ss += __ldcg(p + i);
+	}
+	ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+	if (half == 0 && r < BN) inv_s[r] = r < m ? rsqrtf(ss / K + eps) : 0.f;
+	asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+}
+
 template <int BN>
 __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *out, int out_f32, int m, int N, int K,
-                               int glu, int kps) {
+                               int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps) {
 #ifdef MWG_ON
 	constexpr int WBYTES = MWG_ROWS * 128, STAGE = WBYTES + BN * 128, S = mwg_stages(BN);
+	constexpr int NU = (BN * 8 + MWG_CONSUMERS - 1) / MWG_CONSUMERS; // x chunks a consumer normalises
+	// The add and norm modes are built for tiles of up to 48 rows (the host
+	// asks for them there only): at 64-128 rows normalising x cost more in
+	// every block (each tile's blocks normalise all of x again) than the
+	// kernel boundary it saves, even a stage ahead of the wgmma.
+	constexpr bool FOLD = BN <= 48;
 	extern __shared__ unsigned char wg_smem[];
 	__shared__ __align__(8) unsigned long long bars[2 * 8];
+	__shared__ float warp_sq[MWG_CONSUMERS / 32][FOLD ? BN : 1]; // add mode: each warp's 16 columns' squares
+	if (!FOLD && (residual || norm_w)) __trap();
 	const int tid = threadIdx.x, lane = tid & 31;
 	const bool consumer = tid < MWG_CONSUMERS;
 	const unsigned base = (smem_u32(wg_smem) + 1023) & ~1023u;
@@ -193,6 +276,10 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	}
 	__syncthreads();
 
+	// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
+	// 8 j + 2 q + (e & 1).
+	const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
+	float hpre[2][4]; // add mode: see below
 	float d[BN / 2];
 #pragma unroll
 	for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
@@ -219,9 +306,48 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 		}
 	} else {
 		DEP();
+		// add mode: the residual of this block's first two groups of 8
+		// batch rows is requested now, so that the epilogue finds it.
+		if (FOLD && residual) {
+#pragma unroll
+			for (int c = 0; c < 2; c++) {
+				const int j = split + c * splits;
+#pragma unroll
+				for (int e = 0; e < 4; e++) {
+					const int r = 8 * j + 2 * q + (e & 1);
+					const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
+					hpre[c][e] = j < BN / 8 && r < m && n < N ? bf2f(__ldcg(residual + r * (long long)N + n)) : 0.f;
+				}
+			}
+		}
+		float inv[NU];
+		if (FOLD && norm_w) {
+			__shared__ float inv_s[BN];
+			mwg_row_scales<BN>(inv_s, sq, nsq, m, K, eps);
+#pragma unroll
+			for (int u = 0; u < NU; u++) inv[u] = (tid >> 3) + 32 * u < BN ? inv_s[(tid >> 3) + 32 * u] : 0.f;
+		}
 		const int wg = tid >> 7;
+		const int chunk = (tid & 7) ^ ((tid >> 3) & 7);
+		const uint4 *nwp = (const uint4 *)norm_w + kt0 * (MWG_BK / 8) + chunk;
 		for (int t = 0; t < nt; t++) {
 			const int s = t % S;
+			if (FOLD && norm_w && s == 0) {
+				// A round of the ring: its stages' x is normalised together.
+				const int stages = min(S, nt - t);
+				uint4 nw[S];
+#pragma unroll
+				for (int j = 0; j < S; j++)
+					if (j < stages) nw[j] = __ldg(nwp + (t + j) * (MWG_BK / 8));
+				if (t > 0) {
+					// The round's last stage is refilled only once the
+					// last round's is free.
+					asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+					mbar_arrive(empty + 8 * (S - 1));
+				}
+				for (int j = 0; j < stages; j++) mbar_wait(full + 8 * j, (t / S) & 1);
+				mwg_normalise<BN, S>(base + WBYTES, STAGE, stages, nw, inv);
+			}
 			mbar_wait(full + 8 * s, (t / S) & 1);
 			const unsigned st = base + s * STAGE;
 			asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -231,19 +357,49 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 			asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 			// The stage before is free once only this one's wgmma is in flight.
 			asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-			if (t > 0) mbar_arrive(empty + 8 * ((t - 1) % S));
+			if (t > 0 && !(FOLD && norm_w && s == 0)) mbar_arrive(empty + 8 * ((t - 1) % S));
 		}
 		asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
 		for (int i = 0; i < BN / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
 	}
 
-	// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
-	// 8 j + 2 q + (e & 1).
-	const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
 	const long long half = N / 2;
+	const int warp = tid >> 5;
+	// add adds fragment j to the residual and leaves each warp's sums of
+	// squares of its rows in warp_sq.
+	auto add = [&](int j, const float f[4]) {
+		bf16 *h[4];
+		float hv[4], sqv[2] = {0.f, 0.f}; // rows 8 j + 2 q and the next
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			const int r = 8 * j + 2 * q + (e & 1);
+			const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
+			h[e] = r < m && n < N ? residual + r * (long long)N + n : nullptr;
+			const int c = (j - split) / splits;
+			hv[e] = !h[e] ? 0.f : c == 0 ? hpre[0][e] : c == 1 ? hpre[1][e] : bf2f(__ldcg(h[e]));
+		}
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			if (!h[e]) continue;
+			hv[e] = rbf(hv[e] + rbf(f[e]));
+			*h[e] = f2bf(hv[e]);
+			sqv[e & 1] += hv[e] * hv[e];
+		}
+		// The warp's 16 columns: lanes of one q hold rows 8 j + 2 q (+1).
+#pragma unroll
+		for (int o = 4; o < 32; o <<= 1) {
+			sqv[0] += __shfl_xor_sync(0xffffffffu, sqv[0], o);
+			sqv[1] += __shfl_xor_sync(0xffffffffu, sqv[1], o);
+		}
+		if (g == 0) warp_sq[warp][8 * j + 2 * q] = sqv[0], warp_sq[warp][8 * j + 2 * q + 1] = sqv[1];
+	};
 	auto store = [&](int j, float4 v) {
 		const float f[4] = {v.x, v.y, v.z, v.w};
+		if (FOLD && residual) {
+			add(j, f);
+			return;
+		}
 #pragma unroll
 		for (int e = 0; e < 4; e++) {
 			const int r = 8 * j + 2 * q + (e & 1);
@@ -259,10 +415,23 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 			else ((bf16 *)out)[r * (long long)N + n] = f2bf(f[e]);
 		}
 	};
+	// squares adds the warps' sums of the rows this block stored, in warp
+	// order, so the bits do not depend on timing.
+	auto squares = [&]() {
+		if (!FOLD || !residual) return;
+		asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+		const int r = tid;
+		if (r >= BN || r >= m || (r / 8) % splits != split) return;
+		float s = 0.f;
+#pragma unroll
+		for (int w = 0; w < MWG_CONSUMERS / 32; w++) s += warp_sq[w][r];
+		sq[(long long)r * gridDim.x + tile] = s;
+	};
 	if (splits == 1) {
 		if (consumer) {
 #pragma unroll
 			for (int j = 0; j < BN / 8; j++) store(j, make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]));
+			squares();
 		}
 		return;
 	}
@@ -285,6 +454,7 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 			}
 			store(j, v);
 		}
+		squares();
 	}
 	cluster_sync(); // no block leaves while another reads its shared memory
 #else
@@ -295,8 +465,9 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 #define MATMUL_WG(BN)                                                                                                  \
 	extern "C" __global__ void __launch_bounds__(MWG_THREADS, 1)                                                       \
 	    matmul_wg_n##BN(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, void *out, int out_f32, \
-	                    int m, int N, int K, int glu, int kps) {                                                       \
-		matmul_wg_impl<BN>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps);                                             \
+	                    int m, int N, int K, int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, \
+	                    float eps) {                                                                                   \
+		matmul_wg_impl<BN>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps, residual, norm_w, sq, nsq, eps);             \
 	}
 MATMUL_WG(32)
 MATMUL_WG(48)
