@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"slices"
 	"time"
 	"unsafe"
@@ -41,7 +42,8 @@ type Device struct {
 	fences        []*Event       // idle events for Fence
 	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
 	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
-	wgmmaNorm     bool           // matmul_wg takes part in add_rmsnorm (EBB_MATMUL_WG_NORM=0: not)
+	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
+	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 }
 
 var (
@@ -169,11 +171,15 @@ func (d *Device) init() error {
 	if d.samplePart, err = d.Alloc(memory.CUDAGraph, device.F32, 1<<18); err != nil {
 		return err
 	}
-	// Sums of squares: gemv_fused's blocks for one row, or matmul_wg's
-	// 128-column tiles for its rows (hidden sizes to 8,192).
-	if d.rowSquares, err = d.Alloc(memory.CUDAGraph, device.F32, max(gemvMaxRows*8*1024, matMulWGRows[len(matMulWGRows)-1]*64)); err != nil {
+	// Sums of squares: gemv_fused's blocks for one row, matmul_tc's
+	// 16-column groups or matmul_wg's 128-column tiles for theirs (hidden
+	// sizes to 8,192).
+	squares := max(gemvMaxRows*8*1024, 8*matMulTCMaxTiles*8192/16, matMulWGNormRows*8192/matMulWGTileRows)
+	if d.rowSquares, err = d.Alloc(memory.CUDAGraph, device.F32, squares); err != nil {
 		return err
 	}
+	fold := os.Getenv("EBB_NORM_FOLD")
+	d.foldTC, d.foldWG = fold != "0" && fold != "wg", fold != "0" && fold != "tc"
 	if err := d.initMatMulWG(); err != nil {
 		return err
 	}

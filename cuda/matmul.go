@@ -30,9 +30,9 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(outF32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
 			P(0), P(0), I(0), F(0), I(0))
 	case routeTC:
-		d.matMulTC(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
+		d.matMulTC(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, normFold{})
 	case routeWG:
-		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, wgNorm{})
+		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, normFold{})
 	default:
 		if !d.tunedMatMul(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k) {
 			d.fail(d.blas.gemm(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false))
@@ -98,10 +98,49 @@ func (d *Device) matMulTCShape(m, n, k int) (string, Dim3) {
 
 // matMulTC launches matmul_tc; with glu w is [gate | up] and out takes
 // silu(gate) * up (n/2 columns, bf16).
-func (d *Device) matMulTC(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
+func (d *Device) matMulTC(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm normFold) {
 	name, grid := d.matMulTCShape(m, n, k)
 	d.launch(name, grid, D1(matMulTCWarps*32), 0, P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
-		P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4), I(boolInt(glu)))
+		P(d.partO.Ptr), P(d.counters.Ptr+matMulCountersAt*4), I(boolInt(glu)),
+		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps))
+}
+
+// normFold is a product's part in a decode layer's add_rmsnorm (matmul_tc
+// and matmul_wg); the zero value is a plain product.
+type normFold struct {
+	residual uintptr // add mode: residual += the product, its rows' squares to d.rowSquares
+	normW    uintptr // norm mode: x is such a residual, normalised as it is read
+	parts    int     // norm mode: partial sums of squares a row in d.rowSquares
+	eps      float32
+}
+
+// matMulTCNormRows is the most rows for which matmul_tc takes part in
+// add_rmsnorm: one tile. H100, 0.6B decode steps (ms): batch 2 1.08 ->
+// 1.01, 4 1.10 -> 1.05, 8 1.13 -> 1.08; with two and three tiles slower,
+// 16 1.38 -> 1.41, 17 1.66 -> 1.75, 24 1.69 -> 1.77 (every warp
+// normalises each tile's x as it loads it).
+const matMulTCNormRows = 8
+
+// foldRoute is the kernels that take part in add_rmsnorm for m rows (2 or
+// more) of an n x k product (glu: gate_up with silu): matmul_tc up to
+// matMulTCNormRows, matmul_wg from 25 to matMulWGNormRows, or none
+// (routeBLAS). EBB_NORM_FOLD=0 turns both off, =tc or =wg leaves one.
+func (d *Device) foldRoute(m, n, k int, glu bool) matMulRoute {
+	switch r := d.matMulRoute(m, n, k, glu); {
+	case r == routeTC && d.foldTC && m <= matMulTCNormRows, r == routeWG && d.foldWG && m <= matMulWGNormRows:
+		return r
+	}
+	return routeBLAS
+}
+
+// foldParts is how many partial sums of squares the add mode of route
+// leaves a row of n columns: one per column group (16, matmul_tc) or tile
+// (128, matmul_wg).
+func foldParts(route matMulRoute, n int) int {
+	if route == routeTC {
+		return (n + 15) / 16
+	}
+	return (n + matMulWGTileRows - 1) / matMulWGTileRows
 }
 
 // matMulRoute is the family of kernels that takes a product.
@@ -208,8 +247,9 @@ type pendingNorm struct {
 }
 
 // MatMulAdd implements device.Fused: for one row gemv_fused in squares
-// mode, for 25-48 rows matmul_wg in add mode, where RMSNormMatMul takes
-// next after it (so that the normalisation cannot be left undone).
+// mode, for 2-8 rows matmul_tc and for 25-48 matmul_wg in add mode, where
+// RMSNormMatMul takes next after it (so that the normalisation cannot be
+// left undone).
 func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.Tensor, glu bool) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
 	if residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 || residual.Ptr%16 != 0 ||
@@ -217,13 +257,18 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.
 		return false
 	}
 	if m > gemvMaxRows {
-		parts := (n + matMulWGTileRows - 1) / matMulWGTileRows
-		if !d.wgmmaNorm || m > matMulWGNormRows || silu || x.DType != device.BF16 || w.DType != device.BF16 || x.Numel() != m*k || m*parts > d.rowSquares.Numel() ||
-			d.matMulRoute(m, n, k, false) != routeWG || d.matMulRoute(m, next.Dim(0), n, glu) != routeWG {
+		route := d.foldRoute(m, n, k, false)
+		parts := foldParts(route, n)
+		if route == routeBLAS || silu || x.DType != device.BF16 || w.DType != device.BF16 || x.Numel() != m*k ||
+			m*parts > d.rowSquares.Numel() || d.foldRoute(m, next.Dim(0), n, glu) == routeBLAS {
 			return false
 		}
 		if d.err == nil {
-			d.matMulWG(0, false, x.Ptr, w.Ptr, m, n, k, false, wgNorm{residual: residual.Ptr})
+			if route == routeTC {
+				d.matMulTC(0, false, x.Ptr, w.Ptr, m, n, k, false, normFold{residual: residual.Ptr})
+			} else {
+				d.matMulWG(0, false, x.Ptr, w.Ptr, m, n, k, false, normFold{residual: residual.Ptr})
+			}
 			d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: parts}
 		}
 		return true
@@ -242,8 +287,8 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.
 	return true
 }
 
-// RMSNormMatMul implements device.Fused: a gemv, or matmul_wg in norm
-// mode, that normalises the residual MatMulAdd left as it reads it (with
+// RMSNormMatMul implements device.Fused: a gemv, or matmul_tc or matmul_wg
+// in norm mode, that normalises the residual MatMulAdd left as it reads it (with
 // glu also applying silu).
 func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float32, glu bool) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
@@ -256,16 +301,24 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 	if glu {
 		cols = n / 2
 	}
-	wide := m > gemvMaxRows
+	route := routeGemv
+	if m > gemvMaxRows {
+		route = d.foldRoute(m, n, k, glu)
+	}
 	if p.residual == 0 || p.residual != residual.Ptr || p.rows != m || p.cols != k || residual.Numel() != m*k ||
 		normW.Numel() != k || out.Numel() != m*cols || (glu && n%2 != 0) || out.DType != device.BF16 || w.Ptr%16 != 0 ||
-		(wide && (m > matMulWGNormRows || d.matMulRoute(m, n, k, glu) != routeWG)) {
+		route == routeBLAS {
 		d.fail(fmt.Errorf("rmsnorm matmul: residual %v (last MatMulAdd: %d x %d at %#x), norm %v, w %v, out %v, glu %v",
 			residual, p.rows, p.cols, p.residual, normW, w, out, glu))
 		return true
 	}
-	if wide {
-		d.matMulWG(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, wgNorm{normW: normW.Ptr, parts: p.parts, eps: eps})
+	fold := normFold{normW: normW.Ptr, parts: p.parts, eps: eps}
+	switch route {
+	case routeTC:
+		d.matMulTC(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, fold)
+		return true
+	case routeWG:
+		d.matMulWG(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, fold)
 		return true
 	}
 	gemv, wpo, blocks := d.gemvShape(m, n, k, glu)
@@ -291,9 +344,9 @@ func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 		gemv, wpo, blocks := d.gemvShape(m, n, k, true)
 		d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo), P(0), P(0), I(0), F(0), I(1))
 	case routeTC:
-		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
+		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true, normFold{})
 	case routeWG:
-		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true, wgNorm{})
+		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true, normFold{})
 	default:
 		return false
 	}

@@ -56,11 +56,11 @@ func TestMatMulWG(t *testing.T) {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		out := p.random(device.BF16, 1, s.m, s.n)
-		p.gpu.matMulWG(out.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, wgNorm{})
+		p.gpu.matMulWG(out.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, normFold{})
 		p.cpu.MatMul(out.c, x.c, w.c, device.Tensor{})
 		p.close(fmt.Sprintf("matmul_wg %+v", s), out, 2e-2, 2e-2)
 		logits := p.random(device.F32, 1, s.m, s.n)
-		p.gpu.matMulWG(logits.g.Ptr, true, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, wgNorm{})
+		p.gpu.matMulWG(logits.g.Ptr, true, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, normFold{})
 		p.cpu.MatMul(logits.c, x.c, w.c, device.Tensor{})
 		p.close(fmt.Sprintf("matmul_wg f32 %+v", s), logits, 1e-3, 1e-3)
 	}
@@ -140,9 +140,10 @@ func TestMatMulAddRMSNorm(t *testing.T) {
 
 // TestMatMulAddThenRMSNormMatMul compares the products that add to the
 // residual and leave its sums of squares (gemv_fused's squares mode for
-// one row, matmul_wg's add mode for 25-128) and those that normalise it
-// as they read it (and with glu apply silu to gate and up) with the CPU's
-// MatMul, AddRMSNorm, MatMul and SiLUMul; twice in a row, as in decode.
+// one row, matmul_tc's for 2-8, matmul_wg's for 25-48) and those that
+// normalise it as they read it (and with glu apply silu to gate and up)
+// with the CPU's MatMul, AddRMSNorm, MatMul and SiLUMul; twice in a row,
+// as in decode.
 func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 	p := newPair(t)
 	type addCase struct {
@@ -154,6 +155,11 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 		{1, 384, 512, 384, true, true}, {1, 2048, 1024, 1000, false, false}, {1, 256, 512, 1002, false, true},
 		{1, 64, 4096, 256, false, false},
 	}
+	// matmul_tc's rows: o_proj then gate_up with silu, down then qkv.
+	for _, m := range []int{2, 5, 8} {
+		cases = append(cases, addCase{m, 2048, 1024, 6144, false, true})
+	}
+	cases = append(cases, addCase{6, 3072, 1024, 4096, false, false}, addCase{3, 384, 512, 1002, false, true})
 	if p.gpu.wgmma {
 		// o_proj then gate_up with silu, at each batch tile and between;
 		// down then a product narrow enough for matmul_wg.
@@ -200,13 +206,20 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 			p.close(fmt.Sprintf("normalising matmul (glu %v)", s.glu), y, 4e-2, 3e-2)
 		}
 	}
-	// Where the next product would not normalise its input (two rows, a
-	// product too wide for matmul_wg, more rows than its norm mode takes),
-	// the model adds and normalises on its own.
-	for _, s := range []struct{ m, n int }{{2, 256}, {32, 4096}, {64, 6144}} {
-		if p.gpu.MatMulAdd(p.random(device.BF16, 1, s.m, 1024).g, p.random(device.BF16, 1, 1024, 1024).g, false,
+	// Where the next product would not normalise its input (a product
+	// too wide for matmul_wg, more rows than the norm modes take) or the
+	// input needs silu first, the model adds and normalises on its own.
+	for _, s := range []struct {
+		m, n int
+		silu bool
+	}{{32, 4096, false}, {64, 6144, false}, {16, 6144, false}, {8, 1024, true}} {
+		kin := 1024
+		if s.silu {
+			kin = 2048
+		}
+		if p.gpu.MatMulAdd(p.random(device.BF16, 1, s.m, kin).g, p.random(device.BF16, 1, 1024, 1024).g, s.silu,
 			p.random(device.BF16, 1, s.m, 1024).g, p.random(device.BF16, 1, s.n, 1024).g, false) {
-			t.Fatalf("fused for %d rows before a %d-wide product", s.m, s.n)
+			t.Fatalf("fused for %d rows before a %d-wide product (silu %v)", s.m, s.n, s.silu)
 		}
 	}
 	// A normalising matmul needs the sums of the residual it reads.
@@ -246,7 +259,7 @@ func TestMatMulSiLU(t *testing.T) {
 		}
 		apart := p.random(device.BF16, 1, s.m, s.inter)
 		if s.m > 8*matMulTCMaxTiles { // the product as matmul_wg forms it; MatMul leaves gate_up to cuBLAS
-			p.gpu.matMulWG(gateUp.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, 2*s.inter, s.k, false, wgNorm{})
+			p.gpu.matMulWG(gateUp.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, 2*s.inter, s.k, false, normFold{})
 		} else {
 			p.gpu.MatMul(gateUp.g, x.g, w.g, device.Tensor{})
 		}

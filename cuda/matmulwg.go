@@ -45,7 +45,6 @@ func (d *Device) initMatMulWG() error {
 		}
 	}
 	d.wgmma = true
-	d.wgmmaNorm = os.Getenv("EBB_MATMUL_WG_NORM") != "0"
 	return nil
 }
 
@@ -89,18 +88,9 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), 1, uint32(splits)}, kps
 }
 
-// wgNorm is matmul_wg's part in a decode layer's add_rmsnorm; the zero
-// value is a plain product.
-type wgNorm struct {
-	residual uintptr // add mode: residual += the product, its rows' squares to d.rowSquares
-	normW    uintptr // norm mode: x is such a residual, normalised as each stage lands
-	parts    int     // norm mode: partial sums of squares a row in d.rowSquares
-	eps      float32
-}
-
 // matMulWG launches matmul_wg; with glu w is [gate | up] and out takes
 // silu(gate) * up (n/2 columns, bf16).
-func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm wgNorm) {
+func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm normFold) {
 	if d.err != nil {
 		return
 	}

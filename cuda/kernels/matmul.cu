@@ -28,6 +28,18 @@
 // it: a warp's rows g are gates 8 blockIdx.x + g and its rows g + 8 the
 // matching ups, so each gate meets its up in the same thread (grid N/16
 // as without glu).
+//
+// For up to 8 rows (one tile), like matmul_wg at 25-48, it takes part in
+// the decode layer's add_rmsnorm (the host asks where the product before
+// and the one after both run it; with more tiles every warp normalising
+// each tile's x cost more than the launch saved):
+//   - add (residual set): the last block of a column group adds the
+//     product to the residual, rounded as add_rmsnorm rounds it, and
+//     leaves sq[row * gridDim.x + column group] the sum of squares of
+//     its 16 new values; out is not written;
+//   - norm (norm_w set): x is such a residual h, normalised as each 16
+//     bytes of it are loaded (the row's nsq partial sums in sq give its
+//     scale), as the normalising gemv does.
 #define MMT_WARPS 8
 #define MMT_PRE 4 // 32-wide steps of weights each warp loads ahead
 
@@ -39,16 +51,59 @@ __device__ __forceinline__ void mma16816(float c[4], unsigned a0, unsigned a1, u
 	             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// norm_pair is two elements of norm_w * rmsnorm(h) (bf16 pairs h and w),
+// rounded as add_rmsnorm rounds them: h * inv to bf16, then the product
+// with w, exact in fp32, rounded once (fma with -0: sm_80 and later).
+__device__ __forceinline__ unsigned norm_pair(unsigned h, unsigned w, float inv) {
+	unsigned y, r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
+	    : "=r"(y)
+	    : "f"(__uint_as_float(h & 0xffff0000u) * inv), "f"(__uint_as_float(h << 16) * inv));
+	asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(w), "r"(0x80008000u));
+	return r;
+}
+
+// row_scales leaves in inv_s each of the m rows' inverse root mean square
+// from the nsq partial sums of squares a row in sq: P threads a row (P a
+// power of two up to 32, m * P at most the threads calling), each adding
+// every P-th, their loads issued together, then the P added in a fixed
+// order. The caller synchronises before reading inv_s.
+template <int P>
+__device__ __forceinline__ void row_scales(float *inv_s, const float *sq, int nsq, int m, int K, float eps) {
+	const int r = threadIdx.x / P, p = threadIdx.x % P;
+	float ss = 0.f;
+	if (r < m) {
+		const float *row = sq + (long long)r * nsq;
+		float v[8];
+#pragma unroll
+		for (int i = 0; i < 8; i++) v[i] = p + P * i < nsq ? __ldcg(row + p + P * i) : 0.f;
+#pragma unroll
+		for (int i = 0; i < 8; i++) ss += v[i];
+		for (int i = p + 8 * P; i < nsq; i += P) ss += __ldcg(row + i);
+	}
+#pragma unroll
+	for (int o = 1; o < P; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+	if (p == 0 && r < m) inv_s[r] = rsqrtf(ss / K + eps);
+}
+
 // matmul_tc_step adds one 32-wide step of weight rows g and g+8 (wa, wb)
-// times the batch rows of every tile.
+// times the batch rows of every tile; with nw (norm mode: the step's norm
+// weights for this thread's k) each row of x is normalised as it loads.
 template <int T>
 __device__ __forceinline__ void matmul_tc_step(float acc[T][4], uint4 wa, uint4 wb, const bf16 *x, long long K, int m,
-                                               int row0, long long k) {
+                                               int row0, long long k, const bf16 *norm_w, const float *inv_s) {
+	uint4 nw = make_uint4(0, 0, 0, 0);
+	if (norm_w) nw = __ldg((const uint4 *)(norm_w + k));
 #pragma unroll
 	for (int t = 0; t < T; t++) {
 		const int r = row0 + 8 * t;
 		uint4 xv = make_uint4(0, 0, 0, 0);
 		if (r < m) xv = __ldg((const uint4 *)(x + r * K + k));
+		if (norm_w && r < m) {
+			const float inv = inv_s[r];
+			xv.x = norm_pair(xv.x, nw.x, inv), xv.y = norm_pair(xv.y, nw.y, inv);
+			xv.z = norm_pair(xv.z, nw.z, inv), xv.w = norm_pair(xv.w, nw.w, inv);
+		}
 		mma16816(acc[t], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
 		mma16816(acc[t], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 	}
@@ -56,8 +111,10 @@ __device__ __forceinline__ void matmul_tc_step(float acc[T][4], uint4 wa, uint4 
 
 template <int T>
 __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K,
-                               float *partial, int *counters, int glu) {
+                               float *partial, int *counters, int glu, bf16 *residual, const bf16 *norm_w, float *sq,
+                               int nsq, float eps) {
 	__shared__ float red[MMT_WARPS - 1][T][32][4];
+	__shared__ float inv_s[8 * T];
 	__shared__ int last;
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 	const long long n0 = (long long)blockIdx.x * (glu ? 8 : 16);
@@ -81,6 +138,23 @@ __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16
 		}
 	}
 	DEP();
+	// add mode: warp 0's share of the residual, requested now so that the
+	// epilogue (in the last block of the column group) finds it.
+	float hpre[T][4];
+	if (residual && warp == 0) {
+#pragma unroll
+		for (int t = 0; t < T; t++)
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const int r = 8 * t + 2 * q + (e & 1);
+				const long long n = n0 + g + (e >> 1) * 8;
+				hpre[t][e] = r < m && n < N ? bf2f(__ldcg(residual + r * (long long)N + n)) : 0.f;
+			}
+	}
+	if (norm_w) {
+		row_scales<8>(inv_s, sq, nsq, m, K, eps);
+		__syncthreads();
+	}
 	float acc[T][4];
 #pragma unroll
 	for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
@@ -95,7 +169,8 @@ __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16
 					wa[j] = __ldcs((const uint4 *)(wra + next * 32));
 					wb[j] = __ldcs((const uint4 *)(wrb + next * 32));
 				}
-				matmul_tc_step<T>(acc, a, b, xr, K, m, g, (long long)s * 32);
+				matmul_tc_step<T>(acc, a, b, xr, K, m, g, (long long)s * 32, norm_w ? norm_w + 8 * q : nullptr,
+				                  inv_s);
 			}
 		}
 	}
@@ -137,6 +212,33 @@ __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16
 	if (warp > 0) return;
 	// acc[t]: c0, c1 rows (output columns) g, batch rows 2q, 2q+1 of tile
 	// t; c2, c3 the same for column g + 8 (with glu: the up of gate g).
+	if (residual) {
+#pragma unroll
+		for (int t = 0; t < T; t++) {
+			float sqv[2] = {0.f, 0.f};
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const int r = 8 * t + 2 * q + (e & 1);
+				const long long n = n0 + g + (e >> 1) * 8;
+				if (r >= m || n >= N) continue;
+				const float hv = rbf(hpre[t][e] + rbf(acc[t][e]));
+				residual[r * (long long)N + n] = f2bf(hv);
+				sqv[e & 1] += hv * hv;
+			}
+			// Lanes of one q hold rows 8 t + 2 q (+1) of the 16 columns.
+#pragma unroll
+			for (int o = 4; o < 32; o <<= 1) {
+				sqv[0] += __shfl_xor_sync(0xffffffffu, sqv[0], o);
+				sqv[1] += __shfl_xor_sync(0xffffffffu, sqv[1], o);
+			}
+#pragma unroll
+			for (int e = 0; e < 2; e++) {
+				const int r = 8 * t + 2 * q + e;
+				if (g == 0 && r < m) sq[(long long)r * gridDim.x + blockIdx.x] = sqv[e];
+			}
+		}
+		return;
+	}
 #pragma unroll
 	for (int t = 0; t < T; t++) {
 		if (glu) {
@@ -162,8 +264,8 @@ __device__ void matmul_tc_impl(void *out, int out_f32, const bf16 *x, const bf16
 #define MATMUL_TC(T)                                                                                          \
 	extern "C" __global__ void __launch_bounds__(MMT_WARPS * 32)                                              \
 	    matmul_tc_t##T(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, float *partial, \
-	                   int *counters, int glu) {                                                              \
-		matmul_tc_impl<T>(out, out_f32, x, w, m, N, K, partial, counters, glu);                               \
+	                   int *counters, int glu, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps) { \
+		matmul_tc_impl<T>(out, out_f32, x, w, m, N, K, partial, counters, glu, residual, norm_w, sq, nsq, eps);   \
 	}
 MATMUL_TC(1)
 MATMUL_TC(2)

@@ -183,18 +183,6 @@ __device__ __forceinline__ float4 ld_cluster_f4(unsigned addr, int rank) {
 	return v;
 }
 
-// mwg_rmsnorm2 is two elements of norm_w * rmsnorm(h) (bf16 pairs h and w),
-// rounded as add_rmsnorm rounds them: h * inv to bf16, then the product
-// with w, exact in fp32, rounded once: one bf16x2 multiply does it.
-__device__ __forceinline__ unsigned mwg_rmsnorm2(unsigned h, unsigned w, float inv) {
-	unsigned y, r;
-	asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
-	    : "=r"(y)
-	    : "f"(__uint_as_float(h & 0xffff0000u) * inv), "f"(__uint_as_float(h << 16) * inv));
-	asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(y), "r"(w));
-	return r;
-}
-
 // mwg_normalise turns the x of a round of landed stages (BN rows of 64 k
 // each, in the 128-byte swizzle: row r's 16-byte chunk c at r * 128 + 16
 // (c ^ (r & 7))) into norm_w * rmsnorm(h), all at once: one barrier a
@@ -214,8 +202,8 @@ __device__ __forceinline__ void mwg_normalise(unsigned x0, unsigned stage_bytes,
 			const unsigned a = x0 + j * stage_bytes + 16 * i;
 			uint4 h;
 			asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(h.x), "=r"(h.y), "=r"(h.z), "=r"(h.w) : "r"(a));
-			h.x = mwg_rmsnorm2(h.x, nw[j].x, inv[u]), h.y = mwg_rmsnorm2(h.y, nw[j].y, inv[u]);
-			h.z = mwg_rmsnorm2(h.z, nw[j].z, inv[u]), h.w = mwg_rmsnorm2(h.w, nw[j].w, inv[u]);
+			h.x = norm_pair(h.x, nw[j].x, inv[u]), h.y = norm_pair(h.y, nw[j].y, inv[u]);
+			h.z = norm_pair(h.z, nw[j].z, inv[u]), h.w = norm_pair(h.w, nw[j].w, inv[u]);
 			asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(h.x), "r"(h.y), "r"(h.z), "r"(h.w)
 			             : "memory");
 		}
@@ -223,27 +211,6 @@ __device__ __forceinline__ void mwg_normalise(unsigned x0, unsigned stage_bytes,
 	// wgmma reads through the async proxy, and each warpgroup reads rows
 	// that every consumer wrote.
 	asm volatile("fence.proxy.async.shared::cta;\nbar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
-}
-
-// mwg_row_scales leaves in inv_s each row's inverse root mean square from
-// the nsq partial sums of squares in sq (two consumers a row, their loads
-// issued together; the same order of additions in every block).
-template <int BN>
-__device__ __forceinline__ void mwg_row_scales(float *inv_s, const float *sq, int nsq, int m, int K, float eps) {
-	const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-	float ss = 0.f;
-	if (r < m && r < BN) {
-		const float *p = sq + (long long)r * nsq;
-		float v[8];
-#pragma unroll
-		for (int i = 0; i < 8; i++) v[i] = half + 2 * i < nsq ? __ldcg(p + half + 2 * i) : 0.f;
-#pragma unroll
-		for (int i = 0; i < 8; i++) ss += v[i];
-		for (int i = half + 16; i < nsq; i += 2) ss += __ldcg(p + i);
-	}
-	ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-	if (half == 0 && r < BN) inv_s[r] = r < m ? rsqrtf(ss / K + eps) : 0.f;
-	asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
 }
 
 template <int BN>
@@ -322,10 +289,11 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 		}
 		float inv[NU];
 		if (FOLD && norm_w) {
-			__shared__ float inv_s[BN];
-			mwg_row_scales<BN>(inv_s, sq, nsq, m, K, eps);
+			__shared__ float inv_s[FOLD ? BN : 1];
+			row_scales<4>(inv_s, sq, nsq, m, K, eps); // m <= 48: 4 consumers a row
+			asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
 #pragma unroll
-			for (int u = 0; u < NU; u++) inv[u] = (tid >> 3) + 32 * u < BN ? inv_s[(tid >> 3) + 32 * u] : 0.f;
+			for (int u = 0; u < NU; u++) inv[u] = (tid >> 3) + 32 * u < m ? inv_s[(tid >> 3) + 32 * u] : 0.f;
 		}
 		const int wg = tid >> 7;
 		const int chunk = (tid & 7) ^ ((tid >> 3) & 7);
