@@ -324,10 +324,23 @@ __device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
 	return bf16x8_map(g, u, [](float gv, float uv) { return silu_mul1(gv, uv); });
 }
 
+// norm_pair is two elements of norm_w * rmsnorm(h) (bf16 pairs h and w),
+// rounded as add_rmsnorm rounds them: h * inv to bf16, then the product
+// with w, exact in fp32, rounded once (fma with -0: sm_80 and later).
+__device__ __forceinline__ unsigned norm_pair(unsigned h, unsigned w, float inv) {
+	unsigned y, r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
+	    : "=r"(y)
+	    : "f"(__uint_as_float(h & 0xffff0000u) * inv), "f"(__uint_as_float(h << 16) * inv));
+	asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(w), "r"(0x80008000u));
+	return r;
+}
+
 // rmsnorm8 forms 8 inputs norm_w * rmsnorm(h) from h and its row's
-// inverse root mean square, rounded as add_rmsnorm rounds them.
+// inverse root mean square (the normalising gemv, matmul_tc and matmul_wg).
 __device__ __forceinline__ uint4 rmsnorm8(uint4 h, uint4 w, float inv) {
-	return bf16x8_map(h, w, [inv](float hv, float wv) { return f2bf(wv * rbf(hv * inv)); });
+	return make_uint4(norm_pair(h.x, w.x, inv), norm_pair(h.y, w.y, inv), norm_pair(h.z, w.z, inv),
+	                  norm_pair(h.w, w.w, inv));
 }
 
 // gemv_chunk adds one 16-byte chunk i of C weight rows times the rows of

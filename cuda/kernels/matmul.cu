@@ -51,18 +51,6 @@ __device__ __forceinline__ void mma16816(float c[4], unsigned a0, unsigned a1, u
 	             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// norm_pair is two elements of norm_w * rmsnorm(h) (bf16 pairs h and w),
-// rounded as add_rmsnorm rounds them: h * inv to bf16, then the product
-// with w, exact in fp32, rounded once (fma with -0: sm_80 and later).
-__device__ __forceinline__ unsigned norm_pair(unsigned h, unsigned w, float inv) {
-	unsigned y, r;
-	asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
-	    : "=r"(y)
-	    : "f"(__uint_as_float(h & 0xffff0000u) * inv), "f"(__uint_as_float(h << 16) * inv));
-	asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(w), "r"(0x80008000u));
-	return r;
-}
-
 // row_scales leaves in inv_s each of the m rows' inverse root mean square
 // from the nsq partial sums of squares a row in sq: P threads a row (P a
 // power of two up to 32, m * P at most the threads calling), each adding
@@ -99,11 +87,7 @@ __device__ __forceinline__ void matmul_tc_step(float acc[T][4], uint4 wa, uint4 
 		const int r = row0 + 8 * t;
 		uint4 xv = make_uint4(0, 0, 0, 0);
 		if (r < m) xv = __ldg((const uint4 *)(x + r * K + k));
-		if (norm_w && r < m) {
-			const float inv = inv_s[r];
-			xv.x = norm_pair(xv.x, nw.x, inv), xv.y = norm_pair(xv.y, nw.y, inv);
-			xv.z = norm_pair(xv.z, nw.z, inv), xv.w = norm_pair(xv.w, nw.w, inv);
-		}
+		if (norm_w && r < m) xv = rmsnorm8(xv, nw, inv_s[r]);
 		mma16816(acc[t], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
 		mma16816(acc[t], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
 	}

@@ -202,8 +202,7 @@ __device__ __forceinline__ void mwg_normalise(unsigned x0, unsigned stage_bytes,
 			const unsigned a = x0 + j * stage_bytes + 16 * i;
 			uint4 h;
 			asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(h.x), "=r"(h.y), "=r"(h.z), "=r"(h.w) : "r"(a));
-			h.x = norm_pair(h.x, nw[j].x, inv[u]), h.y = norm_pair(h.y, nw[j].y, inv[u]);
-			h.z = norm_pair(h.z, nw[j].z, inv[u]), h.w = norm_pair(h.w, nw[j].w, inv[u]);
+			h = rmsnorm8(h, nw[j], inv[u]);
 			asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(h.x), "r"(h.y), "r"(h.z), "r"(h.w)
 			             : "memory");
 		}
