@@ -46,6 +46,9 @@ func startServe(exe string, e engine.Config, extra ...string) (*serveProc, error
 	if e.DistTimeout > 0 {
 		args = append(args, "--dist-timeout", strconv.FormatFloat(e.DistTimeout.Seconds(), 'f', -1, 64))
 	}
+	if e.WatchdogTimeout > 0 {
+		args = append(args, "--watchdog-timeout", strconv.FormatFloat(e.WatchdogTimeout.Seconds(), 'f', -1, 64))
+	}
 	for _, f := range []struct {
 		name string
 		v    int

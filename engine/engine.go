@@ -44,7 +44,10 @@ type Config struct {
 	// (--enable-mixed-chunk).
 	EnableMixedChunk bool
 	// DistTimeout bounds waiting on a trainer's process group (--dist-timeout).
-	DistTimeout        time.Duration
+	DistTimeout time.Duration
+	// WatchdogTimeout stops a scheduler process whose step has run this
+	// long (--watchdog-timeout; 0: the scheduler's default).
+	WatchdogTimeout    time.Duration
 	ContextLength      int
 	MaxRunningRequests int
 	ChunkedPrefillSize int

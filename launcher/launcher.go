@@ -207,8 +207,12 @@ func firstExit(children []*child) <-chan error {
 		go func() {
 			err := <-c.done
 			c.done <- err // keep it readable for stopChildren
-			if err == nil {
+			var exit *exec.ExitError
+			switch {
+			case err == nil:
 				err = errors.New("exited")
+			case errors.As(err, &exit) && exit.ExitCode() == scheduler.ExitWatchdog:
+				err = fmt.Errorf("a step ran past --watchdog-timeout (%w)", err)
 			}
 			out <- fmt.Errorf("%s process stopped: %w", c.name, err)
 		}()

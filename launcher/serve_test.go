@@ -410,38 +410,82 @@ func TestPythonExampleClient(t *testing.T) {
 	t.Logf("%s", out)
 }
 
-// TestSchedulerCrashStopsServer: kill -9 of the scheduler ends ebb serve
-// with an error within seconds and leaves no process behind.
+// TestSchedulerCrashStopsServer: when any scheduler process dies (an
+// engine's, one of several engines', a tensor-parallel follower) or hangs
+// in a step (a follower stopped, so its leader waits inside the step's
+// all-reduce), ebb serve stops every process and exits non-zero, naming
+// the process and, for a hang, the watchdog.
 func TestSchedulerCrashStopsServer(t *testing.T) {
-	s := startServer(t)
-	pid := int(s.info(t)["scheduler_pid"].(float64))
-	children := childrenOf(s.cmd.Process.Pid)
-	if len(children) != 2 || !slices.Contains(children, pid) {
-		t.Fatalf("children %v, scheduler %d", children, pid)
-	}
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-s.exited:
-		if err == nil {
-			t.Fatal("ebb serve exited with status 0 after its scheduler was killed")
-		}
-		if !strings.Contains(s.log.String(), "scheduler process stopped") {
-			t.Fatalf("log does not name the scheduler:\n%s", s.log.String())
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("ebb serve still running 10 s after its scheduler was killed")
-	}
-	s.exited <- nil // for the cleanup
-	time.Sleep(200 * time.Millisecond)
-	for _, c := range children {
-		if syscall.Kill(c, 0) == nil {
-			if b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", c)); !strings.Contains(string(b), ") Z ") {
-				t.Fatalf("child %d is still alive", c)
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		role   string // the child to kill or stop
+		hang   bool   // SIGSTOP it and send a request, rather than SIGKILL it
+		wantIn string // in the log
+	}{
+		{"scheduler killed", nil, "scheduler", false, "scheduler process stopped"},
+		{"one of two engines killed", []string{"--dp-size", "2"}, "scheduler-1", false, "scheduler-1 process stopped"},
+		{"tp follower killed", []string{"--tp-size", "2"}, "tp-0-1", false, "tp-0-1 process stopped"},
+		{"tp follower hangs", []string{"--tp-size", "2", "--watchdog-timeout", "1"}, "tp-0-1", true,
+			"scheduler process stopped: a step ran past --watchdog-timeout"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := startServer(t, tc.args...)
+			children := childrenOf(s.cmd.Process.Pid)
+			pid := childWithRole(children, tc.role)
+			if pid == 0 {
+				t.Fatalf("no %s among the children %v", tc.role, children)
 			}
+			if tc.role == "scheduler" && int(s.info(t)["scheduler_pid"].(float64)) != pid {
+				t.Fatalf("server_info names scheduler %v, the child is %d", s.info(t)["scheduler_pid"], pid)
+			}
+			if tc.hang {
+				if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
+				go func() {
+					body := strings.NewReader(`{"text": "hello", "sampling_params": {"max_new_tokens": 4}}`)
+					if resp, err := http.Post(s.url+"/generate", "application/json", body); err == nil {
+						resp.Body.Close()
+					}
+				}()
+			} else if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-s.exited:
+				if err == nil {
+					t.Fatal("ebb serve exited with status 0")
+				}
+				if !strings.Contains(s.log.String(), tc.wantIn) {
+					t.Fatalf("log does not say %q:\n%s", tc.wantIn, s.log.String())
+				}
+			case <-time.After(30 * time.Second): // a stopped child takes SIGKILL after 10 s
+				t.Fatalf("ebb serve still running 30 s later\n%s", s.log.String())
+			}
+			s.exited <- nil // for the cleanup
+			time.Sleep(200 * time.Millisecond)
+			for _, c := range children {
+				if syscall.Kill(c, 0) == nil {
+					if b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", c)); !strings.Contains(string(b), ") Z ") {
+						t.Fatalf("child %d is still alive", c)
+					}
+				}
+			}
+		})
+	}
+}
+
+// childWithRole is the one of pids that runs `ebb __child role ...`.
+func childWithRole(pids []int, role string) int {
+	for _, p := range pids {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", p))
+		if args := strings.Split(string(b), "\x00"); len(args) > 2 && args[1] == "__child" && args[2] == role {
+			return p
 		}
 	}
+	return 0
 }
 
 // childrenOf lists the pids whose parent is pid.

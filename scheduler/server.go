@@ -104,6 +104,7 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 		sockets.Wait()
 	}()
 	s.out = outbox
+	startWatchdog(ctx, &s.watch, cfg.Engine.WatchdogTimeout, log)
 	ready(s.Info())
 	interval := cfg.InvariantInterval
 	if interval <= 0 {
@@ -196,7 +197,8 @@ type Server struct {
 	// weightVersion is reported with every output.
 	weightVersion string
 	lastCheck     time.Time
-	InvariantErr  error  // the last failed idle check, if any
+	InvariantErr  error // the last failed idle check, if any
+	watch         stepWatch
 	blockedNoted  string // the blocker last logged while requests waited
 	batches       batchLog
 	// weight updates from a trainer
@@ -321,7 +323,9 @@ func (s *Server) Loop(ctx context.Context, inbox <-chan ioschema.Message, errs <
 
 // Step runs one scheduling step and sends its outputs.
 func (s *Server) Step() error {
+	s.watch.begin()
 	events, err := s.core.Step()
+	s.watch.end()
 	s.batches.record(s.log, s.core)
 	s.emit(events)
 	if err != nil {
@@ -335,7 +339,9 @@ func (s *Server) Step() error {
 // settle lands the step in flight so that a control message sees every
 // request at rest.
 func (s *Server) settle() {
+	s.watch.begin()
 	events, err := s.core.Settle()
+	s.watch.end()
 	s.emit(events)
 	if err != nil {
 		s.log.Error("step failed", zap.Error(err))

@@ -332,12 +332,15 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 	// Steps overlap as on the leader: the next is launched before the
 	// last one's results are waited for, so packing it hides behind the
 	// GPU's work. Control requests wait for the step in flight.
+	startWatchdog(ctx, &s.watch, cfg.Engine.WatchdogTimeout, log)
 	var inFlight *runner.Pending
 	settle := func() {
 		if inFlight != nil {
+			s.watch.begin()
 			if _, err := inFlight.Wait(); err != nil {
 				log.Error("step failed", zap.Error(err)) // the leader's fails too: the collective sees to it
 			}
+			s.watch.end()
 			inFlight = nil
 		}
 	}
@@ -352,7 +355,9 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 			if err != nil {
 				return fmt.Errorf("a step from the leader: %w", err)
 			}
+			s.watch.begin()
 			p, err := e.Runner.Launch(seqs)
+			s.watch.end()
 			if err != nil {
 				log.Error("step failed", zap.Error(err))
 			}

@@ -45,6 +45,7 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.IntVar(&cfg.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
 	f.IntVar(&cfg.DecodeLogInterval, "decode-log-interval", 40, "decode steps per \"Decode batch\" log line (with the output tok/s over them)")
 	f.Var(&secondsFlag{&cfg.DistTimeout}, "dist-timeout", "seconds to wait on a trainer's process group (NCCL weight updates; default 600)")
+	f.Var(&secondsFlag{&cfg.WatchdogTimeout}, "watchdog-timeout", "seconds a step may run before its scheduler process stops, and with it the server (a hung GPU or rank; default 300)")
 }
 
 // secondsFlag is a duration given in seconds, as SGLang's --dist-timeout.
