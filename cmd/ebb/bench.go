@@ -234,6 +234,7 @@ func matMulCmd() *cobra.Command {
 	f := cmd.Flags()
 	f.StringVar(&ms, "m", "1,4,8,16,32,64,128,256", "comma-separated row counts (the batch at decode)")
 	f.StringVar(&shapes, "nk", "4096x1024,1024x2048,6144x1024,1024x3072", "comma-separated weight shapes NxK (default: Qwen3-0.6B's qkv, o, gate_up, down)")
+	f.BoolVar(&spec.FromL2, "from-l2", false, "one copy of the weights, so that they come from L2 after the first launch")
 	f.IntVar(&spec.Iters, "iters", 50, "timed graph replays per shape")
 	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
