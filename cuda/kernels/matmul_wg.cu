@@ -43,6 +43,7 @@
 #define MWG_CONSUMERS 256
 #define MWG_THREADS (MWG_CONSUMERS + 32)
 #define MWG_BK 64
+#define MWG_MAX_CLUSTER 8 // matMulWGMaxCluster: a tile's K splits
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MWG_ON 1
@@ -226,7 +227,7 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	extern __shared__ unsigned char wg_smem[];
 	__shared__ __align__(8) unsigned long long bars[2 * 8];
 	__shared__ float warp_sq[MWG_CONSUMERS / 32][FOLD ? BN : 1]; // add mode: each warp's 16 columns' squares
-	if (!FOLD && (residual || norm_w)) __trap();
+	if ((!FOLD && (residual || norm_w)) || gridDim.z > MWG_MAX_CLUSTER) __trap();
 	const int tid = threadIdx.x, lane = tid & 31;
 	const bool consumer = tid < MWG_CONSUMERS;
 	const unsigned base = (smem_u32(wg_smem) + 1023) & ~1023u;
@@ -414,11 +415,16 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	cluster_sync();
 	if (consumer) {
 		for (int j = split; j < BN / 8; j += splits) {
+			// Every rank's fragment is requested before any is added: a
+			// remote load's latency once, not once a rank.
+			float4 p[MWG_MAX_CLUSTER];
+#pragma unroll
+			for (int rank = 0; rank < MWG_MAX_CLUSTER; rank++)
+				if (rank < splits) p[rank] = ld_cluster_f4(acc + j * MWG_CONSUMERS * 16, rank);
 			float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-			for (int rank = 0; rank < splits; rank++) {
-				const float4 p = ld_cluster_f4(acc + j * MWG_CONSUMERS * 16, rank);
-				v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-			}
+#pragma unroll
+			for (int rank = 0; rank < MWG_MAX_CLUSTER; rank++)
+				if (rank < splits) v.x += p[rank].x, v.y += p[rank].y, v.z += p[rank].z, v.w += p[rank].w;
 			store(j, v);
 		}
 		squares();
