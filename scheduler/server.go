@@ -197,10 +197,10 @@ type Server struct {
 	// weightVersion is reported with every output.
 	weightVersion string
 	lastCheck     time.Time
-	InvariantErr  error // the last failed idle check, if any
-	watch         stepWatch
+	InvariantErr  error  // the last failed idle check, if any
 	blockedNoted  string // the blocker last logged while requests waited
 	batches       batchLog
+	watch         stepWatch // when the step in flight began (the watchdog's)
 	// weight updates from a trainer
 	tpRank      int
 	dpRank      int

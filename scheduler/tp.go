@@ -329,10 +329,10 @@ func RunFollower(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready 
 	replies := make(chan outgoing, 64)
 	s.out = replies
 	ready()
+	startWatchdog(ctx, &s.watch, cfg.Engine.WatchdogTimeout, log)
 	// Steps overlap as on the leader: the next is launched before the
 	// last one's results are waited for, so packing it hides behind the
 	// GPU's work. Control requests wait for the step in flight.
-	startWatchdog(ctx, &s.watch, cfg.Engine.WatchdogTimeout, log)
 	var inFlight *runner.Pending
 	settle := func() {
 		if inFlight != nil {
