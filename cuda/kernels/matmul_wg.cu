@@ -68,12 +68,15 @@ __host__ __device__ constexpr int mwg_stages(int bn) {
 // the specialisations below differ only in their length.
 template <int BN> __device__ __forceinline__ void wgmma_bf16(float *d, unsigned long long a, unsigned long long b);
 #ifdef MWG_ON
+// WGMMA_D8(i) is accumulators d[i] to d[i + 7] as read-write asm operands.
+#define WGMMA_D8(i)                                                                                    \
+	"+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+	    "+f"(d[i + 6]), "+f"(d[i + 7])
 template <> __device__ __forceinline__ void wgmma_bf16<32>(float *d, unsigned long long a, unsigned long long b) {
 	asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
 	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 	             "}, %16, %17, 1, 1, 1, 0, 0;"
-	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+	             : WGMMA_D8(0), WGMMA_D8(8)
 	             : "l"(a), "l"(b));
 }
 template <> __device__ __forceinline__ void wgmma_bf16<48>(float *d, unsigned long long a, unsigned long long b) {
@@ -81,9 +84,7 @@ template <> __device__ __forceinline__ void wgmma_bf16<48>(float *d, unsigned lo
 	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
 	             "%16, %17, %18, %19, %20, %21, %22, %23"
 	             "}, %24, %25, 1, 1, 1, 0, 0;"
-	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+	             : WGMMA_D8(0), WGMMA_D8(8), WGMMA_D8(16)
 	             : "l"(a), "l"(b));
 }
 template <> __device__ __forceinline__ void wgmma_bf16<64>(float *d, unsigned long long a, unsigned long long b) {
@@ -91,10 +92,7 @@ template <> __device__ __forceinline__ void wgmma_bf16<64>(float *d, unsigned lo
 	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
 	             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 	             "}, %32, %33, 1, 1, 1, 0, 0;"
-	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-	             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+	             : WGMMA_D8(0), WGMMA_D8(8), WGMMA_D8(16), WGMMA_D8(24)
 	             : "l"(a), "l"(b));
 }
 template <> __device__ __forceinline__ void wgmma_bf16<96>(float *d, unsigned long long a, unsigned long long b) {
@@ -103,12 +101,7 @@ template <> __device__ __forceinline__ void wgmma_bf16<96>(float *d, unsigned lo
 	             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
 	             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
 	             "}, %48, %49, 1, 1, 1, 0, 0;"
-	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-	             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-	             "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-	             "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+	             : WGMMA_D8(0), WGMMA_D8(8), WGMMA_D8(16), WGMMA_D8(24), WGMMA_D8(32), WGMMA_D8(40)
 	             : "l"(a), "l"(b));
 }
 template <> __device__ __forceinline__ void wgmma_bf16<128>(float *d, unsigned long long a, unsigned long long b) {
@@ -118,16 +111,11 @@ template <> __device__ __forceinline__ void wgmma_bf16<128>(float *d, unsigned l
 	             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
 	             "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 	             "}, %64, %65, 1, 1, 1, 0, 0;"
-	             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-	             "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-	             "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-	             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-	             "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-	             "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-	             "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-	             "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+	             : WGMMA_D8(0), WGMMA_D8(8), WGMMA_D8(16), WGMMA_D8(24), WGMMA_D8(32), WGMMA_D8(40), WGMMA_D8(48),
+	               WGMMA_D8(56)
 	             : "l"(a), "l"(b));
 }
+#undef WGMMA_D8
 #endif
 
 // wg_desc describes a K-major operand at addr (1024-byte aligned tile, or
