@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"strings"
 
 	"ebb/device"
 )
@@ -32,11 +33,11 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	}
 	if meta.MaxQLen == 1 && !meta.Sparse {
 		if name, ok := decodeVecKernel(g, dim); ok {
-			d.attnDecode(name, decodeVecWaves(meta.NumSeqs*hk, d.ctx.SMs), 32, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			d.attnDecode(name, decodeVecWaves(meta.NumSeqs*hk, d.ctx.SMs), 32, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
 			return
 		}
 		if name, ok := decodeKernel(g, dim); ok {
-			d.attnDecode(name, 2, 32, false, out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+			d.attnDecode(name, 2, 32, false, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
 			return
 		}
 	}
@@ -80,16 +81,25 @@ func decodeVecKernel(g, dim int) (string, bool) {
 	return "", false
 }
 
-// PrepareAttention implements device.PrefillAttention: where a step has
-// about a thousand prompt tokens or more and the tensor-core prefill kernel
-// takes them, prepare_qkv16 writes back only the decodes' queries and the
-// prefill kernel normalises and rotates the rest as it loads them.
+// PrepareAttention implements device.AttentionPreparer. A decode step's
+// kernel prepares its queries and newest K and V itself
+// (attn_decode_vec_raw). Where a step has about a thousand prompt tokens
+// or more and the tensor-core prefill kernel takes them, prepare_qkv16
+// writes back only the decodes' queries and the prefill kernel normalises
+// and rotates the rest as it loads them.
 func (d *Device) PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, meta device.AttnMeta, scale, eps float32) bool {
 	hk, dim := kCache.Dim(1), kCache.Dim(2)
 	hq := qkv.Dim(1) - 2*hk
+	if d.err != nil {
+		return false
+	}
+	if meta.MaxQLen == 1 {
+		return d.prepareDecode(out, qkv, kCache, vCache, meta, scale, hq, hk, dim,
+			&decodeRaw{qNorm: qNorm, kNorm: kNorm, positions: positions, slots: slots, cos: cos, sin: sin, eps: eps})
+	}
 	// The kernel's queries take prepare_qkv16's layout (and bits): only
 	// where the step prepares with it.
-	if d.err != nil || meta.MaxQLen <= 1 || (dim != 64 && dim != 128) || !vectorisedQKV(qkv, kCache, vCache, positions.Numel()) {
+	if meta.MaxQLen < 1 || (dim != 64 && dim != 128) || !vectorisedQKV(qkv, kCache, vCache, positions.Numel()) {
 		return false
 	}
 	pre, decodes := meta, 0
@@ -111,6 +121,26 @@ func (d *Device) PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, k
 	}
 	d.attnPrefillMMA(out, qkv, kCache, vCache, pre, scale, hq, hk, dim,
 		rawQueries{raw: true, norm: qNorm, cos: cos, sin: sin, eps: eps})
+	return true
+}
+
+// decodeRaw is what attn_decode_vec_raw needs to prepare a decode step's
+// queries and newest K and V as PrepareQKV would.
+type decodeRaw struct {
+	qNorm, kNorm, positions, slots, cos, sin device.Tensor
+	eps                                      float32
+}
+
+// prepareDecode runs a decode step's attention with its preparation, where
+// attn_decode_vec takes the step (EBB_DECODE_PREPARE=separate leaves it
+// to prepare_qkv, for A/B runs).
+func (d *Device) prepareDecode(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int, raw *decodeRaw) bool {
+	name, ok := decodeVecKernel(hq/hk, dim)
+	if !ok || meta.Sparse || !d.rawDecode || dim%16 != 0 || raw.positions.Numel() != meta.NumSeqs {
+		return false
+	}
+	d.attnDecode("attn_decode_vec_raw"+strings.TrimPrefix(name, "attn_decode_vec"), decodeVecWaves(meta.NumSeqs*hk, d.ctx.SMs),
+		32, true, out, qkv, kc, vc, meta, scale, hq, hk, dim, raw)
 	return true
 }
 
@@ -173,7 +203,7 @@ func decodeKernel(g, dim int) (string, bool) {
 // sequence launch together and a batch ordered longest first (as the
 // scheduler orders decodes) launches its longest work first, and cut each
 // sequence by its share of the batch's positions.
-func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int, raw *decodeRaw) {
 	k, err := d.mod.Func(name)
 	if err != nil {
 		d.fail(err)
@@ -208,7 +238,12 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 		grid = Dim3{uint32(hk), uint32(b), uint32(splits)}
 		args = append(args, I(waves*d.ctx.SMs))
 	}
-	d.fail(d.ctx.LaunchKernel(k, grid, D1(128), 0, append(args, F(scale))...))
+	args = append(args, F(scale))
+	if raw != nil {
+		args = append(args, P(raw.qNorm.Ptr), P(raw.kNorm.Ptr), P(raw.positions.Ptr), P(raw.slots.Ptr), P(raw.cos.Ptr),
+			P(raw.sin.Ptr), F(raw.eps))
+	}
+	d.fail(d.ctx.LaunchKernel(k, grid, D1(128), 0, args...))
 }
 
 const (

@@ -101,48 +101,100 @@ func TestPrepareAttention(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
-			idx := make([]int32, meta[1].KVIndices.Numel())
-			if err := p.cpu.DownloadI32(meta[1].KVIndices, idx); err != nil {
-				t.Fatal(err)
-			}
-			var positions, slots []int32
-			kv0 := 0
-			for i, q := range tc.qlens {
-				for j := tc.kvlens[i] - q; j < tc.kvlens[i]; j++ {
-					positions = append(positions, int32(j))
-					slots = append(slots, idx[kv0+j])
-				}
-				kv0 += tc.kvlens[i]
-			}
-			pos, sl := p.ints(positions), p.ints(slots)
-			cos, sin := ropeTables(p, slices.Max(tc.kvlens), tc.d/2)
-			var qn, kn both
-			if tc.norm {
-				qn, kn = p.floats(device.BF16, onesPlus(p, tc.d), tc.d), p.floats(device.BF16, onesPlus(p, tc.d), tc.d)
-			}
-			qkv2, kc2, vc2, out2 := p.clone(device.BF16, qkv), p.clone(device.BF16, kc), p.clone(device.BF16, vc), p.clone(device.BF16, out)
-			scale, eps := float32(1/math.Sqrt(float64(tc.d))), float32(1e-6)
-			if !p.gpu.PrepareAttention(out.g, qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, meta[0], scale, eps) {
-				t.Fatal("PrepareAttention did not apply")
-			}
-			p.gpu.PrepareQKV(qkv2.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, eps)
-			p.gpu.Attention(out2.g, qkv2.g, kc2.g, vc2.g, meta[0], scale)
-			p.cpu.PrepareQKV(qkv.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc.c, vc.c, sl.c, eps)
-			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
-			p.close("attention", out, 2e-2, 2e-2)
-			p.close("k cache", kc, 3e-2, 3e-2)
-			p.close("v cache", vc, 0, 0)
-			p.sameBits("attention", out.g, out2.g)
-			p.sameBits("k cache", kc.g, kc2.g)
-			p.sameBits("v cache", vc.g, vc2.g)
+			p.checkPrepareAttention(tc.hq, tc.hk, tc.d, tc.norm, tc.qlens, tc.kvlens, out, qkv, kc, vc, meta)
 			// A step of a few hundred tokens keeps prepare_qkv.
 			sout, sqkv, skc, svc, smeta := attnCase(p, tc.hq, tc.hk, tc.d, []int{100}, []int{100})
 			spos := p.ints(make([]int32, 100))
-			if p.gpu.PrepareAttention(sout.g, sqkv.g, qn.g, kn.g, spos.g, cos.g, sin.g, skc.g, svc.g, spos.g, smeta[0], scale, eps) {
+			cos, sin := ropeTables(p, 100, tc.d/2)
+			if p.gpu.PrepareAttention(sout.g, sqkv.g, device.Tensor{}, device.Tensor{}, spos.g, cos.g, sin.g, skc.g, svc.g, spos.g, smeta[0], 1, 1e-6) {
 				t.Fatal("PrepareAttention applied to a 100-token step")
 			}
 		})
 	}
+}
+
+// TestPrepareDecode: a decode step's kernel preparing its own queries and
+// newest K and V (attn_decode_vec_raw) gives the bits of PrepareQKV then
+// Attention on the GPU, and the CPU reference within bf16 rounding. The
+// projections are multiples of 1/8, whose sums of squares are exact in
+// fp32: the two paths add them in different orders.
+func TestPrepareDecode(t *testing.T) {
+	cases := []struct {
+		name      string
+		hq, hk, d int
+		norm      bool
+		kvlens    []int
+	}{
+		{"qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
+		{"qwen3-one-long", 16, 8, 128, true, []int{3000}},
+		{"qwen3-ragged-full-gpu", 16, 8, 128, true, raggedContexts(80)},
+		{"d64-g3-no-norm", 6, 2, 64, false, []int{90, 400, 7}},
+		{"d256-g1", 4, 4, 256, true, []int{300, 33}},
+		{"d32-g8", 16, 2, 32, true, []int{129, 5, 1000}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			p.gpu.rawDecode = true
+			qlens := repeat(1, len(tc.kvlens))
+			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
+			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
+			for i := range vals {
+				vals[i] = float32(p.rng.IntN(33)-16) / 8
+			}
+			qkv := p.floats(device.BF16, vals, len(qlens), tc.hq+2*tc.hk, tc.d)
+			p.checkPrepareAttention(tc.hq, tc.hk, tc.d, tc.norm, qlens, tc.kvlens, out, qkv, kc, vc, meta)
+			// Without the kernel's own preparation the step is left to
+			// PrepareQKV and Attention.
+			p.gpu.rawDecode = false
+			cos, sin := ropeTables(p, 10, tc.d/2)
+			zeros := p.ints(make([]int32, len(qlens)))
+			if p.gpu.PrepareAttention(out.g, qkv.g, device.Tensor{}, device.Tensor{}, zeros.g, cos.g, sin.g, kc.g, vc.g, zeros.g, meta[0], 1, 1e-6) {
+				t.Fatal("PrepareAttention applied with EBB_DECODE_PREPARE=separate")
+			}
+		})
+	}
+}
+
+// checkPrepareAttention runs PrepareAttention on a step of sequences whose
+// last qlens[i] of kvlens[i] positions are queries, and compares it with
+// PrepareQKV then Attention: the same bits on the GPU, close to the CPU.
+func (p *pair) checkPrepareAttention(hq, hk, d int, norm bool, qlens, kvlens []int, out, qkv, kc, vc both, meta [2]device.AttnMeta) {
+	p.t.Helper()
+	idx := make([]int32, meta[1].KVIndices.Numel())
+	if err := p.cpu.DownloadI32(meta[1].KVIndices, idx); err != nil {
+		p.t.Fatal(err)
+	}
+	var positions, slots []int32
+	kv0 := 0
+	for i, q := range qlens {
+		for j := kvlens[i] - q; j < kvlens[i]; j++ {
+			positions = append(positions, int32(j))
+			slots = append(slots, idx[kv0+j])
+		}
+		kv0 += kvlens[i]
+	}
+	pos, sl := p.ints(positions), p.ints(slots)
+	cos, sin := ropeTables(p, slices.Max(kvlens), d/2)
+	var qn, kn both
+	if norm {
+		qn, kn = p.floats(device.BF16, onesPlus(p, d), d), p.floats(device.BF16, onesPlus(p, d), d)
+	}
+	qkv2, kc2, vc2, out2 := p.clone(device.BF16, qkv), p.clone(device.BF16, kc), p.clone(device.BF16, vc), p.clone(device.BF16, out)
+	scale, eps := float32(1/math.Sqrt(float64(d))), float32(1e-6)
+	if !p.gpu.PrepareAttention(out.g, qkv.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, meta[0], scale, eps) {
+		p.t.Fatal("PrepareAttention did not apply")
+	}
+	p.gpu.PrepareQKV(qkv2.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, eps)
+	p.gpu.Attention(out2.g, qkv2.g, kc2.g, vc2.g, meta[0], scale)
+	p.cpu.PrepareQKV(qkv.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc.c, vc.c, sl.c, eps)
+	p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
+	p.close("attention", out, 2e-2, 2e-2)
+	p.close("k cache", kc, 3e-2, 3e-2)
+	p.close("v cache", vc, 0, 0)
+	p.sameBits("attention", out.g, out2.g)
+	p.sameBits("k cache", kc.g, kc2.g)
+	p.sameBits("v cache", vc.g, vc2.g)
 }
 
 // sameBits fails unless GPU tensors a (the path under test) and b (the

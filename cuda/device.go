@@ -44,20 +44,22 @@ type Device struct {
 	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
+	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 }
 
 var (
-	_ device.Device          = (*Device)(nil)
-	_ device.GraphCapturer   = (*Device)(nil)
-	_ device.MemoryInfo      = (*Device)(nil)
-	_ device.Profiler        = (*Device)(nil)
-	_ device.PinnedAllocator = (*Device)(nil)
-	_ device.Streamer        = (*Device)(nil)
-	_ device.ResumeHook      = (*Device)(nil)
-	_ device.MemoryReporter  = (*Device)(nil)
-	_ device.IPCImporter     = (*Device)(nil)
-	_ device.GroupJoiner     = (*Device)(nil)
-	_ device.Fused           = (*Device)(nil)
+	_ device.Device            = (*Device)(nil)
+	_ device.GraphCapturer     = (*Device)(nil)
+	_ device.MemoryInfo        = (*Device)(nil)
+	_ device.Profiler          = (*Device)(nil)
+	_ device.PinnedAllocator   = (*Device)(nil)
+	_ device.Streamer          = (*Device)(nil)
+	_ device.ResumeHook        = (*Device)(nil)
+	_ device.MemoryReporter    = (*Device)(nil)
+	_ device.IPCImporter       = (*Device)(nil)
+	_ device.GroupJoiner       = (*Device)(nil)
+	_ device.Fused             = (*Device)(nil)
+	_ device.AttentionPreparer = (*Device)(nil)
 )
 
 // OpenIPCMemory implements device.IPCImporter.
@@ -180,6 +182,7 @@ func (d *Device) init() error {
 	}
 	fold := os.Getenv("EBB_NORM_FOLD")
 	d.foldTC, d.foldWG = fold != "0" && fold != "wg", fold != "0" && fold != "tc"
+	d.rawDecode = os.Getenv("EBB_DECODE_PREPARE") != "separate"
 	if err := d.initMatMulWG(); err != nil {
 		return err
 	}

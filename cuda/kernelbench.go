@@ -36,10 +36,11 @@ type AttentionBenchResult struct {
 	PeakGBPerS  float64 `json:"peak_gb_per_s"` // from NVML's memory clock and bus width; 0 if unknown
 	PeakPercent float64 `json:"peak_percent"`
 	TFLOPS      float64 `json:"tflops"` // prefill: 4·hq·dim per visible (query, key) pair
-	// Prefills also time the step's whole attention with the query and
-	// key preparation (per-head norm, rotary, cache store): prepare_qkv
-	// then the kernel, and, for steps of about a thousand tokens or more,
-	// the kernel preparing its own queries (0 otherwise).
+	// The step's whole attention is also timed with the query and key
+	// preparation (per-head norm, rotary, cache store): prepare_qkv then
+	// the kernel, and the kernel preparing its own queries where it does
+	// (decodes, and prefills of about a thousand tokens or more; 0
+	// otherwise).
 	WithPrepareUs float64 `json:"with_prepare_us,omitempty"`
 	FusedUs       float64 `json:"fused_prepare_us,omitempty"`
 }
@@ -112,15 +113,13 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	}
 	res.TFLOPS = 4 * float64(s.QHeads*s.Dim) * pairs / res.MedianUs / 1e6
 	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
-	if s.QLen > 1 {
-		if res.WithPrepareUs, res.FusedUs, err = benchPrepare(d, a, s, ctx, idx, kvInd, qkv, out, kc, vc, meta); err != nil {
-			return res, err
-		}
+	if res.WithPrepareUs, res.FusedUs, err = benchPrepare(d, a, s, ctx, idx, kvInd, qkv, out, kc, vc, meta); err != nil {
+		return res, err
 	}
 	return res, d.Sync()
 }
 
-// benchPrepare times a prefill's attention with its query and key
+// benchPrepare times a step's attention with its query and key
 // preparation, both ways (see AttentionBenchResult).
 func benchPrepare(d *Device, a *benchArena, s AttentionBenchSpec, ctx []int, idx, kvInd []int32, qkv, out, kc, vc device.Tensor, meta device.AttnMeta) (withPrepare, fused float64, err error) {
 	var pos, slots []int32
@@ -166,7 +165,7 @@ func benchPrepare(d *Device, a *benchArena, s AttentionBenchSpec, ctx []int, idx
 	}
 	fusedLaunch := func() { d.PrepareAttention(out, qkv, qn, kn, posT, cosD, sinD, kc, vc, slotT, meta, scale, eps) }
 	if !d.PrepareAttention(out, qkv, qn, kn, posT, cosD, sinD, kc, vc, slotT, meta, scale, eps) {
-		return withPrepare, 0, nil // a step this small keeps prepare_qkv
+		return withPrepare, 0, nil // a prefill this small keeps prepare_qkv
 	}
 	fused, err = median(fusedLaunch)
 	return withPrepare, fused, err

@@ -366,10 +366,11 @@ type Fused interface {
 	MatMulSiLU(out, x, w Tensor) bool
 }
 
-// PrefillAttention is implemented by devices whose prefill attention can
-// normalise and rotate the queries as it loads them, so that a prompt's q
-// heads are not written back by PrepareQKV and read again.
-type PrefillAttention interface {
+// AttentionPreparer is implemented by devices whose attention kernels can
+// normalise and rotate the queries as they load them (and, in a decode
+// step, the newest K as well), so that q heads are not written back by
+// PrepareQKV and read again, or a step needs one launch fewer a layer.
+type AttentionPreparer interface {
 	// PrepareAttention is PrepareQKV followed by Attention, with their
 	// results in out and the caches (qkv is left unspecified). It returns
 	// false, having done nothing, where it does not apply.

@@ -230,7 +230,7 @@ func (m *Model) forward(in Inputs, a activations) {
 	// a matmul and its add, so no add is fused across them. A matmul
 	// without one (gate_up with silu) still is, through fusedDev.
 	fusedDev, _ := dev.(device.Fused)
-	prefillAttn, _ := dev.(device.PrefillAttention)
+	preparer, _ := dev.(device.AttentionPreparer)
 	accumulating, _ := dev.(device.Accumulating)
 	fused := fusedDev
 	if m.Comm != nil {
@@ -296,8 +296,8 @@ func (m *Model) forward(in Inputs, a activations) {
 			t = in.LogitRows.Numel()
 			a = a.logitRows(t, in.LogitRows, dev)
 			dev.Attention(a.attn, a.qkv, k, v, in.LastAttn, scale)
-		} else if prefillAttn == nil ||
-			!prefillAttn.PrepareAttention(a.attn, a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, in.Attn, scale, eps) {
+		} else if preparer == nil ||
+			!preparer.PrepareAttention(a.attn, a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, in.Attn, scale, eps) {
 			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		}

@@ -29,11 +29,27 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 #define DV_MIN_SPLIT 64
 #define DV_MAX_SPLITS 32 // attnDecode's maxSplits for these kernels
 
-template <int D, int MG>
-__device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc,
-                                                     const int *qptr, const int *kvptr, const int *kvidx,
-                                                     float *part_o, float *part_ml, int *counters, int hq, int hk,
-                                                     int splits, int units, float scale) {
+//
+// With RAW the queries and the newest K and V come straight from the qkv
+// projection (raw), and the kernel does what prepare_qkv would have done
+// for a decode step (per-head RMSNorm when qnorm is set, rotary
+// embedding, in prepare_qkv16's 16-byte layout and so with its bits): each
+// block prepares its own query heads, and the block whose split holds the
+// newest position prepares that K and writes it and its V into the cache
+// at slots[token], so a decode step launches one kernel where it launched
+// two.
+struct DecodeRaw {
+	const bf16 *qnorm, *knorm; // null without the per-head norm
+	const int *pos, *slots;
+	const float *cos_t, *sin_t;
+	float eps;
+};
+
+template <int D, int MG, bool RAW>
+__device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
+                                                     const int *kvptr, const int *kvidx, float *part_o,
+                                                     float *part_ml, int *counters, int hq, int hk, int splits,
+                                                     int units, float scale, DecodeRaw raw) {
 	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
 	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
 	__shared__ float sh_o[GROUPS][MG][D];
@@ -96,16 +112,70 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 		}
 	};
 	load(c0 + warp * RPW, min(c1, kvlen - 1), kr, vr);
+	// RAW: a lane holds dims c8..c8+7 of both halves of a head (the
+	// 16-byte layout, so the two lanes sub and sub ^ HH hold the same) and
+	// keeps the half at its own dims. The position's rotation, the norm
+	// weights and the newest slot are step inputs, read before the wait.
+	constexpr int HH = LPR / 2;
+	const int c8 = 8 * (sub % HH);
+	const bool upper = sub >= HH;
+	float cs[8], sn[8];
+	uint4 qwa, qwb, kwa, kwb;
+	long long new_slot = 0;
+	if (RAW) {
+		const long long p = raw.pos[row];
+		load8f(raw.cos_t + p * (D / 2) + c8, cs);
+		load8f(raw.sin_t + p * (D / 2) + c8, sn);
+		qwa = qwb = kwa = kwb = make_uint4(0, 0, 0, 0);
+		if (raw.qnorm) {
+			qwa = *(const uint4 *)(raw.qnorm + c8);
+			qwb = *(const uint4 *)(raw.qnorm + D / 2 + c8);
+			kwa = *(const uint4 *)(raw.knorm + c8);
+			kwb = *(const uint4 *)(raw.knorm + D / 2 + c8);
+		}
+		new_slot = raw.slots[row];
+	}
+	// prepared returns the lane's 16 bytes of raw head h of the token,
+	// normalised (with weights wa, wb) and rotated; every lane calls it.
+	auto prepared = [&](int h, uint4 wa, uint4 wb) {
+		const bf16 *x = qkv + row * stride + (long long)h * D;
+		uint4 a = *(const uint4 *)(x + c8), b = *(const uint4 *)(x + D / 2 + c8);
+		float inv = 0.f;
+		if (raw.qnorm) {
+			float af[8], bf[8];
+			unpack8(a, af);
+			unpack8(b, bf);
+			inv = head_inv(af, bf, HH, D, raw.eps);
+		}
+		norm_rope8(a, b, raw.qnorm != nullptr, wa, wb, inv, cs, sn);
+		return upper ? b : a;
+	};
 	DEP();
-	if (c1 == kvlen) {
+	if (c1 == kvlen && kvlen > 0) {
+		uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
+		if (RAW) {
+			kn = prepared(hq + g, kwa, kwb);
+			vn = *(const uint4 *)(qkv + row * stride + (long long)(hq + hk + g) * D + sub * 8);
+			if (warp == 0 && lrow == 0) {
+				const long long base = (new_slot * hk + g) * D + sub * 8;
+				*(uint4 *)(kc + base) = kn;
+				*(uint4 *)(vc + base) = vn;
+			}
+		}
 #pragma unroll
 		for (int u = 0; u < DV_UNROLL; u++) {
 			if (c0 + warp * RPW + lrow + u * GROUPS == kvlen - 1) {
-				const long long base = ((long long)kvidx[kv0 + kvlen - 1] * hk + g) * D + sub * 8;
-				kr[u] = __ldcs((const uint4 *)(kc + base));
-				vr[u] = __ldcs((const uint4 *)(vc + base));
+				if (!RAW) {
+					const long long base = ((long long)kvidx[kv0 + kvlen - 1] * hk + g) * D + sub * 8;
+					kn = __ldcs((const uint4 *)(kc + base));
+					vn = __ldcs((const uint4 *)(vc + base));
+				}
+				kr[u] = kn;
+				vr[u] = vn;
 			}
 		}
+		// The loop's later loads may read the newest row from the cache.
+		if (RAW) __syncthreads();
 	}
 	float q[MG][8], o[MG][8], m[MG], l[MG];
 #pragma unroll
@@ -113,7 +183,9 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 		m[r] = -EBB_INF;
 		l[r] = 0.f;
 		uint4 qv = make_uint4(0, 0, 0, 0);
-		if (r < G) qv = *(const uint4 *)(qkv + row * stride + (long long)(g * G + r) * D + sub * 8);
+		if (r < G)
+			qv = RAW ? prepared(g * G + r, qwa, qwb)
+			         : *(const uint4 *)(qkv + row * stride + (long long)(g * G + r) * D + sub * 8);
 		unsigned qu[4] = {qv.x, qv.y, qv.z, qv.w};
 #pragma unroll
 		for (int e = 0; e < 4; e++) {
@@ -225,11 +297,19 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 
 #define ATTN_DECODE_VEC(D, MG)                                                                                    \
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_d##D##_g##MG(                      \
-	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
-	    const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits,         \
-	    int units, float scale) {                                                                                 \
-		attn_decode_vec_impl<D, MG>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk,     \
-		                            splits, units, scale);                                                    \
+	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
+	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, float scale) { \
+		attn_decode_vec_impl<D, MG, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,  \
+		                                   hk, splits, units, scale, DecodeRaw{});                              \
+	}                                                                                                             \
+	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_raw_d##D##_g##MG(                  \
+	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
+	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, float scale,   \
+	    const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,                \
+	    const float *sin_t, float eps) {                                                                          \
+		attn_decode_vec_impl<D, MG, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,   \
+		                                  hk, splits, units, scale,                                            \
+		                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});             \
 	}
 #define ATTN_DECODE_VEC_D(D) ATTN_DECODE_VEC(D, 1) ATTN_DECODE_VEC(D, 2) ATTN_DECODE_VEC(D, 4) ATTN_DECODE_VEC(D, 8)
 ATTN_DECODE_VEC_D(32)
