@@ -29,7 +29,6 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 #define DV_MIN_SPLIT 64
 #define DV_MAX_SPLITS 32 // attnDecode's maxSplits for these kernels
 
-//
 // With RAW the queries and the newest K and V come straight from the qkv
 // projection (raw), and the kernel does what prepare_qkv would have done
 // for a decode step (per-head RMSNorm when qnorm is set, rotary
