@@ -44,6 +44,39 @@ struct DecodeRaw {
 	float eps;
 };
 
+// merge_splits is one output element of a (sequence, kv head) from its
+// used splits (at most DV_FEW_SPLITS): load(j, m, l, o) gives split j's
+// maximum, sum and partial output, all requested before any is used. It
+// computes what the merge of more splits below does, in the same order,
+// so both give the same bits. (Eight splits' worth of loads in flight gave
+// the kernel 148 registers and three blocks an SM.)
+#define DV_FEW_SPLITS 4
+template <typename Load>
+__device__ __forceinline__ float merge_splits(int used, Load load) {
+	float mj[DV_FEW_SPLITS], lj[DV_FEW_SPLITS], oj[DV_FEW_SPLITS];
+#pragma unroll
+	for (int j = 0; j < DV_FEW_SPLITS; j++)
+		if (j < used) load(j, mj[j], lj[j], oj[j]);
+	float M = -EBB_INF;
+#pragma unroll
+	for (int j = 0; j < DV_FEW_SPLITS; j++)
+		if (j < used) M = fmaxf(M, lj[j] > 0.f ? mj[j] : -EBB_INF);
+	float L = 0.f;
+#pragma unroll
+	for (int j = 0; j < DV_FEW_SPLITS; j++) {
+		if (j < used) {
+			mj[j] = lj[j] > 0.f ? exp2f(mj[j] - M) : 0.f; // now split j's weight
+			L += lj[j] * mj[j];
+		}
+	}
+	const float inv = L > 0.f ? 1.f / L : 0.f;
+	float acc = 0.f;
+#pragma unroll
+	for (int j = 0; j < DV_FEW_SPLITS; j++)
+		if (j < used) acc += mj[j] * oj[j];
+	return acc * inv;
+}
+
 template <int D, int MG, bool RAW>
 __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
                                                      const int *kvptr, const int *kvidx, float *part_o,
@@ -258,6 +291,23 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 		split_store(out, part_o, part_ml, row * hq + g * G + r, splits, sp, used, D, dd, M, L, acc);
 	}
 	if (used == 1 || !split_elect_last(&counters[s * hk + g], used, &sh_last)) return;
+	if (used <= DV_FEW_SPLITS) {
+		// Few splits: each thread requests all it needs at once, from two
+		// base addresses with constant offsets.
+		for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+			const int r = idx / D, dd = idx % D;
+			const long long rh = row * hq + g * G + r;
+			const float *ml = part_ml + rh * splits * 2, *po = part_o + rh * splits * D + dd;
+			const float v = merge_splits(used, [&](int j, float &mj, float &lj, float &oj) {
+				mj = __ldcg(ml + 2 * j);
+				lj = __ldcg(ml + 2 * j + 1);
+				oj = __ldcg(po + j * D);
+			});
+			out[rh * D + dd] = f2bf(v);
+		}
+		if (threadIdx.x == 0) counters[s * hk + g] = 0;
+		return;
+	}
 	// The splits' maxima and sums come in once, in parallel; each split's
 	// weight is then known, and every output element is one pass of
 	// independent loads of the partials.
