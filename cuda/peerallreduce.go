@@ -38,6 +38,10 @@ const (
 	// up one slice each and exchange the sums: each rank reads 2(N-1)/N
 	// times the data from its peers instead of N-1 times.
 	arTwoShotBytes = 512 << 10
+	// arNormMaxRows: the fused all-reduce and norm serves decode batches up
+	// to this many rows. At 64 and 256 rows (Qwen3-8B's shape, two H200s)
+	// it was slower than the separate kernels; at 1 and 16 faster.
+	arNormMaxRows = 16
 	// peerExchangeTimeout bounds the wait for the other ranks' memory, at
 	// start and at every resume.
 	peerExchangeTimeout = 2 * time.Minute
@@ -63,7 +67,10 @@ type peerAllReduce struct {
 	err        error
 }
 
-var _ device.Collective = (*peerAllReduce)(nil)
+var (
+	_ device.Collective      = (*peerAllReduce)(nil)
+	_ device.AllReduceNormer = (*peerAllReduce)(nil)
+)
 
 // peerAccessible reports whether this GPU can map the memory of every other
 // GPU on the host.
@@ -269,6 +276,39 @@ func (d *Device) allReduce(tab uintptr, ranksInGrid, nranks int, ptr uintptr, n,
 		d.launch(name, Dim3{d.arBlocks(units, ranksInGrid), uint32(ranksInGrid), 1}, D1(arThreads), 0,
 			P(tab), P(at), P(at), uint64(m), uint64(stride), I(boolInt(twoShot)))
 	}
+}
+
+// AllReduceAddRMSNorm implements device.AllReduceNormer for decode batches
+// of up to arNormMaxRows rows that suit the 16-byte norm kernels, where the
+// ranks' partials fit the call's staging (one-shot: two ranks, or a sum
+// small enough that two-shot would not pay).
+func (p *peerAllReduce) AllReduceAddRMSNorm(residual, partial, out, w device.Tensor, eps float32) bool {
+	dim := w.Numel()
+	n := int64(partial.Numel())
+	switch {
+	case partial.DType != device.F32 || residual.DType != device.BF16 || out.DType != device.BF16 ||
+		w.DType != device.BF16 || dim%8 != 0 || dim > 8*1024 || n%int64(dim) != 0 ||
+		int64(residual.Numel()) != n || int64(out.Numel()) != n:
+		return false
+	case n > arNormMaxRows*int64(dim) || int64(p.size-1)*n > 2*arStageElems || (p.size > 2 && 4*n >= arTwoShotBytes):
+		return false
+	case normVariant(dim, partial, residual, out, w) == "":
+		return false
+	}
+	if !p.usable("all-reduce", nil) {
+		return true // the group has failed; its error surfaces at the next sync
+	}
+	p.d.allReduceAddRMSNorm(p.base(p.rank)+arTableOff, 1, partial.Ptr, residual.Ptr, out.Ptr, w.Ptr, int(n)/dim, dim, eps, 0)
+	return true
+}
+
+// allReduceAddRMSNorm queues the kernel for rows of dim; ranksInGrid and
+// stride as for allReduce.
+func (d *Device) allReduceAddRMSNorm(tab uintptr, ranksInGrid int, partial, residual, out, w uintptr, rows, dim int,
+	eps float32, stride int64) {
+	blocks := max(1, min(rows, arMaxBlocks, d.ctx.SMs/ranksInGrid))
+	d.launch("allreduce_add_rmsnorm", Dim3{uint32(blocks), uint32(ranksInGrid), 1}, D1(normThreads(dim)), 0,
+		P(tab), P(partial), P(residual), P(out), P(w), I(rows), I(dim), F(eps), uint64(stride))
 }
 
 // AllGatherColumns implements device.Collective.

@@ -55,6 +55,79 @@ func TestPeerAllReduce(t *testing.T) {
 	}
 }
 
+// TestPeerAllReduceAddRMSNorm runs the fused all-reduce and norm for ranks
+// in one grid against the CPU (the partials summed in rank order, then
+// AddRMSNorm) and against the GPU's all-reduce then AddRMSNorm, whose bits
+// it must give: one row, more rows than blocks, the widest rows, calls after
+// plain all-reduces (alternate staging halves).
+func TestPeerAllReduceAddRMSNorm(t *testing.T) {
+	p := newPair(t)
+	d := p.gpu
+	for _, ranks := range []int{2, 4} {
+		tabs := simulatedGroup(t, d, ranks)
+		for call, shape := range [][2]int{{1, 4096}, {3, 1024}, {300, 2048}, {2, 8192}, {1, 64}, {256, 4096}} {
+			rows, dim := shape[0], shape[1]
+			n := rows * dim
+			name := fmt.Sprintf("%d-ranks/%dx%d", ranks, rows, dim)
+			partial := p.random(device.F32, 4, ranks, rows, dim)
+			res, out := p.random(device.BF16, 2, ranks, rows, dim), p.random(device.BF16, 1, ranks, rows, dim)
+			w := p.random(device.BF16, 0.3, dim)
+
+			// The separate kernels, on copies, define the bits.
+			sep := func(b both) device.Tensor {
+				c, err := d.Alloc(memory.Workspace, b.g.DType, b.g.Shape...)
+				if err != nil {
+					t.Fatal(err)
+				}
+				d.Copy(c, b.g)
+				return c
+			}
+			sumG, resG, outG := sep(partial), sep(res), sep(out)
+			d.allReduce(tabs.Ptr, ranks, ranks, sumG.Ptr, int64(n), int64(n))
+			for r := 0; r < ranks; r++ {
+				d.AddRMSNorm(resG.Rows(r, r+1).View(rows, dim), sumG.Rows(r, r+1).View(rows, dim),
+					outG.Rows(r, r+1).View(rows, dim), w.g, 1e-6)
+			}
+			if call%2 == 1 { // a plain all-reduce between: the next call's staging half flips
+				d.allReduce(tabs.Ptr, ranks, ranks, sumG.Ptr, 8, 8)
+			}
+			d.allReduceAddRMSNorm(tabs.Ptr, ranks, partial.g.Ptr, res.g.Ptr, out.g.Ptr, w.g.Ptr, rows, dim, 1e-6, int64(n))
+
+			// The CPU: each rank's residual plus the partials in rank order.
+			_, in := p.download(partial)
+			sum := make([]float32, n)
+			for i := range sum {
+				s := in[i]
+				for r := 1; r < ranks; r++ {
+					s += in[r*n+i]
+				}
+				sum[i] = s
+			}
+			sumC := p.floats(device.F32, sum, rows, dim)
+			for r := 0; r < ranks; r++ {
+				p.cpu.AddRMSNorm(res.c.Rows(r, r+1).View(rows, dim), sumC.c, out.c.Rows(r, r+1).View(rows, dim), w.c, 1e-6)
+			}
+			p.close(name+" residual", res, 5e-2, 8e-3)
+			p.close(name+" out", out, 2e-2, 2e-2)
+			for _, c := range []struct {
+				what      string
+				got, want device.Tensor
+			}{{"residual", res.g, resG}, {"out", out.g, outG}} {
+				got, want := make([]byte, c.got.Bytes()), make([]byte, c.want.Bytes())
+				if err := errors.Join(d.ctx.CopyDtoH(got, c.got.Ptr), d.ctx.CopyDtoH(want, c.want.Ptr)); err != nil {
+					t.Fatalf("%s: %v", name, err)
+				}
+				if !bytes.Equal(got, want) {
+					t.Errorf("%s: %s differs from all-reduce then add_rmsnorm", name, c.what)
+				}
+			}
+			for _, b := range []device.Tensor{sumG, resG, outG, partial.g, res.g, out.g, w.g} {
+				d.Free(memory.Workspace, b)
+			}
+		}
+	}
+}
+
 // simulatedGroup sets up ranks' staging memory and tables on one GPU, to
 // run them in one grid (a rank per blockIdx.y).
 func simulatedGroup(t *testing.T, d *Device, ranks int) device.Tensor {

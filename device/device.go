@@ -399,6 +399,16 @@ type Collective interface {
 	Err() error
 }
 
+// AllReduceNormer is implemented by collectives that add the ranks'
+// partial sums into the residual stream and normalise it in one pass.
+type AllReduceNormer interface {
+	// AllReduceAddRMSNorm is AllReduceSum(partial) then the device's
+	// AddRMSNorm(residual, partial, out, w, eps), the same bits, leaving
+	// partial as it was. It returns false, having done nothing, where it
+	// does not apply.
+	AllReduceAddRMSNorm(residual, partial, out, w Tensor, eps float32) bool
+}
+
 // CollectiveJoiner is implemented by devices whose tensor-parallel ranks
 // add up their partial sums among themselves (through each other's memory
 // or NCCL): rank 0 makes the id, the launcher's processes hand it to the

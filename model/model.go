@@ -274,6 +274,9 @@ func (m *Model) forward(in Inputs, a activations) {
 			return
 		}
 		dev.MatMul(a.tmp, in, wt, bias)
+		if normer, ok := m.Comm.(device.AllReduceNormer); ok && normer.AllReduceAddRMSNorm(a.h, a.tmp, a.x, norm, eps) {
+			return
+		}
 		reduce(a.tmp)
 		dev.AddRMSNorm(a.h, a.tmp, a.x, norm, eps)
 	}

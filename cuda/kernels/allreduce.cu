@@ -151,6 +151,82 @@ extern "C" __global__ void allreduce_f32_v4(const ArPeers *tabs, const float *in
 	allreduce<float4>(tabs, in, out, n, stride, two_shot);
 }
 
+// allreduce_add_rmsnorm: residual += the sum over ranks of the float32
+// partial sums, out = rmsnorm(residual) * w, in one kernel: where a
+// tensor-parallel layer's o_proj and down_proj partials meet in a small
+// decode batch. The bits are allreduce's then add_rmsnorm_f32x_v8's (sum in
+// rank order, rounded to bf16, added to the residual and rounded again).
+// Rows of dim (dim % 8 == 0, 16-byte aligned): thread t holds elements
+// 8t..8t+7 of a row, as the _v8 norms; block b takes rows b, b + gridDim.x,
+// .... Each rank writes its partials into the others' staging (slot s of
+// R - 1 for source rank s, skipping the owner: the R - 1 slots fill the
+// call's two areas) and then reads only its own, so no load waits on the
+// link: one-shot, every rank adds up every row. stride: elements between
+// the ranks' tensors of a test's one grid (blockIdx.y); 0 otherwise.
+__device__ __forceinline__ void ldcg8(const float *p, float f[8]) {
+	const float4 lo = __ldcg((const float4 *)p), hi = __ldcg((const float4 *)(p + 4));
+	f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+}
+
+extern "C" __global__ void allreduce_add_rmsnorm(const ArPeers *tabs, const float *partial_, bf16 *residual_,
+                                                 bf16 *out_, const bf16 *w, int rows, int dim, float eps,
+                                                 long long stride) {
+	__shared__ float red[32];
+	const ArPeers *t = (const ArPeers *)((const char *)tabs + blockIdx.y * AR_TABLE_BYTES);
+	const float *partial = partial_ + blockIdx.y * stride;
+	bf16 *residual = residual_ + blockIdx.y * stride;
+	bf16 *out = out_ + blockIdx.y * stride;
+	const int i = 8 * threadIdx.x, R = t->nranks, me = t->rank;
+	const long long n = (long long)rows * dim;
+	const bool live = i < dim;
+	const unsigned e0 = ar_begin(t);
+	const long long area = ((e0 >> 1) & 1) * 2 * t->stage_elems;
+	if (live)
+		for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+			const long long off = (long long)row * dim + i;
+			const float4 a = *(const float4 *)(partial + off), b = *(const float4 *)(partial + off + 4);
+			for (int q = 0; q < R; q++) {
+				if (q == me) continue;
+				float *dst = t->stage[q] + area + (me - (me > q)) * n + off;
+				*(float4 *)dst = a;
+				*(float4 *)(dst + 4) = b;
+			}
+		}
+	ar_barrier(t, e0 + 2);
+	float wv[8];
+	if (live) unpack8(*(const uint4 *)(w + i), wv);
+	for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+		const long long off = (long long)row * dim + i;
+		float v[8], ss = 0.f;
+		if (live) {
+			float s[8], q[8];
+			for (int p = 0; p < R; p++) {
+				if (p == me)
+					load8f(partial + off, q);
+				else
+					ldcg8(t->stage[me] + area + (p - (p > me)) * n + off, q);
+#pragma unroll
+				for (int e = 0; e < 8; e++) s[e] = p == 0 ? q[e] : s[e] + q[e];
+			}
+			unpack8(*(const uint4 *)(residual + off), v);
+#pragma unroll
+			for (int e = 0; e < 8; e++) {
+				v[e] = rbf(v[e] + rbf(s[e]));
+				ss += v[e] * v[e];
+			}
+		}
+		const float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+		if (live) {
+			*(uint4 *)(residual + off) = pack8(v);
+			float o[8];
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[e] = wv[e] * rbf(v[e] * inv);
+			*(uint4 *)(out + off) = pack8(o);
+		}
+	}
+	ar_end(t, e0);
+}
+
 // allgather_cols: full[row][rank * cols + j] = that rank's local[row][j]
 // (vocabulary-parallel logits), in units of V: cols and the row counts are
 // in units, rows * cols of them fit two staging areas. Block b copies its
