@@ -45,6 +45,7 @@ type Device struct {
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
+	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 }
 
 var (
@@ -183,6 +184,7 @@ func (d *Device) init() error {
 	fold := os.Getenv("EBB_NORM_FOLD")
 	d.foldTC, d.foldWG = fold != "0" && fold != "wg", fold != "0" && fold != "tc"
 	d.rawDecode = os.Getenv("EBB_DECODE_PREPARE") != "separate"
+	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if err := d.initMatMulWG(); err != nil {
 		return err
 	}

@@ -70,15 +70,27 @@ const (
 	matMulCountersAt = 32768 // its split counters, after the attention's in d.counters
 )
 
-// useMatMulTC says whether matmul_tc takes m rows. Past 24 its 16-column
-// warps, each reading every row of x from L2, fall behind cuBLAS (H100,
-// 0.6B shapes: at 8 and 16 rows 4.2-6.1 us against cuBLAS's 5.3-7.0, at
-// 17-24 rows level with it but launched early like the kernels around it,
-// decode steps 1-2% faster; at 32 rows decode steps 5% slower, at 128 the
-// products two to three times slower).
-func (d *Device) useMatMulTC(m, k int) bool {
-	return m > gemvMaxRows && m <= 8*matMulTCMaxTiles && k%32 == 0
+// useMatMulTC says whether matmul_tc takes m rows of an n x k matrix.
+// Past 24 its 16-column warps, each reading every row of x from L2, fall
+// behind cuBLAS (H100, 0.6B shapes: at 8 and 16 rows 4.2-6.1 us against
+// cuBLAS's 5.3-7.0, at 17-24 rows level with it but launched early like
+// the kernels around it, decode steps 1-2% faster; at 32 rows decode steps
+// 5% slower, at 128 the products two to three times slower). Past one tile
+// it keeps only weights under matMulTCMaxBytes.
+func (d *Device) useMatMulTC(m, n, k int) bool {
+	return m > gemvMaxRows && m <= 8*matMulTCMaxTiles && k%32 == 0 &&
+		(m <= 8 || 2*int64(n)*int64(k) < matMulTCMaxBytes || d.tcLarge)
 }
+
+// matMulTCMaxBytes: weights of this size or more go to matmul_tc for one
+// tile (8 rows) only. With two or three tiles the x it reads again from L2
+// (rows/16 of the weights' bytes) holds it well behind cuBLAS once a
+// product is bound by reading its weights rather than by its launch
+// (H100, Qwen3-8B's shapes, 16.8-201 MB: at 17-24 rows 1.4-1.8x cuBLAS's
+// time at 25 rows, at 9-16 rows 1.0-1.3x; one-batch steps at 17 and 24
+// rows 10.3 ms against 7.2 at 32). The 0.6B model's layers (12.6 MB at
+// most) keep it. EBB_MATMUL_TC=all gives it every weight again.
+const matMulTCMaxBytes = 16 << 20
 
 // matMulTCShape picks matmul_tc's tile count T (8T rows) and grid (N/16
 // column blocks, K splits) for m rows of an n x k matrix: K is split
@@ -161,7 +173,7 @@ func (d *Device) matMulRoute(m, n, k int, glu bool) matMulRoute {
 	switch {
 	case useGemv(m, k) && (!glu || m == 1):
 		return routeGemv
-	case d.useMatMulTC(m, k):
+	case d.useMatMulTC(m, n, k):
 		return routeTC
 	case d.useMatMulWG(m, n, k, glu):
 		return routeWG

@@ -237,13 +237,14 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 
 // TestMatMulSiLU compares the fused gate_up products (the gemv whose warp
 // groups take a gate and its up, for one row; matmul_tc whose warps do,
-// for 2 to 24 rows) with the CPU's MatMul then SiLUMul, and matmul_tc's
-// with the GPU's own MatMul then SiLUMul, which it must equal bit for bit.
+// for 2 to 24 rows of small weights; matmul_wg's threads, for more) with
+// the CPU's MatMul then SiLUMul, and with the GPU's own product (MatMul, or
+// matmul_wg's) then SiLUMul, which they must equal bit for bit.
 func TestMatMulSiLU(t *testing.T) {
 	p := newPair(t)
 	for _, s := range []struct{ m, k, inter int }{{1, 1024, 3072}, {1, 4096, 6144}, {1, 256, 501},
 		{2, 1024, 3072}, {8, 4096, 6144}, {13, 256, 501}, {24, 1024, 3072}, {19, 2048, 100},
-		{25, 1024, 3072}, {64, 1024, 3072}, {128, 2048, 104}, {100, 1024, 3072}} {
+		{25, 1024, 3072}, {64, 1024, 3072}, {128, 2048, 104}, {100, 1024, 3072}, {20, 4096, 6144}, {12, 4096, 6144}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), 2*s.inter, s.k)
 		gateUp := p.random(device.BF16, 1, s.m, 2*s.inter)
@@ -258,7 +259,7 @@ func TestMatMulSiLU(t *testing.T) {
 			continue
 		}
 		apart := p.random(device.BF16, 1, s.m, s.inter)
-		if s.m > 8*matMulTCMaxTiles { // the product as matmul_wg forms it; MatMul leaves gate_up to cuBLAS
+		if p.gpu.matMulRoute(s.m, 2*s.inter, s.k, true) == routeWG { // the product as matmul_wg forms it; MatMul leaves gate_up to cuBLAS
 			p.gpu.matMulWG(gateUp.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, 2*s.inter, s.k, false, normFold{})
 		} else {
 			p.gpu.MatMul(gateUp.g, x.g, w.g, device.Tensor{})

@@ -56,7 +56,8 @@ func matMulWGShared(bn int) int {
 }
 
 // useMatMulWG says whether matmul_wg takes m rows of an n x k product
-// (n a multiple of 16 for its tensor map's 16-row groups). With glu it
+// (n a multiple of 16 for its tensor map's 16-row groups) that matmul_tc
+// does not (more than 8 rows: it asks after useMatMulTC). With glu it
 // replaces cuBLAS and a silu_mul pass; alone, only where the weight tiles
 // are few enough for K splits of a full cluster each. H100, 0.6B decode
 // steps: o_proj and down_proj (8 tiles) and gate_up with glu on matmul_wg,
@@ -66,7 +67,7 @@ func matMulWGShared(bn int) int {
 // not fit at once).
 func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 	tiles := (n + matMulWGTileRows - 1) / matMulWGTileRows
-	return d.wgmma && m > 8*matMulTCMaxTiles && m <= matMulWGRows[len(matMulWGRows)-1] && k%matMulWGBK == 0 &&
+	return d.wgmma && m > 8 && m <= matMulWGRows[len(matMulWGRows)-1] && k%matMulWGBK == 0 &&
 		n%16 == 0 && (glu || tiles*matMulWGMaxCluster <= d.ctx.SMs)
 }
 
