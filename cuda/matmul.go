@@ -139,7 +139,8 @@ const matMulTCNormRows = 8
 // (routeBLAS). EBB_NORM_FOLD=0 turns both off, =tc or =wg leaves one.
 func (d *Device) foldRoute(m, n, k int, glu bool) matMulRoute {
 	switch r := d.matMulRoute(m, n, k, glu); {
-	case r == routeTC && d.foldTC && m <= matMulTCNormRows, r == routeWG && d.foldWG && m <= matMulWGNormRows:
+	case r == routeTC && d.foldTC && m <= matMulTCNormRows,
+		r == routeWG && d.foldWG && m > 8*matMulTCMaxTiles && m <= matMulWGNormRows:
 		return r
 	}
 	return routeBLAS
