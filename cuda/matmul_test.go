@@ -349,3 +349,35 @@ func TestMatMulAccumulate(t *testing.T) {
 		t.Fatal("MatMulAccumulate applied to 16 rows")
 	}
 }
+
+// TestMatMulRoute: which kernels take a decode product, by rows and weight
+// size, on an H100-like device (132 SMs, matmul_wg built). It needs no GPU.
+func TestMatMulRoute(t *testing.T) {
+	d := &Device{ctx: &Context{SMs: 132}, wgmma: true}
+	for _, c := range []struct {
+		m, n, k int
+		glu     bool
+		want    matMulRoute
+	}{
+		{1, 6144, 1024, false, routeGemv},
+		{8, 6144, 1024, false, routeTC},
+		{24, 6144, 1024, false, routeTC},     // 0.6B qkv: 12.6 MB
+		{24, 6144, 1024, true, routeTC},      // 0.6B gate_up
+		{16, 151936, 1024, false, routeBLAS}, // 0.6B lm_head: 311 MB
+		{8, 24576, 4096, true, routeTC},      // one tile keeps every weight
+		{9, 6144, 4096, false, routeBLAS},    // 8B qkv, 50 MB
+		{17, 4096, 4096, false, routeBLAS},   // 8B o_proj: too many tiles for matmul_wg alone
+		{17, 24576, 4096, true, routeWG},     // 8B gate_up with silu
+		{24, 4096, 2048, false, routeBLAS},   // exactly 16 MiB
+		{25, 1024, 2048, false, routeWG},     // 0.6B o_proj
+		{129, 1024, 2048, false, routeBLAS},
+	} {
+		if got := d.matMulRoute(c.m, c.n, c.k, c.glu); got != c.want {
+			t.Errorf("%d rows of %dx%d (glu %v): route %d, want %d", c.m, c.n, c.k, c.glu, got, c.want)
+		}
+	}
+	d.tcLarge = true // EBB_MATMUL_TC=all
+	if got := d.matMulRoute(17, 24576, 4096, true); got != routeTC {
+		t.Errorf("EBB_MATMUL_TC=all: route %d, want matmul_tc", got)
+	}
+}
