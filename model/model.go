@@ -232,6 +232,7 @@ func (m *Model) forward(in Inputs, a activations) {
 	fusedDev, _ := dev.(device.Fused)
 	preparer, _ := dev.(device.AttentionPreparer)
 	accumulating, _ := dev.(device.Accumulating)
+	normer, _ := m.Comm.(device.AllReduceNormer)
 	fused := fusedDev
 	if m.Comm != nil {
 		fused = nil
@@ -274,7 +275,7 @@ func (m *Model) forward(in Inputs, a activations) {
 			return
 		}
 		dev.MatMul(a.tmp, in, wt, bias)
-		if normer, ok := m.Comm.(device.AllReduceNormer); ok && normer.AllReduceAddRMSNorm(a.h, a.tmp, a.x, norm, eps) {
+		if normer != nil && normer.AllReduceAddRMSNorm(a.h, a.tmp, a.x, norm, eps) {
 			return
 		}
 		reduce(a.tmp)
