@@ -4,15 +4,24 @@
 package bench
 
 import (
+	"context"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"math/rand/v2"
+	"os"
 	"sort"
 	"time"
+
+	"go.uber.org/zap"
 
 	"ebb/device"
 	"ebb/engine"
 	"ebb/ioschema"
+	"ebb/launcher"
 	"ebb/scheduler"
 )
 
@@ -27,6 +36,19 @@ type OneBatchConfig struct {
 	// around one step of the first batch size: 0 is the prefill, k the
 	// k-th decode step. For `ncu --profile-from-start off`.
 	ProfileStep int
+	// Executable is the ebb binary that runs the other tensor-parallel
+	// ranks and the other data-parallel engines (default: this one).
+	Executable string
+	// Log takes the warnings of the processes started for --tp-size and
+	// --dp-size (nil: none).
+	Log *zap.Logger
+	// BeforeBatch, when set, is called before each batch size is run (the
+	// data-parallel engines start each batch size together).
+	BeforeBatch func(batchSize int) error
+	// RankFailed is called when another rank of the engine stops during
+	// the run (the leader may be waiting on it inside a collective); nil
+	// prints the error and exits.
+	RankFailed func(error)
 }
 
 // OneBatchResult is one batch size's figures.
@@ -44,15 +66,38 @@ type OneBatchResult struct {
 	TotalMs          float64   `json:"total_ms"`
 	OutputTokPerS    float64   `json:"output_tokens_per_s"` // batch*output_len / total
 	GraphDecodeSteps int64     `json:"graph_decode_steps"`
+	// OutputDigest hashes every request's generated tokens, in request
+	// order: equal digests, equal outputs (greedy), to compare builds or
+	// parallel layouts.
+	OutputDigest string `json:"output_digest"`
+	// Engines are the data-parallel engines' own figures; the row's times
+	// are the slowest engine's and its tokens/s those of all engines.
+	Engines []OneBatchResult `json:"engines,omitempty"`
 }
 
 // OneBatch prefills each batch (in chunks of --chunked-prefill-size tokens,
 // as the server does) and decodes it to the end, timing every step of the
 // scheduler core (pack, upload, forward, sample, download). The prefill
-// time runs until every request has its first token.
+// time runs until every request has its first token. With --tp-size the
+// engine's rank 0 runs here and the others as child processes; with
+// --dp-size each engine is a child process running the same batches, all
+// starting each batch size together.
 func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
-	if cfg.Engine.DPSize > 1 || cfg.Engine.TPSize > 1 {
-		return nil, fmt.Errorf("one-batch measures one engine in this process; --dp-size and --tp-size are measured with bench serving")
+	if len(cfg.BatchSizes) == 0 {
+		return nil, errors.New("no batch sizes")
+	}
+	if cfg.Log == nil {
+		cfg.Log = zap.NewNop()
+	}
+	if cfg.Executable == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, err
+		}
+		cfg.Executable = exe
+	}
+	if cfg.Engine.DPSize > 1 {
+		return oneBatchDP(cfg)
 	}
 	maxB := 0
 	for _, b := range cfg.BatchSizes {
@@ -66,11 +111,11 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	if ec.ContextLength == 0 {
 		ec.ContextLength = cfg.InputLen + cfg.OutputLen + 64
 	}
-	e, err := engine.Open(ec)
+	e, closeEngine, err := openOneBatchEngine(cfg, ec)
 	if err != nil {
 		return nil, err
 	}
-	defer e.Close()
+	defer closeEngine()
 	core, err := scheduler.NewCoreFor(e)
 	if err != nil {
 		return nil, err
@@ -88,12 +133,15 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	}
 	run := func(b int, label string) (OneBatchResult, error) {
 		res := OneBatchResult{BatchSize: b, InputLen: cfg.InputLen, OutputLen: cfg.OutputLen}
+		rids := make([]string, b)
+		outputs := map[string][]int32{}
 		for i := 0; i < b; i++ {
 			ids := make([]int32, cfg.InputLen)
 			for j := range ids {
 				ids[j] = int32(rng.IntN(vocab))
 			}
-			if err := core.Add(scheduler.Request{Rid: fmt.Sprintf("%s-%d", label, i), InputIDs: ids, Params: params, LogprobStartLen: -1}); err != nil {
+			rids[i] = fmt.Sprintf("%s-%d", label, i)
+			if err := core.Add(scheduler.Request{Rid: rids[i], InputIDs: ids, Params: params, LogprobStartLen: -1}); err != nil {
 				return res, err
 			}
 		}
@@ -117,6 +165,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 				return res, err
 			}
 			for _, ev := range events {
+				outputs[ev.Rid] = append(outputs[ev.Rid], ev.NewTokens...)
 				if len(ev.NewTokens) > 0 && !started[ev.Rid] {
 					started[ev.Rid] = true
 					if len(started) == b {
@@ -152,6 +201,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 			res.DecodeTokPerS = float64(b) / (res.DecodeMedianMs / 1000)
 		}
 		res.OutputTokPerS = float64(b*cfg.OutputLen) / (res.TotalMs / 1000)
+		res.OutputDigest = outputDigest(rids, outputs)
 		if err := core.FlushCache(); err != nil {
 			return res, err
 		}
@@ -163,6 +213,11 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	}
 	var out []OneBatchResult
 	for _, b := range cfg.BatchSizes {
+		if cfg.BeforeBatch != nil {
+			if err := cfg.BeforeBatch(b); err != nil {
+				return out, err
+			}
+		}
 		r, err := run(b, fmt.Sprintf("b%d", b))
 		if err != nil {
 			return out, err
@@ -170,4 +225,68 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		out = append(out, r)
 	}
 	return out, nil
+}
+
+// openOneBatchEngine opens the engine in this process; with --tp-size its
+// other ranks run as child processes of cfg.Executable, as under ebb serve.
+func openOneBatchEngine(cfg OneBatchConfig, ec engine.Config) (*engine.Engine, func() error, error) {
+	if ec.TPSize <= 1 {
+		e, err := engine.Open(ec)
+		if err != nil {
+			return nil, nil, err
+		}
+		return e, e.Close, nil
+	}
+	f, err := launcher.StartFollowers(context.Background(), cfg.Executable, ec, "warn", cfg.Log)
+	if err != nil {
+		return nil, nil, err
+	}
+	e, closeLeader, err := scheduler.OpenTPLeader(f.Leader)
+	if err == nil {
+		if err = f.Wait(); err != nil {
+			_ = closeLeader()
+		}
+	}
+	if err != nil {
+		f.Stop()
+		return nil, nil, err
+	}
+	failed := cfg.RankFailed
+	if failed == nil {
+		failed = func(err error) {
+			fmt.Fprintln(os.Stderr, "ebb bench one-batch:", err)
+			os.Exit(1)
+		}
+	}
+	done := make(chan struct{})
+	go func() {
+		select {
+		case err := <-f.Failed():
+			failed(err)
+		case <-done:
+		}
+	}()
+	return e, func() error {
+		close(done)
+		err := closeLeader()
+		f.Stop()
+		return err
+	}, nil
+}
+
+// outputDigest is FNV-1a over each request's tokens (little-endian int32)
+// and its count, in rids' order.
+func outputDigest(rids []string, outputs map[string][]int32) string {
+	h := fnv.New64a()
+	var buf [4]byte
+	for _, rid := range rids {
+		toks := outputs[rid]
+		binary.LittleEndian.PutUint32(buf[:], uint32(len(toks)))
+		h.Write(buf[:])
+		for _, t := range toks {
+			binary.LittleEndian.PutUint32(buf[:], uint32(t))
+			h.Write(buf[:])
+		}
+	}
+	return hex.EncodeToString(h.Sum(nil))
 }

@@ -2,6 +2,9 @@ package bench
 
 import (
 	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"testing"
 
 	"ebb/engine"
@@ -36,5 +39,58 @@ func TestOneBatchSteps(t *testing.T) {
 	}
 	if math.Abs(sum-r.PrefillMs) > 1e-6 || r.TotalMs < r.PrefillMs || r.OutputTokPerS <= 0 {
 		t.Fatalf("step times %v sum to %v, prefill %v ms, total %v ms, %v output tok/s", r.PrefillStepMs, sum, r.PrefillMs, r.TotalMs, r.OutputTokPerS)
+	}
+}
+
+// TestOneBatchParallelLayouts runs one-batch with the engine's second rank
+// in a child process (--tp-size 2) and with two engines as child processes
+// (--dp-size 2) on the CPU: every layout generates the same tokens as one
+// process, and the two engines report their own figures.
+func TestOneBatchParallelLayouts(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ebb")
+	}
+	exe := filepath.Join(t.TempDir(), "ebb")
+	build := exec.Command("go", "build", "-o", exe, "../cmd/ebb")
+	build.Stderr = os.Stderr
+	if err := build.Run(); err != nil {
+		t.Fatalf("building ebb: %v", err)
+	}
+	dir := tinymodel.TestDir(t, "qwen3", nil)
+	run := func(tp, dp int) []OneBatchResult {
+		t.Helper()
+		res, err := OneBatch(OneBatchConfig{
+			Engine:      engine.Config{ModelDir: dir, Device: "cpu", TPSize: tp, DPSize: dp},
+			BatchSizes:  []int{1, 3},
+			InputLen:    12,
+			OutputLen:   5,
+			ProfileStep: -1,
+			Executable:  exe,
+			RankFailed:  func(err error) { t.Errorf("a rank failed: %v", err) },
+		})
+		if err != nil {
+			t.Fatalf("tp %d dp %d: %v", tp, dp, err)
+		}
+		return res
+	}
+	want := run(1, 1)
+	for _, l := range []struct{ tp, dp int }{{2, 1}, {1, 2}} {
+		got := run(l.tp, l.dp)
+		if len(got) != len(want) {
+			t.Fatalf("tp %d dp %d: %d results, want %d", l.tp, l.dp, len(got), len(want))
+		}
+		for k := range want {
+			if got[k].OutputDigest != want[k].OutputDigest || got[k].DecodeMedianMs <= 0 {
+				t.Errorf("tp %d dp %d batch %d: outputs %s, decode %.3f ms; one process: %s", l.tp, l.dp,
+					want[k].BatchSize, got[k].OutputDigest, got[k].DecodeMedianMs, want[k].OutputDigest)
+			}
+			if n := len(got[k].Engines); n != l.dp && !(l.dp == 1 && n == 0) {
+				t.Errorf("tp %d dp %d: %d engines' figures", l.tp, l.dp, n)
+			}
+		}
+	}
+	if _, err := OneBatch(OneBatchConfig{Engine: engine.Config{ModelDir: dir, Device: "cpu", DPSize: 2},
+		BatchSizes: []int{1}, InputLen: 4, OutputLen: 2, ProfileStep: 0, Executable: exe}); err == nil {
+		t.Error("--profile-step with two engines: no error")
 	}
 }

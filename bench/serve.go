@@ -33,10 +33,49 @@ func startServe(exe string, e engine.Config, extra ...string) (*serveProc, error
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
+	args := append([]string{"serve", "--port", strconv.Itoa(port), "--zmq-endpoint", "none", "--log-level", "warn",
+		"--skip-server-warmup"}, engineArgs(e)...)
+	args = append(args, extra...)
+	s := &serveProc{cmd: exec.Command(exe, args...), url: fmt.Sprintf("http://127.0.0.1:%d", port), done: make(chan error, 1)}
+	s.cmd.Stderr = os.Stderr
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := s.cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { s.done <- s.cmd.Wait() }()
+	deadline := time.Now().Add(10 * time.Minute)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(s.url + "/health"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return s, nil
+			}
+		}
+		select {
+		case err := <-s.done:
+			return nil, fmt.Errorf("ebb serve exited: %v", err)
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	s.stop()
+	return nil, fmt.Errorf("ebb serve did not become healthy")
+}
+
+// engineArgs are the command-line flags that give another ebb process e's
+// settings.
+func engineArgs(e engine.Config) []string {
 	e.Defaults()
-	args := []string{"serve", "--model", e.ModelDir, "--device", e.Device, "--port", strconv.Itoa(port), "--zmq-endpoint", "none",
-		"--mem-fraction-static", strconv.FormatFloat(e.MemFractionStatic, 'f', -1, 64), "--log-level", "warn",
-		"--base-gpu-id", strconv.Itoa(e.GPU), "--skip-server-warmup"}
+	args := []string{"--model", e.ModelDir, "--device", e.Device,
+		"--mem-fraction-static", strconv.FormatFloat(e.MemFractionStatic, 'f', -1, 64), "--base-gpu-id", strconv.Itoa(e.GPU)}
+	if e.TokenizerDir != e.ModelDir {
+		args = append(args, "--tokenizer-path", e.TokenizerDir)
+	}
+	if e.DType != "" && e.DType != "auto" {
+		args = append(args, "--dtype", e.DType)
+	}
+	if e.RandomSeed != nil {
+		args = append(args, "--random-seed", strconv.FormatUint(*e.RandomSeed, 10))
+	}
 	if e.MaxTotalTokens > 0 {
 		args = append(args, "--max-total-tokens", strconv.Itoa(e.MaxTotalTokens))
 	}
@@ -74,30 +113,7 @@ func startServe(exe string, e engine.Config, extra ...string) (*serveProc, error
 	if e.TPSize > 1 || e.DPSize > 1 {
 		args = append(args, "--tp-size", strconv.Itoa(e.TPSize), "--dp-size", strconv.Itoa(e.DPSize))
 	}
-	args = append(args, extra...)
-	s := &serveProc{cmd: exec.Command(exe, args...), url: fmt.Sprintf("http://127.0.0.1:%d", port), done: make(chan error, 1)}
-	s.cmd.Stderr = os.Stderr
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := s.cmd.Start(); err != nil {
-		return nil, err
-	}
-	go func() { s.done <- s.cmd.Wait() }()
-	deadline := time.Now().Add(10 * time.Minute)
-	for time.Now().Before(deadline) {
-		if resp, err := http.Get(s.url + "/health"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return s, nil
-			}
-		}
-		select {
-		case err := <-s.done:
-			return nil, fmt.Errorf("ebb serve exited: %v", err)
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
-	s.stop()
-	return nil, fmt.Errorf("ebb serve did not become healthy")
+	return args
 }
 
 func (s *serveProc) stop() {

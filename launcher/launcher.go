@@ -117,18 +117,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		e.GPU += i * e.TPSize
 		pc := scheduler.ProcessConfig{Engine: e, InputEndpoint: ep(role), DPRank: i,
 			DetokenizerEndpoint: ep("detokenizer"), TokenizerEndpoint: ep("tokenizer")}
-		if e.TPSize > 1 {
-			pc.TP = &scheduler.TPConfig{HubEndpoint: ep(fmt.Sprintf("tp-%d-hub", i)), AckEndpoint: ep(fmt.Sprintf("tp-%d-ack", i))}
-			for r := 1; r < e.TPSize; r++ {
-				name := fmt.Sprintf("tp-%d-%d", i, r)
-				fe := e
-				fe.GPU += r
-				pc.TP.StepEndpoints = append(pc.TP.StepEndpoints, ep(name))
-				cc.TPRanks[name] = scheduler.ProcessConfig{Engine: fe, DPRank: i, TP: &scheduler.TPConfig{Rank: r,
-					HubEndpoint: pc.TP.HubEndpoint, AckEndpoint: pc.TP.AckEndpoint, StepEndpoints: []string{ep(name)}}}
-				followers = append(followers, name)
-			}
-		}
+		pc.TP, followers = placeTPRanks(e, i, ep, cc.TPRanks, followers)
 		cc.Schedulers = append(cc.Schedulers, pc)
 		schedEndpoints = append(schedEndpoints, ep(role))
 	}
@@ -178,6 +167,27 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	}
 	cancel()
 	return failure
+}
+
+// placeTPRanks places the tensor-parallel ranks of engine i (on GPUs from
+// e.GPU): it adds the followers' configs to ranks under their roles
+// ("tp-<engine>-<rank>"), appends the roles to names and returns rank 0's
+// placement (nil with one rank).
+func placeTPRanks(e engine.Config, i int, ep func(string) string, ranks map[string]scheduler.ProcessConfig, names []string) (*scheduler.TPConfig, []string) {
+	if e.TPSize <= 1 {
+		return nil, names
+	}
+	leader := &scheduler.TPConfig{HubEndpoint: ep(fmt.Sprintf("tp-%d-hub", i)), AckEndpoint: ep(fmt.Sprintf("tp-%d-ack", i))}
+	for r := 1; r < e.TPSize; r++ {
+		name := fmt.Sprintf("tp-%d-%d", i, r)
+		fe := e
+		fe.GPU += r
+		leader.StepEndpoints = append(leader.StepEndpoints, ep(name))
+		ranks[name] = scheduler.ProcessConfig{Engine: fe, DPRank: i, TP: &scheduler.TPConfig{Rank: r,
+			HubEndpoint: leader.HubEndpoint, AckEndpoint: leader.AckEndpoint, StepEndpoints: []string{ep(name)}}}
+		names = append(names, name)
+	}
+	return leader, names
 }
 
 // warmupThenReady runs SGLang's start-up generation (unless skipped), so

@@ -164,6 +164,38 @@ func openRank(cfg ProcessConfig, share func(id [128]byte) error, await func() ([
 	return engine.Open(ec)
 }
 
+// OpenTPLeader opens rank 0 of a tensor-parallel engine without a
+// scheduler loop (`ebb bench one-batch`): every step its runner launches
+// goes to the followers at cfg.TP too, which run it on their shards. The
+// returned func closes the engine, then the links.
+func OpenTPLeader(cfg ProcessConfig) (*engine.Engine, func() error, error) {
+	if cfg.TP == nil || cfg.Engine.TPSize <= 1 {
+		return nil, nil, errors.New("a tensor-parallel leader needs --tp-size 2 or more and its placement")
+	}
+	zctx, err := zmq.NewContext()
+	if err != nil {
+		return nil, nil, err
+	}
+	leader, err := newTPLeader(zctx, cfg.TP)
+	if err != nil {
+		zctx.Term()
+		return nil, nil, err
+	}
+	e, err := openRank(cfg, func(id [128]byte) error { return leader.send(tpMessage{CollectiveID: id[:]}) }, nil)
+	if err != nil {
+		leader.close()
+		zctx.Term()
+		return nil, nil, err
+	}
+	e.Runner.Mirror = leader.sendStep
+	return e, func() error {
+		err := e.Close()
+		leader.close()
+		zctx.Term()
+		return err
+	}, nil
+}
+
 // tpLeader is rank 0's link to its followers; the scheduler loop's
 // goroutine is its only user.
 type tpLeader struct {

@@ -77,7 +77,7 @@ func parseInts(s string) ([]int, error) {
 func oneBatchCmd() *cobra.Command {
 	var cfg bench.OneBatchConfig
 	var sizes string
-	var asJSON bool
+	var asJSON, syncStdio bool
 	cmd := &cobra.Command{
 		Use:   "one-batch --model DIR --batch-size 1,8,64,256 --input-len 128 --output-len 128",
 		Short: "Prefill latency, decode step latency and output tokens/s per batch size",
@@ -85,6 +85,12 @@ func oneBatchCmd() *cobra.Command {
 			var err error
 			if cfg.BatchSizes, err = parseInts(sizes); err != nil {
 				return fmt.Errorf("--batch-size: %w", err)
+			}
+			if cfg.Log, err = newLogger("warn", "bench"); err != nil {
+				return err
+			}
+			if syncStdio {
+				cfg.BeforeBatch = waitForGo(bufio.NewReader(os.Stdin))
 			}
 			return printReport(asJSON, &cfg.Progress, func() ([]bench.OneBatchResult, error) { return bench.OneBatch(cfg) }, printOneBatch)
 		},
@@ -96,7 +102,24 @@ func oneBatchCmd() *cobra.Command {
 	f.IntVar(&cfg.OutputLen, "output-len", 128, "generated tokens per request")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
 	f.IntVar(&cfg.ProfileStep, "profile-step", -1, "profile one step of the first batch size (0 prefill, k the k-th decode) for ncu --profile-from-start off")
+	f.BoolVar(&syncStdio, "sync-stdio", false, "before each batch size write \"ready N\" on stdout and wait for \"go\" on stdin (one data-parallel engine of another one-batch)")
+	_ = f.MarkHidden("sync-stdio")
 	return cmd
+}
+
+// waitForGo is a data-parallel engine's BeforeBatch: it says it is ready
+// for the batch size and waits until the parent says go.
+func waitForGo(in *bufio.Reader) func(int) error {
+	return func(b int) error {
+		if _, err := fmt.Println(bench.SyncLine(b)); err != nil {
+			return err
+		}
+		line, err := in.ReadString('\n')
+		if strings.TrimSpace(line) != "go" {
+			return fmt.Errorf("waiting for go before batch %d: got %q (%v)", b, line, err)
+		}
+		return nil
+	}
 }
 
 func weightSyncCmd() *cobra.Command {
@@ -285,10 +308,19 @@ func printRLCycle(rep *bench.RLCycleReport) {
 }
 
 func printOneBatch(res []bench.OneBatchResult) {
-	fmt.Printf("%6s %8s %12s %14s %14s %16s %14s\n", "batch", "in/out", "prefill ms", "decode ms/step", "decode p90 ms", "decode tok/s", "output tok/s")
+	fmt.Printf("%6s %8s %12s %14s %14s %16s %14s  %s\n", "batch", "in/out", "prefill ms", "decode ms/step", "decode p90 ms", "decode tok/s", "output tok/s", "outputs")
+	row := func(label string, r bench.OneBatchResult) {
+		fmt.Printf("%6s %4d/%-4d %12.2f %14.3f %14.3f %16.0f %14.0f  %s\n", label, r.InputLen, r.OutputLen,
+			r.PrefillMs, r.DecodeMedianMs, r.DecodeP90Ms, r.DecodeTokPerS, r.OutputTokPerS, r.OutputDigest)
+	}
 	for _, r := range res {
-		fmt.Printf("%6d %4d/%-4d %12.2f %14.3f %14.3f %16.0f %14.0f\n", r.BatchSize, r.InputLen, r.OutputLen,
-			r.PrefillMs, r.DecodeMedianMs, r.DecodeP90Ms, r.DecodeTokPerS, r.OutputTokPerS)
+		row(strconv.Itoa(r.BatchSize), r)
+		for i, e := range r.Engines {
+			row(fmt.Sprintf("dp%d", i), e)
+		}
+	}
+	if len(res) > 0 && len(res[0].Engines) > 0 {
+		fmt.Printf("batch: per engine; a batch size's first row: all %d engines together (slowest times, total tokens/s)\n", len(res[0].Engines))
 	}
 }
 
