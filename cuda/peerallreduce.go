@@ -11,6 +11,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"os"
+	"strconv"
 	"syscall"
 	"time"
 	"unsafe"
@@ -39,9 +41,11 @@ const (
 	// times the data from its peers instead of N-1 times.
 	arTwoShotBytes = 512 << 10
 	// arNormMaxRows: the fused all-reduce and norm serves decode batches up
-	// to this many rows. At 64 and 256 rows (Qwen3-8B's shape, two H200s)
-	// it was slower than the separate kernels; at 1 and 16 faster.
-	arNormMaxRows = 16
+	// to this many rows (Qwen3-8B's shape, two H200s, one-batch steps in
+	// ms against the separate kernels: 1 and 16 rows 3-7% faster, 24 and
+	// 32 1.3-1.5% faster, 48 level, 64 1% slower, 256 3-8% slower).
+	// EBB_AR_NORM_ROWS sets it for A/B runs.
+	arNormMaxRows = 32
 	// peerExchangeTimeout bounds the wait for the other ranks' memory, at
 	// start and at every resume.
 	peerExchangeTimeout = 2 * time.Minute
@@ -65,6 +69,8 @@ type peerAllReduce struct {
 	handles    []C.CUmemGenericAllocationHandle
 	mapped     bool
 	err        error
+	// normMaxRows is arNormMaxRows unless EBB_AR_NORM_ROWS sets it (A/B runs).
+	normMaxRows int64
 }
 
 var (
@@ -113,7 +119,11 @@ func (d *Device) joinPeerAllReduce(id [128]byte, size, rank int) (*peerAllReduce
 	if err != nil {
 		return nil, err
 	}
-	p := &peerAllReduce{d: d, rank: rank, size: size, fds: fds, handles: make([]C.CUmemGenericAllocationHandle, size)}
+	p := &peerAllReduce{d: d, rank: rank, size: size, fds: fds, handles: make([]C.CUmemGenericAllocationHandle, size),
+		normMaxRows: arNormMaxRows}
+	if v, err := strconv.Atoi(os.Getenv("EBB_AR_NORM_ROWS")); err == nil && v >= 0 {
+		p.normMaxRows = int64(v)
+	}
 	p.bytes = (arUsedBytes + d.vmm.gran - 1) / d.vmm.gran * d.vmm.gran
 	var va C.CUdeviceptr
 	if err := check("cuMemAddressReserve", C.ebb_cuMemAddressReserve(&va, C.size_t(p.bytes*int64(size)), 0, 0, 0)); err != nil {
@@ -279,7 +289,7 @@ func (d *Device) allReduce(tab uintptr, ranksInGrid, nranks int, ptr uintptr, n,
 }
 
 // AllReduceAddRMSNorm implements device.AllReduceNormer for decode batches
-// of up to arNormMaxRows rows that suit the 16-byte norm kernels, where the
+// of up to normMaxRows rows that suit the 16-byte norm kernels, where the
 // ranks' partials fit the call's staging (one-shot: two ranks, or a sum
 // small enough that two-shot would not pay).
 func (p *peerAllReduce) AllReduceAddRMSNorm(residual, partial, out, w device.Tensor, eps float32) bool {
@@ -290,7 +300,7 @@ func (p *peerAllReduce) AllReduceAddRMSNorm(residual, partial, out, w device.Ten
 		w.DType != device.BF16 || dim%8 != 0 || dim > 8*1024 || n%int64(dim) != 0 ||
 		int64(residual.Numel()) != n || int64(out.Numel()) != n:
 		return false
-	case n > arNormMaxRows*int64(dim) || int64(p.size-1)*n > 2*arStageElems || (p.size > 2 && 4*n >= arTwoShotBytes):
+	case n > p.normMaxRows*int64(dim) || int64(p.size-1)*n > 2*arStageElems || (p.size > 2 && 4*n >= arTwoShotBytes):
 		return false
 	case normVariant(dim, partial, residual, out, w) == "":
 		return false
