@@ -35,9 +35,10 @@ type Phase struct {
 	Seconds      float64 `json:"t_s"`
 	Cycle        int     `json:"cycle"`
 	Name         string  `json:"phase"`
-	ServerMiB    float64 `json:"server_mib"`      // the scheduler process (NVML); with tensor parallelism, the largest rank's
-	DeviceUsedMB float64 `json:"device_used_mib"` // the whole GPU (the leader's)
-	// RankMiB are the tensor-parallel ranks' processes, each on its GPU.
+	ServerMiB    float64 `json:"server_mib"`      // the scheduler process (NVML); with several GPUs, the largest rank's
+	DeviceUsedMB float64 `json:"device_used_mib"` // the whole GPU (the first engine's leader's)
+	// RankMiB are every engine's ranks' processes, each on its GPU: an
+	// engine's leader, then its other tensor-parallel ranks.
 	RankMiB []float64 `json:"rank_mib,omitempty"`
 }
 
@@ -86,7 +87,7 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 		cfg.Executable = exe
 	}
 	cfg.Engine.Defaults()
-	gpus := make([]int, cfg.Engine.TPSize) // one trainer per GPU the engine uses
+	gpus := make([]int, cfg.Engine.TPSize*cfg.Engine.DPSize) // one trainer per GPU the engines use
 	for i := range gpus {
 		gpus[i] = cfg.Engine.GPU + i
 	}
@@ -111,15 +112,13 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 	start := time.Now()
 	// /memory_stats has every rank's NVML reading of its own process.
 	read := func(cycle int, name string) Phase {
-		var st struct {
-			memoryReading
-			TPRanks []memoryReading `json:"tp_ranks"`
-		}
 		p := Phase{Seconds: time.Since(start).Seconds(), Cycle: cycle, Name: name}
+		var st memoryStats
 		if err := srv.call("GET", "/memory_stats", nil, &st); err == nil {
-			p.DeviceUsedMB = mib(st.UsedBytes)
-			rep.DeviceTotalMiB = mib(st.TotalBytes)
-			for _, r := range append([]memoryReading{st.memoryReading}, st.TPRanks...) {
+			ranks := st.ranks()
+			p.DeviceUsedMB = mib(ranks[0].UsedBytes)
+			rep.DeviceTotalMiB = mib(ranks[0].TotalBytes)
+			for _, r := range ranks {
 				p.RankMiB = append(p.RankMiB, mib(r.ProcessBytes))
 			}
 			p.ServerMiB = slices.Max(p.RankMiB)
@@ -230,17 +229,11 @@ func RLCycle(cfg RLCycleConfig) (*RLCycleReport, error) {
 			return rep, err
 		}
 		rec.AfterResumeMiB = read(c, "resumed").ServerMiB
-		var stats struct {
-			Tags []struct {
-				Reserved int64 `json:"reserved_bytes"`
-			} `json:"tags"`
-		}
+		var stats memoryStats
 		if err := srv.call("GET", "/memory_stats", nil, &stats); err != nil {
 			return rep, err
 		}
-		for _, t := range stats.Tags {
-			rec.RegionReservedBytes += t.Reserved
-		}
+		rec.RegionReservedBytes = stats.reservedBytes()
 		rep.Cycles = append(rep.Cycles, rec)
 		bar.Add(1)
 	}
@@ -313,6 +306,52 @@ type memoryReading struct {
 	ProcessBytes int64 `json:"nvml_process_bytes"`
 	UsedBytes    int64 `json:"nvml_device_used_bytes"`
 	TotalBytes   int64 `json:"nvml_device_total_bytes"`
+}
+
+// engineMemory is one engine's /memory_stats: its leader's reading and
+// regions, and its other tensor-parallel ranks' readings.
+type engineMemory struct {
+	memoryReading
+	Tags []struct {
+		Reserved int64 `json:"reserved_bytes"`
+	} `json:"tags"`
+	TPRanks []memoryReading `json:"tp_ranks"`
+}
+
+// memoryStats is a /memory_stats reply: one engine's, or with
+// data parallelism the first engine's and every engine's under engines.
+type memoryStats struct {
+	engineMemory
+	Engines []engineMemory `json:"engines"`
+}
+
+func (s *memoryStats) engines() []engineMemory {
+	if len(s.Engines) > 0 {
+		return s.Engines
+	}
+	return []engineMemory{s.engineMemory}
+}
+
+// ranks are every process's readings: each engine's leader, then its
+// other ranks.
+func (s *memoryStats) ranks() []memoryReading {
+	var out []memoryReading
+	for _, e := range s.engines() {
+		out = append(append(out, e.memoryReading), e.TPRanks...)
+	}
+	return out
+}
+
+// reservedBytes is what the engines' leaders have reserved for their
+// regions.
+func (s *memoryStats) reservedBytes() int64 {
+	var n int64
+	for _, e := range s.engines() {
+		for _, t := range e.Tags {
+			n += t.Reserved
+		}
+	}
+	return n
 }
 
 // runTrainers runs `ebb __trainer` on each GPU, processes of their own that
