@@ -70,7 +70,7 @@ func RunProcess(ctx context.Context, cfg ProcessConfig, log *zap.Logger, ready f
 			return err
 		}
 	}
-	s, err := openServer(cfg, log, func(id [128]byte) error { return leader.send(tpMessage{CollectiveID: id[:]}) }, nil)
+	s, err := openServer(cfg, log, leader.shareCollectiveID, nil)
 	if err != nil {
 		return err
 	}

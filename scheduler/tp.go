@@ -181,7 +181,7 @@ func OpenTPLeader(cfg ProcessConfig) (*engine.Engine, func() error, error) {
 		zctx.Term()
 		return nil, nil, err
 	}
-	e, err := openRank(cfg, func(id [128]byte) error { return leader.send(tpMessage{CollectiveID: id[:]}) }, nil)
+	e, err := openRank(cfg, leader.shareCollectiveID, nil)
 	if err != nil {
 		leader.close()
 		zctx.Term()
@@ -256,6 +256,12 @@ func (l *tpLeader) send(m tpMessage) error {
 		}
 	}
 	return nil
+}
+
+// shareCollectiveID sends the followers the id of the collective to join,
+// their first message.
+func (l *tpLeader) shareCollectiveID(id [128]byte) error {
+	return l.send(tpMessage{CollectiveID: id[:]})
 }
 
 // sendStep is the runner's Mirror.
