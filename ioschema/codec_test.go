@@ -18,7 +18,8 @@ func samples() []Message {
 	fr := FinishLength(7)
 	return []Message{
 		&GenerateReqInput{Text: Texts{Items: []string{"a", "b"}, Batch: true}, SamplingParams: SamplingBatch{Items: []SamplingParams{{Temperature: ptr(0.5)}}},
-			Rid: Rids{Items: []string{"r"}}, ReturnLogprob: true, LogprobStartLen: ptr(3), TopLogprobsNum: 2, Stream: true},
+			Rid: Rids{Items: []string{"r"}}, ReturnLogprob: true, LogprobStartLen: ptr(3), TopLogprobsNum: 2, Stream: true,
+			RoutedDPRank: ptr(1), DataParallelRank: ptr(0)},
 		&GenerateReqOutput{Rid: "r", Text: ptr("hi"), OutputIDs: []int32{1, 2}, MetaInfo: map[string]any{"id": "r"}, Finished: true},
 		&TokenizedGenerateReqInput{Rid: "x", InputText: "t", InputIDs: Int32s{1, 2, 3}, SamplingParams: SamplingParams{MaxNewTokens: ptr(4), Stop: StringList{"\n"}},
 			ReturnLogprob: true, LogprobStartLen: -1, TopLogprobsNum: 1},
@@ -116,6 +117,40 @@ func TestPythonShapedInput(t *testing.T) {
 	}
 	if g.LogprobStartLen != nil {
 		t.Fatal("missing logprob_start_len should stay unset")
+	}
+	if g.DPRank() != nil {
+		t.Fatal("no rank given, yet one is asked for")
+	}
+}
+
+// TestDPRank: routed_dp_rank, or its deprecated spelling data_parallel_rank
+// (what sgl-model-gateway's dp-aware mode sends); the new name wins.
+func TestDPRank(t *testing.T) {
+	for _, tc := range []struct {
+		fields map[string]any
+		want   int
+	}{
+		{map[string]any{"routed_dp_rank": 1}, 1},
+		{map[string]any{"data_parallel_rank": 2}, 2},
+		{map[string]any{"routed_dp_rank": 3, "data_parallel_rank": 0}, 3},
+		{map[string]any{"routed_dp_rank": nil, "data_parallel_rank": 0}, 0},
+	} {
+		in := map[string]any{"type": "GenerateReqInput", "input_ids": []int{1}}
+		for k, v := range tc.fields {
+			in[k] = v
+		}
+		b, _ := msgpack.Marshal(in)
+		m, err := Decode(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := m.(*GenerateReqInput).DPRank(); r == nil || *r != tc.want {
+			t.Errorf("%v: rank %v, want %d", tc.fields, r, tc.want)
+		}
+	}
+	b, _ := msgpack.Marshal(map[string]any{"type": "GenerateReqInput", "input_ids": []int{1}, "routed_dp_rank": "one"})
+	if _, err := Decode(b); err == nil {
+		t.Error("a rank that is not an int decoded")
 	}
 }
 

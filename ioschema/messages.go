@@ -62,10 +62,24 @@ type GenerateReqInput struct {
 	TopLogprobsNum       int           `msgpack:"top_logprobs_num" json:"top_logprobs_num"`
 	ReturnTextInLogprobs bool          `msgpack:"return_text_in_logprobs" json:"return_text_in_logprobs"`
 	Stream               bool          `msgpack:"stream" json:"stream"`
+	// RoutedDPRank sends every prompt of the request to that data-parallel
+	// engine instead of the least loaded one (SGLang's routed_dp_rank, as an
+	// external router sets it). DataParallelRank is its deprecated spelling,
+	// which sgl-model-gateway's dp-aware mode still sends; RoutedDPRank wins.
+	RoutedDPRank     *int `msgpack:"routed_dp_rank" json:"routed_dp_rank"`
+	DataParallelRank *int `msgpack:"data_parallel_rank" json:"data_parallel_rank"`
 }
 
 // TypeName implements Message.
 func (*GenerateReqInput) TypeName() string { return "GenerateReqInput" }
+
+// DPRank is the data-parallel engine the request asks for, or nil.
+func (g *GenerateReqInput) DPRank() *int {
+	if g.RoutedDPRank != nil {
+		return g.RoutedDPRank
+	}
+	return g.DataParallelRank
+}
 
 // GenerateReqOutput is one generate result on the external socket; its
 // fields are /generate's JSON response.

@@ -58,6 +58,7 @@ func TestDataParallel(t *testing.T) {
 	if info["generated_tokens"] != total {
 		t.Fatalf("generated_tokens %v, engines' sum %v", info["generated_tokens"], total)
 	}
+	routedToOneEngine(t, dp)
 
 	// verl's order, on both engines at once.
 	for _, step := range []struct {
@@ -151,5 +152,71 @@ func TestTensorParallelCPU(t *testing.T) {
 				t.Fatalf("after refused payloads: %v, one process: %v", got, wantGreedy)
 			}
 		})
+	}
+}
+
+// engineTokens is each engine's generated_tokens.
+func engineTokens(t *testing.T, s *server) []float64 {
+	t.Helper()
+	var n []float64
+	engines, _ := s.info(t)["engines"].([]any)
+	for _, e := range engines {
+		v, _ := e.(map[string]any)["generated_tokens"].(float64)
+		n = append(n, v)
+	}
+	return n
+}
+
+// routedToOneEngine: routed_dp_rank, and SGLang's older data_parallel_rank
+// (what sgl-model-gateway's dp-aware mode sends) on /generate and the OpenAI
+// endpoints, send every prompt of a request to that engine; a rank the
+// server does not run is a 400 that says so.
+func routedToOneEngine(t *testing.T, dp *server) {
+	t.Helper()
+	greedy := map[string]any{"max_new_tokens": 5, "temperature": 0, "ignore_eos": true}
+	for _, tc := range []struct {
+		path   string
+		body   map[string]any
+		engine int
+		tokens float64
+	}{
+		{"/generate", map[string]any{"input_ids": [][]int{{1, 2, 3}, {4, 5, 6, 7}}, "sampling_params": greedy, "routed_dp_rank": 1}, 1, 10},
+		{"/generate", map[string]any{"input_ids": []int{8, 9}, "sampling_params": greedy, "data_parallel_rank": 0}, 0, 5},
+		// n > 1: the prefix is prefilled on the named engine and the copies follow it.
+		{"/generate", map[string]any{"input_ids": []int{8, 9, 10}, "sampling_params": map[string]any{"max_new_tokens": 5,
+			"temperature": 0, "ignore_eos": true, "n": 3}, "routed_dp_rank": 1, "data_parallel_rank": 0}, 1, 15},
+		{"/v1/completions", map[string]any{"prompt": []int{3, 1, 4}, "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+			"data_parallel_rank": 1}, 1, 4},
+		{"/v1/completions", map[string]any{"prompt": []int{3, 1, 4}, "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+			"routed_dp_rank": 0}, 0, 4},
+	} {
+		before := engineTokens(t, dp)
+		var out any
+		if code := dp.post(t, tc.path, tc.body, &out); code != 200 {
+			t.Fatalf("%s %v: status %d %v", tc.path, tc.body, code, out)
+		}
+		after := engineTokens(t, dp)
+		for e := range after {
+			want := 0.0
+			if e == tc.engine {
+				want = tc.tokens
+			}
+			if got := after[e] - before[e]; got != want {
+				t.Fatalf("%s %v: engine %d generated %v tokens, want %v", tc.path, tc.body, e, got, want)
+			}
+		}
+	}
+	for _, tc := range []struct {
+		path string
+		body map[string]any
+	}{
+		{"/generate", map[string]any{"input_ids": []int{1, 2}, "sampling_params": greedy, "routed_dp_rank": 2}},
+		{"/generate", map[string]any{"input_ids": []int{1, 2}, "sampling_params": greedy, "data_parallel_rank": -1}},
+		{"/v1/completions", map[string]any{"prompt": []int{1, 2}, "max_tokens": 2, "routed_dp_rank": 5}},
+	} {
+		var out map[string]any
+		if code := dp.post(t, tc.path, tc.body, &out); code != 400 || !strings.Contains(fmt.Sprint(out), "2 data-parallel engine(s)") {
+			t.Fatalf("%s %v: status %d %v, want a 400 naming the engines", tc.path, tc.body, code, out)
+		}
 	}
 }

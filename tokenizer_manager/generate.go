@@ -93,16 +93,17 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 	return out, batch, nil
 }
 
-// submit registers prompts and sends them to the scheduler. Copies of one
-// prompt (n > 1) share its KV: the prompt is prefilled once first, as
-// SGLang does, so the copies find it in the radix cache.
-func (m *Manager) submit(ctx context.Context, prompts []*prompt) error {
+// submit registers prompts and sends them to the scheduler: to engine, or
+// where engine < 0 to the least loaded. Copies of one prompt (n > 1) share
+// its KV: the prompt is prefilled once first, as SGLang does, so the copies
+// find it in the radix cache.
+func (m *Manager) submit(ctx context.Context, prompts []*prompt, engine int) error {
 	// Copies of one prompt go to one engine, where its prefix is cached.
 	engineOf := map[string]int{}
 	for _, p := range prompts {
 		key := fmt.Sprint(p.tokenized.InputIDs)
 		if _, warmed := engineOf[key]; !warmed && !m.cfg.DisableRadixCache && len(p.tokenized.InputIDs) > 1 && countSame(prompts, key) > 1 {
-			e, err := m.warm(ctx, p.tokenized.InputIDs)
+			e, err := m.warm(ctx, p.tokenized.InputIDs, engine)
 			if err != nil {
 				return err
 			}
@@ -113,7 +114,7 @@ func (m *Manager) submit(ctx context.Context, prompts []*prompt) error {
 		key := fmt.Sprint(p.tokenized.InputIDs)
 		e, ok := engineOf[key]
 		if !ok {
-			e = -1
+			e = engine
 		}
 		e, err := m.dispatch(ctx, p.tokenized, p.state, e)
 		if err != nil {
@@ -134,14 +135,15 @@ func countSame(prompts []*prompt, key string) int {
 	return n
 }
 
-// warm prefills ids once (max_new_tokens 0) and waits for it; it returns
-// the engine that holds the prefix.
-func (m *Manager) warm(ctx context.Context, ids []int32) (int, error) {
+// warm prefills ids once (max_new_tokens 0) on engine (the least loaded
+// where engine < 0) and waits for it; it returns the engine that holds the
+// prefix.
+func (m *Manager) warm(ctx context.Context, ids []int32, engine int) (int, error) {
 	zero := 0
 	rid := "prefix-" + newRid()
 	st := newReqState(rid, false, 0)
 	e, err := m.dispatch(ctx, &ioschema.TokenizedGenerateReqInput{Rid: rid, InputIDs: ids,
-		SamplingParams: ioschema.SamplingParams{MaxNewTokens: &zero}, LogprobStartLen: -1}, st, -1)
+		SamplingParams: ioschema.SamplingParams{MaxNewTokens: &zero}, LogprobStartLen: -1}, st, engine)
 	if err != nil {
 		return 0, err
 	}
@@ -212,11 +214,29 @@ func LeastLoaded[E any](engines []E, work func(E) int64) int {
 
 // start expands a request and submits its prompts.
 func (m *Manager) start(ctx context.Context, in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
+	engine, err := m.routedEngine(in)
+	if err != nil {
+		return nil, false, err
+	}
 	prompts, batch, err := m.expand(in)
 	if err != nil {
 		return nil, false, err
 	}
-	return prompts, batch, m.submit(ctx, prompts)
+	return prompts, batch, m.submit(ctx, prompts, engine)
+}
+
+// routedEngine is the data-parallel engine a request names (routed_dp_rank
+// or data_parallel_rank), or -1 where it names none.
+func (m *Manager) routedEngine(in *ioschema.GenerateReqInput) (int, error) {
+	r := in.DPRank()
+	if r == nil {
+		return -1, nil
+	}
+	if *r < 0 || *r >= m.engines {
+		return 0, badf("routed_dp_rank %d names no engine: this server runs %d data-parallel engine(s), ranks 0 to %d",
+			*r, m.engines, m.engines-1)
+	}
+	return *r, nil
 }
 
 // wait blocks until the request is done; if ctx ends first (the client went

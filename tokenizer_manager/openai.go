@@ -36,6 +36,8 @@ type openAISampling struct {
 	NoStopTrim        bool                `json:"no_stop_trim"`
 	MinTokens         int                 `json:"min_tokens"`
 	Rid               string              `json:"rid"`
+	RoutedDPRank      *int                `json:"routed_dp_rank"`
+	DataParallelRank  *int                `json:"data_parallel_rank"` // SGLang's deprecated spelling
 }
 
 func (o *openAISampling) params(defaultMax *int) ioschema.SamplingParams {
@@ -110,7 +112,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	in := &ioschema.GenerateReqInput{Stream: req.Stream}
+	in := &ioschema.GenerateReqInput{Stream: req.Stream, RoutedDPRank: req.RoutedDPRank, DataParallelRank: req.DataParallelRank}
 	if err := json.Unmarshal(req.Prompt, &in.Text); err != nil {
 		if err := json.Unmarshal(req.Prompt, &in.InputIDs); err != nil {
 			writeError(w, badf("prompt must be a string, a list of strings, or token ids"))
@@ -304,7 +306,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	if req.MaxCompletionTokens != nil && req.MaxTokens == nil {
 		req.MaxTokens = req.MaxCompletionTokens
 	}
-	in := &ioschema.GenerateReqInput{Stream: req.Stream,
+	in := &ioschema.GenerateReqInput{Stream: req.Stream, RoutedDPRank: req.RoutedDPRank, DataParallelRank: req.DataParallelRank,
 		InputIDs:       ioschema.InputIDBatch{Items: [][]int32{m.Tokenizer.Encode(text, false)}},
 		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{req.params(nil)}}}
 	if req.Rid != "" {
