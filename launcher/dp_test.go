@@ -59,6 +59,7 @@ func TestDataParallel(t *testing.T) {
 		t.Fatalf("generated_tokens %v, engines' sum %v", info["generated_tokens"], total)
 	}
 	routedToOneEngine(t, dp)
+	followsConversation(t, dp)
 
 	// verl's order, on both engines at once.
 	for _, step := range []struct {
@@ -218,5 +219,52 @@ func routedToOneEngine(t *testing.T, dp *server) {
 		if code := dp.post(t, tc.path, tc.body, &out); code != 400 || !strings.Contains(fmt.Sprint(out), "2 data-parallel engine(s)") {
 			t.Fatalf("%s %v: status %d %v, want a 400 naming the engines", tc.path, tc.body, code, out)
 		}
+	}
+}
+
+// followsConversation: a conversation's next turn goes to the engine whose
+// radix cache holds the turn before (and finds it there), until a flush
+// empties the caches; server_info says how requests are routed.
+func followsConversation(t *testing.T, dp *server) {
+	t.Helper()
+	if m := dp.info(t)["load_balance_method"]; m != "auto" {
+		t.Fatalf("load_balance_method %v", m)
+	}
+	turn := func(ids []int, rank *int) (genResult, []float64) {
+		t.Helper()
+		body := map[string]any{"input_ids": ids, "sampling_params": map[string]any{"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}}
+		if rank != nil {
+			body["routed_dp_rank"] = *rank
+		}
+		before := engineTokens(t, dp)
+		var out genResult
+		if code := dp.post(t, "/generate", body, &out); code != 200 {
+			t.Fatalf("generate: status %d", code)
+		}
+		after := engineTokens(t, dp)
+		for e := range after {
+			after[e] -= before[e]
+		}
+		return out, after
+	}
+	one := 1
+	first := make([]int, 200)
+	for i := range first {
+		first[i] = (i*53 + 11) % 500
+	}
+	reply, _ := turn(first, &one)
+	second := append(slices.Clone(first), make([]int, 0, 20)...)
+	for _, id := range reply.OutputIDs {
+		second = append(second, int(id))
+	}
+	second = append(second, 7, 8, 9, 10, 11)
+	// Both engines are idle: without the prefix the tie goes to engine 0.
+	got, by := turn(second, nil)
+	if by[1] != 8 || got.MetaInfo.CachedTokens < 200 {
+		t.Fatalf("turn 2: engines generated %v, %d prompt tokens cached; want engine 1, at least 200", by, got.MetaInfo.CachedTokens)
+	}
+	dp.mustPost(t, "/flush_cache", map[string]any{})
+	if got, by = turn(second, nil); by[0] != 8 || got.MetaInfo.CachedTokens != 0 {
+		t.Fatalf("after a flush: engines generated %v, %d tokens cached; want engine 0, none", by, got.MetaInfo.CachedTokens)
 	}
 }

@@ -87,6 +87,8 @@ func TestUnsupportedLaunchFlagsAreErrors(t *testing.T) {
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--dtype", "float16"}, "--dtype float16"},
 		// Every rank fails at start (the children start together): the error names why.
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--tp-size", "3"}, "do not split over 3 ranks"},
+		{[]string{"--model-path", modelDir, "--device", "cpu", "--dp-size", "2", "--load-balance-method", "follow_bootstrap_room"}, "prefill/decode disaggregation"},
+		{[]string{"--model-path", modelDir, "--device", "cpu", "--load-balance-method", "shortest_queue"}, "round_robin"},
 	} {
 		out, err := exec.Command(ebbBin, append([]string{"serve", "--port", "0"}, c.args...)...).CombinedOutput()
 		if err == nil || !strings.Contains(string(out), c.want) {

@@ -41,6 +41,8 @@ type Config struct {
 	LogLevel    string
 	APIKey      string // --api-key
 	SkipWarmup  bool   // --skip-server-warmup
+	// LoadBalanceMethod is --load-balance-method (tm.ParseLoadBalanceMethod).
+	LoadBalanceMethod string
 	// Executable is the ebb binary the children run (default: this one).
 	Executable string
 	// Ready, if set, is called with the HTTP address once serving.
@@ -74,6 +76,9 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	// (Pdeathsig): keep this goroutine on one thread for the server's life.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
+	if _, err := tm.ParseLoadBalanceMethod(cfg.LoadBalanceMethod); err != nil {
+		return err
+	}
 	if cfg.Executable == "" {
 		exe, err := os.Executable()
 		if err != nil {
@@ -137,7 +142,7 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	defer func() { stopChildren(children, log) }()
 	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, TokenizerDir: cfg.Engine.TokenizerDir, ModelName: cfg.ModelName,
 		SchedulerEndpoints: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
-		DisableRadixCache: cfg.Engine.DisableRadixCache}, log.Named("tokenizer_manager"))
+		DisableRadixCache: cfg.Engine.DisableRadixCache, LoadBalanceMethod: cfg.LoadBalanceMethod}, log.Named("tokenizer_manager"))
 	if err != nil {
 		return err
 	}

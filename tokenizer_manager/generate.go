@@ -151,23 +151,18 @@ func (m *Manager) warm(ctx context.Context, ids []int32, engine int) (int, error
 }
 
 // dispatch registers a request and sends it to engine e, or to the engine
-// with the least unfinished work (RequestWork) when e < 0, and returns the
-// engine.
+// the router picks when e < 0, and returns the engine.
 func (m *Manager) dispatch(ctx context.Context, req *ioschema.TokenizedGenerateReqInput, st *reqState, e int) (int, error) {
 	out := defaultMaxNewTokens
 	if n := req.SamplingParams.MaxNewTokens; n != nil {
 		out = *n
 	}
-	work := RequestWork(len(req.InputIDs), out)
 	chosen := make(chan int, 1)
 	m.do(func(t *table) {
-		if e < 0 {
-			e = LeastLoaded(t.work, func(w int64) int64 { return w })
-		}
-		st.engine, st.work = e, work
-		t.work[e] += work
+		st.engine, st.load = t.route.pick(req.InputIDs, out, e)
+		st.prompt = req.InputIDs
 		t.reqs[st.rid] = st
-		chosen <- e
+		chosen <- st.engine
 	})
 	select {
 	case e = <-chosen:
@@ -201,7 +196,8 @@ func RequestWork(in, out int) int64 {
 const prefillPositions = 50
 
 // LeastLoaded is the index of the engine with the least work(engine), the
-// first of equals: where dispatch sends a request it has no engine for.
+// first of equals: where the auto router sends a request of which no engine
+// holds a prefix.
 func LeastLoaded[E any](engines []E, work func(E) int64) int {
 	e := 0
 	for i := range engines {

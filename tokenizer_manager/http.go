@@ -179,6 +179,8 @@ func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
 	}
 	info.Info["model_path"] = m.cfg.ModelDir
 	info.Info["served_model_name"] = m.modelName()
+	info.Info["dp_size"] = m.engines
+	info.Info["load_balance_method"] = m.cfg.LoadBalanceMethod
 	if m.cfg.ZMQEndpoint != "" {
 		info.Info["zmq_endpoint"] = m.cfg.ZMQEndpoint
 	}

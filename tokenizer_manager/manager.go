@@ -43,6 +43,9 @@ type Config struct {
 	ZMQEndpoint string
 	// ControlTimeout bounds waiting for a control reply.
 	ControlTimeout time.Duration
+	// LoadBalanceMethod is --load-balance-method (ParseLoadBalanceMethod):
+	// how a generate request that names no engine picks one.
+	LoadBalanceMethod string
 }
 
 // Manager routes requests and outputs. One goroutine (loop) owns the
@@ -68,13 +71,15 @@ type Manager struct {
 type table struct {
 	reqs    map[string]*reqState
 	control map[string]*controlWait
-	work    []int64 // per engine: tokens of the requests it has not finished
+	route   *router
 }
 
-// forget drops a request and its work from its engine's account.
+// forget drops a request and its load from its engine's account.
 func (t *table) forget(rid string) {
 	if r := t.reqs[rid]; r != nil {
-		t.work[r.engine] -= r.work
+		r.mu.Lock()
+		t.route.finish(r.engine, r.load, r.prompt, r.outputIDs)
+		r.mu.Unlock()
 		delete(t.reqs, rid)
 	}
 }
@@ -87,13 +92,16 @@ func New(cfg Config, log *zap.Logger) (*Manager, error) {
 		return nil, errors.New("tokenizer manager: no scheduler endpoint")
 	}
 	m.engines = len(cfg.SchedulerEndpoints)
+	var err error
+	if m.cfg.LoadBalanceMethod, err = ParseLoadBalanceMethod(cfg.LoadBalanceMethod); err != nil {
+		return nil, err
+	}
 	if m.cfg.ControlTimeout <= 0 {
 		m.cfg.ControlTimeout = 30 * time.Minute
 	}
 	if m.cfg.TokenizerDir == "" {
 		m.cfg.TokenizerDir = cfg.ModelDir
 	}
-	var err error
 	if m.ModelCfg, err = model.LoadConfig(cfg.ModelDir); err != nil {
 		return nil, err
 	}
@@ -172,7 +180,8 @@ func (m *Manager) Close() {
 }
 
 func (m *Manager) loop(ctx context.Context) {
-	t := &table{reqs: map[string]*reqState{}, control: map[string]*controlWait{}, work: make([]int64, m.engines)}
+	t := &table{reqs: map[string]*reqState{}, control: map[string]*controlWait{},
+		route: newRouter(m.cfg.LoadBalanceMethod, m.engines, !m.cfg.DisableRadixCache)}
 	for {
 		select {
 		case <-ctx.Done():
@@ -333,12 +342,27 @@ func (m *Manager) Control(ctx context.Context, msg ioschema.Message) (ioschema.M
 	select {
 	case reply := <-ch:
 		setReplyRid(reply, rid)
+		if mayEmptyRadixCaches(msg) {
+			// Even a refusal may have come from one engine of several.
+			m.do(func(t *table) { t.route.forgetPrefixes() })
+		}
 		return reply, nil
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	case <-timer.C:
 		return nil, fmt.Errorf("no reply to %s within %v", msg.TypeName(), m.cfg.ControlTimeout)
 	}
+}
+
+// mayEmptyRadixCaches reports whether a control request can drop what the
+// engines' radix caches hold.
+func mayEmptyRadixCaches(msg ioschema.Message) bool {
+	switch msg.(type) {
+	case *ioschema.FlushCacheReqInput, *ioschema.ReleaseMemoryOccupationReqInput, *ioschema.UpdateWeightFromDiskReqInput,
+		*ioschema.UpdateWeightsFromTensorReqInput, *ioschema.UpdateWeightsFromDistributedReqInput:
+		return true
+	}
+	return false
 }
 
 // setReplyRid puts the client's rid back on a reply.

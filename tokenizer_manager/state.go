@@ -13,8 +13,9 @@ import (
 // the request's handler reads it, woken through notify.
 type reqState struct {
 	rid            string
-	engine         int   // the data-parallel engine running it
-	work           int64 // its tokens in that engine's account
+	engine         int     // the data-parallel engine running it
+	load           load    // what it holds in that engine's account
+	prompt         []int32 // its input ids
 	returnLogprob  bool
 	topLogprobsNum int
 	created        time.Time

@@ -72,6 +72,9 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.ZMQEndpoint, "zmq-endpoint", "", `external ZMQ ROUTER endpoint (default tcp://127.0.0.1:<port+1>; "none" disables)`)
 	f.StringVar(&cfg.ModelName, "served-model-name", "", "model name for the OpenAI endpoints (default: the directory name)")
 	f.StringVar(&cfg.LogLevel, "log-level", "info", "debug, info, warn or error")
+	f.StringVar(&cfg.LoadBalanceMethod, "load-balance-method", "auto", "with --dp-size, the engine of a request that names none (routed_dp_rank): "+
+		"auto (least unfinished work, counting the prompt prefix each engine holds; SGLang's prefix_affinity is the same), "+
+		"round_robin, total_requests or total_tokens")
 	addServerFlags(f, &sf)
 	cmd.SetFlagErrorFunc(unknownFlagHelp)
 	return cmd
