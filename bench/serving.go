@@ -35,6 +35,10 @@ type ServingConfig struct {
 	Temperature float64
 	Stream      bool
 	APIKey      string
+	// FlushCache empties the server's radix cache before the run (SGLang's
+	// --flush-cache), so that a workload sent before finds none of its
+	// prompts cached.
+	FlushCache bool
 	// ModelDir gives the model's shapes for the bandwidth floor when the
 	// server is at URL (default: the server's /get_model_info model_path).
 	ModelDir string
@@ -66,6 +70,7 @@ type ServingReport struct {
 	FirstError       string      `json:"first_error,omitempty"`
 	DurationS        float64     `json:"duration_s"`
 	InputTokens      int         `json:"input_tokens"`
+	CachedTokens     int         `json:"cached_input_tokens"` // prompt tokens the server found in its radix cache
 	OutputTokens     int         `json:"output_tokens"`
 	RequestPerS      float64     `json:"requests_per_s"`
 	OutputTokPerS    float64     `json:"output_tokens_per_s"`
@@ -91,6 +96,7 @@ type XY struct {
 // requestResult is one request's timings, relative to the run's start.
 type requestResult struct {
 	Input, Output int
+	Cached        int     // prompt tokens found cached
 	Sent, First   float64 // seconds; First < 0 when unknown (no stream)
 	Done          float64
 	Chunks        []chunk
@@ -144,6 +150,11 @@ func Serving(cfg ServingConfig) (*ServingReport, error) {
 	if err != nil {
 		return nil, err
 	}
+	if cfg.FlushCache {
+		if err := postJSON(client, url+"/flush_cache", cfg.APIKey); err != nil {
+			return nil, fmt.Errorf("flush the server's cache: %w", err)
+		}
+	}
 	results := sendAll(client, url, cfg, reqs)
 	rep := summarizeServing(cfg, url, results)
 	if mc != nil {
@@ -196,10 +207,26 @@ func serverParallelism(client *http.Client, url, key string) (tp, dp int) {
 
 // getJSON decodes the JSON body of a GET of url into v.
 func getJSON(client *http.Client, url, key string, v any) error {
-	req, err := http.NewRequest("GET", url, nil)
+	return callJSON(client, "GET", url, key, v)
+}
+
+// postJSON POSTs an empty JSON object to url and wants a 200.
+func postJSON(client *http.Client, url, key string) error {
+	return callJSON(client, "POST", url, key, nil)
+}
+
+// callJSON makes a request without parameters and decodes the JSON of a
+// 200 reply into v, where v is not nil.
+func callJSON(client *http.Client, method, url, key string, v any) error {
+	var body io.Reader
+	if method == "POST" {
+		body = strings.NewReader("{}")
+	}
+	req, err := http.NewRequest(method, url, body)
 	if err != nil {
 		return err
 	}
+	req.Header.Set("Content-Type", "application/json")
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
@@ -208,6 +235,13 @@ func getJSON(client *http.Client, url, key string, v any) error {
 		return err
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return fmt.Errorf("%s %s: %s: %s", method, url, resp.Status, strings.TrimSpace(string(b)))
+	}
+	if v == nil {
+		return nil
+	}
 	return json.NewDecoder(resp.Body).Decode(v)
 }
 
@@ -279,6 +313,7 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 	type reply struct {
 		MetaInfo struct {
 			CompletionTokens int `json:"completion_tokens"`
+			CachedTokens     int `json:"cached_tokens"`
 		} `json:"meta_info"`
 		Error *struct {
 			Message string `json:"message"`
@@ -290,7 +325,7 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 			res.Err = err
 			return res
 		}
-		res.Output, res.Done = out.MetaInfo.CompletionTokens, since()
+		res.Output, res.Cached, res.Done = out.MetaInfo.CompletionTokens, out.MetaInfo.CachedTokens, since()
 		return res
 	}
 	sc := bufio.NewScanner(resp.Body)
@@ -314,6 +349,7 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 			return res
 		}
 		now := since()
+		res.Cached = out.MetaInfo.CachedTokens
 		if n := out.MetaInfo.CompletionTokens - res.Output; n > 0 {
 			if res.First < 0 {
 				res.First = now
@@ -346,6 +382,7 @@ func summarizeServing(cfg ServingConfig, url string, results []requestResult) *S
 		}
 		rep.Completed++
 		rep.InputTokens += r.Input
+		rep.CachedTokens += r.Cached
 		rep.OutputTokens += r.Output
 		first, last = min(first, r.Sent), max(last, r.Done)
 		e2e = append(e2e, 1000*(r.Done-r.Sent))

@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -188,5 +190,68 @@ func TestServerParallelism(t *testing.T) {
 		if tp != c.tp || dp != c.dp {
 			t.Errorf("%s: tp %d dp %d, want %d %d", c.body, tp, dp, c.tp, c.dp)
 		}
+	}
+}
+
+// TestServingCountsCachedPrompts: a workload sent again finds its prompts in
+// the server's radix cache and the report says how many tokens; with
+// FlushCache the server is flushed first and finds none.
+func TestServingCountsCachedPrompts(t *testing.T) {
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	flushes := 0
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch r.URL.Path {
+		case "/flush_cache":
+			if r.Method != "POST" {
+				http.Error(w, "method", http.StatusMethodNotAllowed)
+				return
+			}
+			clear(seen)
+			flushes++
+			return
+		case "/generate":
+		default:
+			http.NotFound(w, r)
+			return
+		}
+		var in struct {
+			InputIDs       []int32        `json:"input_ids"`
+			SamplingParams map[string]any `json:"sampling_params"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&in); err != nil {
+			http.Error(w, err.Error(), 400)
+			return
+		}
+		key := fmt.Sprint(in.InputIDs)
+		cached := 0
+		if seen[key] {
+			cached = len(in.InputIDs) - 1 // the last prompt token is always computed
+		}
+		seen[key] = true
+		n := int(in.SamplingParams["max_new_tokens"].(float64))
+		_ = json.NewEncoder(w).Encode(map[string]any{"meta_info": map[string]any{"completion_tokens": n, "cached_tokens": cached}})
+	}))
+	defer srv.Close()
+	for _, c := range []struct {
+		flush  bool
+		cached int
+	}{{false, 0}, {false, 6 * 4}, {true, 0}} {
+		rep, err := Serving(ServingConfig{URL: srv.URL, FlushCache: c.flush,
+			Workload: Workload{Kind: "fixed", NumPrompts: 6, InputLen: 5, OutputLen: 2, Seed: 3}})
+		if err != nil || rep.Failed != 0 {
+			t.Fatalf("flush %v: %v, %+v", c.flush, err, rep)
+		}
+		if rep.CachedTokens != c.cached || rep.InputTokens != 30 {
+			t.Errorf("flush %v: %d of %d input tokens cached, want %d", c.flush, rep.CachedTokens, rep.InputTokens, c.cached)
+		}
+	}
+	if flushes != 1 {
+		t.Errorf("%d flushes, want 1", flushes)
+	}
+	if _, err := Serving(ServingConfig{URL: srv.URL + "/nope", FlushCache: true, Workload: Workload{Kind: "fixed", NumPrompts: 1, InputLen: 1, OutputLen: 1}}); err == nil || !strings.Contains(err.Error(), "404") {
+		t.Errorf("a server without /flush_cache: %v, want an error naming the 404", err)
 	}
 }

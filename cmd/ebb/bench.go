@@ -408,6 +408,7 @@ func servingCmd() *cobra.Command {
 	f.Float64Var(&cfg.Temperature, "temperature", 0, "sampling temperature (top_p 1, top_k -1 and min_p 0 are sent explicitly)")
 	f.BoolVar(&cfg.Stream, "stream", true, "stream the outputs (needed for TTFT and inter-token latency)")
 	f.StringVar(&cfg.APIKey, "server-api-key", "", "bearer token for a server started with --api-key")
+	f.BoolVar(&cfg.FlushCache, "flush-cache", false, "empty the server's radix cache first (a repeated workload otherwise finds its prompts cached)")
 	f.Float64Var(&cfg.PeakGBPerS, "peak-gbps", 0, "GPU peak memory bandwidth in GB/s (default: from NVML)")
 	f.StringVar(&cfg.PlotPath, "plot", "", "write a PNG of throughput over time and latency distributions here")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
@@ -421,6 +422,10 @@ func printServing(r *bench.ServingReport) {
 		fmt.Printf("first error: %s\n", r.FirstError)
 	}
 	fmt.Printf("duration %.2f s, input %d tokens, output %d tokens\n", r.DurationS, r.InputTokens, r.OutputTokens)
+	if r.CachedTokens > 0 {
+		fmt.Printf("%d of the input tokens (%.1f %%) were found in the server's radix cache, so their prefill was skipped (--flush-cache empties it first)\n",
+			r.CachedTokens, 100*float64(r.CachedTokens)/float64(r.InputTokens))
+	}
 	fmt.Printf("throughput: %.2f req/s, %.0f output tok/s, %.0f total tok/s\n", r.RequestPerS, r.OutputTokPerS, r.TotalTokPerS)
 	fmt.Printf("%-12s %10s %10s %10s %10s\n", "ms", "mean", "p50", "p90", "p99")
 	for _, p := range []struct {
