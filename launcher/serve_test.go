@@ -87,7 +87,9 @@ func startServer(t *testing.T, extra ...string) *server {
 	var mu sync.Mutex
 	pr, pw := io.Pipe()
 	s.cmd.Stdout, s.cmd.Stderr = pw, pw
+	logged := make(chan struct{})
 	go func() {
+		defer close(logged)
 		sc := bufio.NewScanner(pr)
 		for sc.Scan() {
 			mu.Lock()
@@ -105,6 +107,14 @@ func startServer(t *testing.T, extra ...string) *server {
 		case <-s.exited:
 		case <-time.After(15 * time.Second):
 			_ = s.cmd.Process.Kill()
+		}
+		// Every process checks its invariants when idle and logs a breach.
+		select {
+		case <-logged:
+			if log := s.log.String(); strings.Contains(log, "invariant violated") {
+				t.Errorf("the server logged a broken invariant:\n%s", log)
+			}
+		case <-time.After(5 * time.Second):
 		}
 	})
 	deadline := time.Now().Add(60 * time.Second)

@@ -72,6 +72,7 @@ type table struct {
 	reqs    map[string]*reqState
 	control map[string]*controlWait
 	route   *router
+	log     *zap.Logger
 }
 
 // forget drops a request and its load from its engine's account.
@@ -81,6 +82,11 @@ func (t *table) forget(rid string) {
 		t.route.finish(r.engine, r.load, r.prompt, r.outputIDs)
 		r.mu.Unlock()
 		delete(t.reqs, rid)
+		if len(t.reqs) == 0 {
+			if err := t.route.checkIdle(); err != nil {
+				t.log.Error("invariant violated", zap.String("of", "router"), zap.Error(err))
+			}
+		}
 	}
 }
 
@@ -181,7 +187,7 @@ func (m *Manager) Close() {
 
 func (m *Manager) loop(ctx context.Context) {
 	t := &table{reqs: map[string]*reqState{}, control: map[string]*controlWait{},
-		route: newRouter(m.cfg.LoadBalanceMethod, m.engines, !m.cfg.DisableRadixCache)}
+		route: newRouter(m.cfg.LoadBalanceMethod, m.engines, !m.cfg.DisableRadixCache), log: m.log}
 	for {
 		select {
 		case <-ctx.Done():

@@ -3,6 +3,7 @@ package tokenizermanager
 import (
 	"container/list"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"strings"
@@ -121,6 +122,20 @@ func (r *router) finish(engine int, l load, sequence ...[]int32) {
 	if r.known != nil && len(sequence) > 0 {
 		r.known.record(r.known.fingerprints(sequence...), engine)
 	}
+}
+
+// checkIdle is the invariant of a manager with no request: every engine's
+// load is zero. A leak would skew routing for good, so it is reported and
+// cleared.
+func (r *router) checkIdle() error {
+	var errs []error
+	for e, l := range r.engines {
+		if l != (load{}) {
+			errs = append(errs, fmt.Errorf("engine %d holds %+v with no request left", e, l))
+			r.engines[e] = load{}
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // forgetPrefixes is for a call that may have emptied the radix caches

@@ -96,8 +96,18 @@ func TestRouterMethods(t *testing.T) {
 	r := newRouter("total_tokens", 2, false)
 	e, l := r.pick(seq(50, 1), 50, -1)
 	r.finish(e, l)
-	if r.engines[e] != (load{}) {
+	if r.engines[e] != (load{}) || r.checkIdle() != nil {
 		t.Fatalf("after finish: %+v", r.engines[e])
+	}
+	// A load given back wrongly is found when idle, and cleared.
+	e, l = r.pick(seq(50, 2), 50, 1)
+	l.work--
+	r.finish(e, l)
+	if err := r.checkIdle(); err == nil || !strings.Contains(err.Error(), "engine 1 holds") {
+		t.Fatalf("a leaked load: %v", err)
+	}
+	if r.engines[1] != (load{}) || r.checkIdle() != nil {
+		t.Fatalf("not cleared: %+v", r.engines)
 	}
 }
 
