@@ -1,10 +1,14 @@
 package launcher
 
 import (
+	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // batchGreedy generates 8 prompts of different lengths in one request.
@@ -60,6 +64,7 @@ func TestDataParallel(t *testing.T) {
 	}
 	routedToOneEngine(t, dp)
 	followsConversation(t, dp)
+	reportsLoads(t, dp)
 
 	// verl's order, on both engines at once.
 	for _, step := range []struct {
@@ -267,4 +272,113 @@ func followsConversation(t *testing.T, dp *server) {
 	if got, by = turn(second, nil); by[0] != 8 || got.MetaInfo.CachedTokens != 0 {
 		t.Fatalf("after a flush: engines generated %v, %d tokens cached; want engine 0, none", by, got.MetaInfo.CachedTokens)
 	}
+}
+
+// loadsReply is SGLang's /v1/loads.
+type loadsReply struct {
+	DPRankCount int `json:"dp_rank_count"`
+	Loads       []struct {
+		DPRank         int `json:"dp_rank"`
+		NumWaitingReqs int `json:"num_waiting_reqs"`
+		NumTotalReqs   int `json:"num_total_reqs"`
+		NumUsedTokens  int `json:"num_used_tokens"`
+		NumTotalTokens int `json:"num_total_tokens"`
+		MaxTotal       int `json:"max_total_num_tokens"`
+	} `json:"loads"`
+	Aggregate map[string]float64 `json:"aggregate"`
+}
+
+// reportsLoads: /v1/loads and /get_load show a request waiting on the engine
+// it went to (generation paused), with its prompt as the tokens still to
+// prefill, and nothing once it finished; a bad query is a 400.
+func reportsLoads(t *testing.T, dp *server) {
+	t.Helper()
+	loads := func(query string) (int, loadsReply, string) {
+		t.Helper()
+		resp, err := http.Get(dp.url + "/v1/loads" + query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		var out loadsReply
+		_ = json.Unmarshal(body, &out)
+		return resp.StatusCode, out, string(body)
+	}
+	dp.mustPost(t, "/pause_generation", map[string]any{"mode": "in_place"})
+	prompt := make([]int, 37)
+	for i := range prompt {
+		prompt[i] = (i*71 + 5) % 500
+	}
+	done := make(chan int, 1)
+	go func() {
+		body, _ := json.Marshal(map[string]any{"input_ids": prompt, "routed_dp_rank": 1, "sampling_params": map[string]any{"max_new_tokens": 4, "ignore_eos": true}})
+		resp, err := http.Post(dp.url+"/generate", "application/json", strings.NewReader(string(body)))
+		if err != nil {
+			done <- -1
+			return
+		}
+		resp.Body.Close()
+		done <- resp.StatusCode
+	}()
+	deadline := time.Now().Add(20 * time.Second)
+	var got loadsReply
+	for {
+		_, got, _ = loads("")
+		if len(got.Loads) == 2 && got.Loads[1].NumWaitingReqs == 1 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got.DPRankCount != 2 || len(got.Loads) != 2 || got.Loads[1].DPRank != 1 || got.Loads[1].NumTotalReqs != 1 ||
+		got.Loads[1].NumTotalTokens-got.Loads[1].NumUsedTokens != len(prompt) || got.Loads[0].NumTotalReqs != 0 || got.Aggregate["total_reqs"] != 1 {
+		t.Fatalf("/v1/loads with a request waiting on engine 1: %+v", got)
+	}
+	var legacy []map[string]float64
+	if code := getJSON(t, dp.url+"/get_load", &legacy); code != 200 || len(legacy) != 2 || legacy[1]["num_reqs"] != 1 ||
+		legacy[1]["num_waiting_reqs"] != 1 || legacy[1]["num_pending_tokens"] != float64(len(prompt)) {
+		t.Fatalf("/get_load: %d %v", code, legacy)
+	}
+	if code, _, body := loads("?format=prometheus"); code != 200 || !strings.Contains(body, `sglang_num_waiting_reqs{dp_rank="1"} 1`) {
+		t.Fatalf("/v1/loads?format=prometheus: %d\n%s", code, body)
+	}
+	dp.mustPost(t, "/continue_generation", map[string]any{})
+	if code := <-done; code != 200 {
+		t.Fatalf("the paused request: status %d", code)
+	}
+	for _, tc := range []struct {
+		query   string
+		code    int
+		engines int
+	}{
+		{"?dp_rank=0&include=core,memory", 200, 1},
+		{"?dp_rank=7", 200, 0}, // as SGLang: no such engine, no entries
+		{"?include=everything", 400, 0},
+		{"?dp_rank=one", 400, 0},
+		{"?format=xml", 400, 0},
+	} {
+		code, out, body := loads(tc.query)
+		if code != tc.code || len(out.Loads) != tc.engines {
+			t.Fatalf("/v1/loads%s: %d, %d engines, want %d, %d\n%s", tc.query, code, len(out.Loads), tc.code, tc.engines, body)
+		}
+		for _, l := range out.Loads {
+			if l.NumTotalReqs != 0 || l.NumUsedTokens != 0 || l.MaxTotal == 0 {
+				t.Fatalf("/v1/loads%s once idle: %+v", tc.query, l)
+			}
+		}
+	}
+}
+
+// getJSON decodes a GET's JSON reply into out and returns its status.
+func getJSON(t *testing.T, url string, out any) int {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		t.Fatalf("%s: %v", url, err)
+	}
+	return resp.StatusCode
 }

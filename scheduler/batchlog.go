@@ -34,11 +34,14 @@ type batchLog struct {
 	steps    int
 	since    time.Time
 	genAt    int64 // Stats.GeneratedTokens when since was taken
+	// throughput is the last line's gen_throughput (SGLang's
+	// last_gen_throughput, which /v1/loads reports), 0 once idle.
+	throughput float64
 }
 
 func (b *batchLog) record(log *zap.Logger, c *Core) {
 	if c.Idle() {
-		b.steps = 0 // time spent idle is not generation time
+		b.steps, b.throughput = 0, 0 // time spent idle is not generation time
 	}
 	info, ok := c.lastStep()
 	if !ok || b.interval <= 0 {
@@ -60,11 +63,22 @@ func (b *batchLog) record(log *zap.Logger, c *Core) {
 		return
 	}
 	gen := c.Stats.GeneratedTokens - b.genAt
+	b.throughput = round2(float64(gen) / now.Sub(b.since).Seconds())
 	log.Info("Decode batch", zap.Int("running_req", len(c.running)), zap.Int("token", used),
 		zap.Float64("token_usage", round2(usage)), zap.Bool("cuda_graph", info.Graph),
-		zap.Float64("gen_throughput", round2(float64(gen)/now.Sub(b.since).Seconds())),
-		zap.Int("queue_req", len(c.waiting)))
+		zap.Float64("gen_throughput", b.throughput), zap.Int("queue_req", len(c.waiting)))
 	b.steps, b.since, b.genAt = 1, now, c.Stats.GeneratedTokens
+}
+
+// waitingTokens is the tokens the waiting requests have yet to prefill
+// (SGLang's pending prefill tokens): prompts, and the outputs of retracted
+// requests.
+func (c *Core) waitingTokens() int {
+	n := 0
+	for _, r := range c.waiting {
+		n += len(r.InputIDs) + len(r.output) - len(r.slots)
+	}
+	return n
 }
 
 func round2(x float64) float64 { return float64(int64(x*100+0.5)) / 100 }

@@ -465,12 +465,14 @@ func (s *Server) Info() map[string]any {
 	e := s.e
 	waiting, running := s.core.Counts()
 	total, free, cached, private := s.core.KVUsage()
+	usage, used := s.core.tokenUsage()
 	return map[string]any{
 		"device": e.Dev.Name(), "architecture": string(e.Model.Config.Arch), "context_length": e.Model.ContextLen(),
 		"max_total_num_tokens": total, "dp_rank": s.dpRank, "tp_size": e.Config.TPSize, "max_running_requests": s.core.Options().MaxRunningRequests,
 		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "enable_mixed_chunk": s.core.Options().EnableMixedChunk, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
 		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,
 		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,
+		"num_used_tokens": used, "token_usage": usage, "num_waiting_tokens": s.core.waitingTokens(), "gen_throughput": s.batches.throughput,
 		"kv_cached_tokens": cached, "kv_used_tokens": private, "kv_evictable_tokens": s.core.cache.Evictable(), "cpu_backup": e.Config.CPUBackup,
 		"generated_tokens": s.core.Stats.GeneratedTokens, "prompt_tokens": s.core.Stats.PromptTokens,
 		"cached_prompt_tokens": s.core.Stats.CachedTokens, "graph_steps": e.Runner.Stats.GraphSteps,

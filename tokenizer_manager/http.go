@@ -29,6 +29,8 @@ func (m *Manager) Handler() http.Handler {
 	mux.HandleFunc("GET /server_info", m.serverInfo)
 	mux.HandleFunc("GET /get_server_info", m.serverInfo)
 	mux.HandleFunc("GET /v1/models", m.models)
+	mux.HandleFunc("GET /v1/loads", m.loads)
+	mux.HandleFunc("GET /get_load", m.getLoad)
 	mux.HandleFunc("POST /generate", m.generate)
 	mux.HandleFunc("POST /v1/completions", m.completions)
 	mux.HandleFunc("POST /v1/chat/completions", m.chatCompletions)
