@@ -73,3 +73,35 @@ func TestBatchLogSkipsIdleTime(t *testing.T) {
 		t.Fatalf("gen_throughput %.2f tok/s counts the idle time", tp)
 	}
 }
+
+// TestLoadFigures: server_info carries the last decode line's
+// gen_throughput (0 once idle, as /v1/loads reports it), and a waiting
+// request's prompt as the tokens still to prefill.
+func TestLoadFigures(t *testing.T) {
+	h := newHarness(t, false, 4096)
+	core, logs := observer.New(zap.InfoLevel)
+	h.s.log = zap.New(core)
+	h.s.batches.interval = 5
+	h.generate("a", prompt(1, 20), 40)
+	if info := h.s.Info(); info["num_waiting_tokens"] != 20 || info["num_waiting_reqs"] != 1 {
+		t.Fatalf("a waiting request of 20 tokens: %v tokens, %v requests", info["num_waiting_tokens"], info["num_waiting_reqs"])
+	}
+	for i := 0; i < 100 && logs.FilterMessage("Decode batch").Len() == 0; i++ {
+		h.step(1)
+	}
+	lines := logs.FilterMessage("Decode batch").All()
+	if len(lines) == 0 {
+		t.Fatal("no decode line")
+	}
+	info := h.s.Info()
+	if want := lines[0].ContextMap()["gen_throughput"]; info["gen_throughput"] != want || want.(float64) <= 0 {
+		t.Fatalf("server_info gen_throughput %v, the decode line's %v", info["gen_throughput"], want)
+	}
+	if info["num_waiting_tokens"] != 0 || info["num_used_tokens"].(int) < 20 || info["token_usage"].(float64) <= 0 {
+		t.Fatalf("decoding: %v waiting tokens, %v used, usage %v", info["num_waiting_tokens"], info["num_used_tokens"], info["token_usage"])
+	}
+	h.runToIdle()
+	if info := h.s.Info(); info["gen_throughput"] != 0.0 || info["num_used_tokens"] != 0 {
+		t.Fatalf("idle: gen_throughput %v, %v tokens used", info["gen_throughput"], info["num_used_tokens"])
+	}
+}

@@ -2,7 +2,6 @@ package tokenizermanager
 
 import (
 	"context"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -85,11 +84,6 @@ func (mt *metrics) finished(r *reqState) {
 type schedulerCollector struct {
 	m     *Manager
 	model string
-
-	mu                sync.Mutex
-	lastScrape        time.Time
-	lastGenerated     float64
-	lastThroughputTPS float64
 }
 
 // gauge is one scheduler figure under SGLang's name (nil sglang for none)
@@ -120,6 +114,9 @@ var gauges = []gauge{
 	{"", "ebb:kv_cached_tokens", "KV slots in the prefix cache.", infoField("kv_cached_tokens")},
 	{"", "ebb:kv_free_tokens", "Free KV slots.", infoField("kv_free_tokens")},
 	{"", "ebb:max_total_num_tokens", "KV cache size in tokens.", infoField("max_total_num_tokens")},
+	// The schedulers' last "Decode batch" rate, 0 once idle, summed over
+	// engines: SGLang's last_gen_throughput.
+	{"sglang:gen_throughput", "ebb:gen_throughput", "The generation throughput (token/s).", infoField("gen_throughput")},
 }
 
 // usedTokens is SGLang's num_used_tokens: the KV that is neither free nor
@@ -143,7 +140,7 @@ func (c *schedulerCollector) descs() []*prometheus.Desc {
 			out = append(out, prometheus.NewDesc(g.ebb, g.help, nil, nil))
 		}
 	}
-	return append(out, prometheus.NewDesc("sglang:gen_throughput", "The generation throughput (token/s).", sglangLabels, nil))
+	return out
 }
 
 func (c *schedulerCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -173,24 +170,6 @@ func (c *schedulerCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(g.ebb, g.help, nil, nil), prometheus.GaugeValue, v)
 		}
 	}
-	if generated, ok := toFloat(info.Info["generated_tokens"]); ok {
-		ch <- prometheus.MustNewConstMetric(prometheus.NewDesc("sglang:gen_throughput", "The generation throughput (token/s).", sglangLabels, nil),
-			prometheus.GaugeValue, c.throughput(generated), labels...)
-	}
-}
-
-// throughput is the generation rate since the previous scrape.
-func (c *schedulerCollector) throughput(generated float64) float64 {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	now := time.Now()
-	if !c.lastScrape.IsZero() {
-		if dt := now.Sub(c.lastScrape).Seconds(); dt > 0.05 {
-			c.lastThroughputTPS = (generated - c.lastGenerated) / dt
-		}
-	}
-	c.lastScrape, c.lastGenerated = now, generated
-	return c.lastThroughputTPS
 }
 
 func toFloat(v any) (float64, bool) {
