@@ -12,10 +12,7 @@ import (
 // with prompt tokens (chunks of 48 here), one "Decode batch" per interval
 // of decode-only steps, with counts that add up.
 func TestBatchLog(t *testing.T) {
-	h := newHarness(t, false, 4096)
-	core, logs := observer.New(zap.InfoLevel)
-	h.s.log = zap.New(core)
-	h.s.batches.interval = 5
+	h, logs := loggedHarness(t)
 	h.generate("a", prompt(1, 70), 23)
 	h.generate("b", prompt(2, 30), 23)
 	h.runToIdle()
@@ -55,10 +52,7 @@ func TestBatchLog(t *testing.T) {
 // TestBatchLogSkipsIdleTime: the first decode line after an idle spell
 // reports the output rate of its own steps, not of the idle time.
 func TestBatchLogSkipsIdleTime(t *testing.T) {
-	h := newHarness(t, false, 4096)
-	core, logs := observer.New(zap.InfoLevel)
-	h.s.log = zap.New(core)
-	h.s.batches.interval = 5
+	h, logs := loggedHarness(t)
 	h.generate("a", prompt(1, 20), 4) // fewer decode steps than the interval
 	h.runToIdle()
 	time.Sleep(time.Second)
@@ -78,10 +72,7 @@ func TestBatchLogSkipsIdleTime(t *testing.T) {
 // gen_throughput (0 once idle, as /v1/loads reports it), and a waiting
 // request's prompt as the tokens still to prefill.
 func TestLoadFigures(t *testing.T) {
-	h := newHarness(t, false, 4096)
-	core, logs := observer.New(zap.InfoLevel)
-	h.s.log = zap.New(core)
-	h.s.batches.interval = 5
+	h, logs := loggedHarness(t)
 	h.generate("a", prompt(1, 20), 40)
 	if info := h.s.Info(); info["num_waiting_tokens"] != 20 || info["num_waiting_reqs"] != 1 {
 		t.Fatalf("a waiting request of 20 tokens: %v tokens, %v requests", info["num_waiting_tokens"], info["num_waiting_reqs"])
@@ -104,4 +95,14 @@ func TestLoadFigures(t *testing.T) {
 	if info := h.s.Info(); info["gen_throughput"] != 0.0 || info["num_used_tokens"] != 0 {
 		t.Fatalf("idle: gen_throughput %v, %v tokens used", info["gen_throughput"], info["num_used_tokens"])
 	}
+}
+
+// loggedHarness is a harness whose info log is observed, with a decode
+// line every 5 steps.
+func loggedHarness(t *testing.T) (*harness, *observer.ObservedLogs) {
+	h := newHarness(t, false, 4096)
+	core, logs := observer.New(zap.InfoLevel)
+	h.s.log = zap.New(core)
+	h.s.batches.interval = 5
+	return h, logs
 }
