@@ -116,6 +116,15 @@ func TestTensorParallelCPU(t *testing.T) {
 			if tp := s.info(t)["tp_size"]; tp != float64(2) {
 				t.Fatalf("server_info tp_size %v", tp)
 			}
+			// Loads come from each engine's rank 0, one entry an engine.
+			var loads loadsReply
+			engines := 1
+			if slices.Contains(args, "--dp-size") {
+				engines = 2
+			}
+			if code := getJSON(t, s.url+"/v1/loads", &loads); code != 200 || loads.DPRankCount != engines || loads.Loads[engines-1].MaxTotal == 0 {
+				t.Fatalf("/v1/loads: %d %+v", code, loads)
+			}
 			// memory_stats of every rank (of every engine).
 			code, stats := s.get(t, "/memory_stats")
 			ranks, _ := stats["tp_ranks"].([]any)
