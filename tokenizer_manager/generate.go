@@ -196,8 +196,8 @@ func RequestWork(in, out int) int64 {
 const prefillPositions = 50
 
 // LeastLoaded is the index of the engine with the least work(engine), the
-// first of equals: where the auto router sends a request of which no engine
-// holds a prefix.
+// first of equals. The bench's floor model routes with it as the auto router
+// routes prompts of which no engine holds a prefix.
 func LeastLoaded[E any](engines []E, work func(E) int64) int {
 	e := 0
 	for i := range engines {

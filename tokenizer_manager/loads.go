@@ -52,9 +52,7 @@ func loadOf(info map[string]any, at time.Time) engineLoad {
 	}
 	l.NumTotalReqs = l.NumRunningReqs + l.NumWaitingReqs
 	l.NumTotalTokens = l.NumUsedTokens + int(num("num_waiting_tokens"))
-	if p := num("prompt_tokens"); p > 0 {
-		l.CacheHitRate = num("cached_prompt_tokens") / p
-	}
+	l.CacheHitRate, _ = cacheHitRate(info)
 	l.Utilization = l.TokenUsage
 	return l
 }

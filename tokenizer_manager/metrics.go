@@ -100,17 +100,13 @@ func infoField(name string) func(map[string]any) (float64, bool) {
 var gauges = []gauge{
 	{"sglang:num_running_reqs", "ebb:num_running_reqs", "The number of running requests.", infoField("num_running_reqs")},
 	{"sglang:num_queue_reqs", "ebb:num_waiting_reqs", "The number of requests in the waiting queue.", infoField("num_waiting_reqs")},
-	{"sglang:num_used_tokens", "ebb:kv_used_tokens", "The number of used tokens.", usedTokens},
+	{"sglang:num_used_tokens", "ebb:kv_used_tokens", "The number of used tokens.", infoField("num_used_tokens")},
 	{"sglang:token_usage", "", "The token usage.", func(info map[string]any) (float64, bool) {
-		used, ok1 := usedTokens(info)
+		used, ok1 := toFloat(info["num_used_tokens"])
 		total, ok2 := toFloat(info["max_total_num_tokens"])
 		return used / max(total, 1), ok1 && ok2
 	}},
-	{"sglang:cache_hit_rate", "", "The prefix cache hit rate.", func(info map[string]any) (float64, bool) {
-		cached, ok1 := toFloat(info["cached_prompt_tokens"])
-		prompt, ok2 := toFloat(info["prompt_tokens"])
-		return cached / max(prompt, 1), ok1 && ok2
-	}},
+	{"sglang:cache_hit_rate", "", "The prefix cache hit rate.", cacheHitRate},
 	{"", "ebb:kv_cached_tokens", "KV slots in the prefix cache.", infoField("kv_cached_tokens")},
 	{"", "ebb:kv_free_tokens", "Free KV slots.", infoField("kv_free_tokens")},
 	{"", "ebb:max_total_num_tokens", "KV cache size in tokens.", infoField("max_total_num_tokens")},
@@ -119,13 +115,11 @@ var gauges = []gauge{
 	{"sglang:gen_throughput", "ebb:gen_throughput", "The generation throughput (token/s).", infoField("gen_throughput")},
 }
 
-// usedTokens is SGLang's num_used_tokens: the KV that is neither free nor
-// evictable cache.
-func usedTokens(info map[string]any) (float64, bool) {
-	total, ok1 := toFloat(info["max_total_num_tokens"])
-	free, ok2 := toFloat(info["kv_free_tokens"])
-	evictable, ok3 := toFloat(info["kv_evictable_tokens"])
-	return total - free - evictable, ok1 && ok2 && ok3
+// cacheHitRate is the share of prompt tokens found in the prefix cache.
+func cacheHitRate(info map[string]any) (float64, bool) {
+	cached, ok1 := toFloat(info["cached_prompt_tokens"])
+	prompt, ok2 := toFloat(info["prompt_tokens"])
+	return cached / max(prompt, 1), ok1 && ok2
 }
 
 var sglangLabels = []string{"model_name", "engine_type", "tp_rank", "pp_rank"}

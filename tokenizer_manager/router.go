@@ -181,14 +181,15 @@ func (x *prefixIndex) fingerprints(parts ...[]int32) []uint64 {
 	var h maphash.Hash
 	h.SetSeed(x.seed)
 	var fps []uint64
-	var b [4]byte
-	n := 0
+	chunk := make([]byte, 0, 4*x.chunk)
 	for _, p := range parts {
 		for _, t := range p {
-			binary.LittleEndian.PutUint32(b[:], uint32(t))
-			h.Write(b[:])
-			if n++; n%x.chunk == 0 {
+			// A streaming hash: one write a chunk gives the sums that one a
+			// token would.
+			if chunk = binary.LittleEndian.AppendUint32(chunk, uint32(t)); len(chunk) == cap(chunk) {
+				h.Write(chunk)
 				fps = append(fps, h.Sum64())
+				chunk = chunk[:0]
 			}
 		}
 	}
