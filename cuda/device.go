@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"slices"
+	"strconv"
 	"time"
 	"unsafe"
 
@@ -46,6 +47,7 @@ type Device struct {
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
+	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 }
 
 var (
@@ -185,6 +187,9 @@ func (d *Device) init() error {
 	d.foldTC, d.foldWG = fold != "0" && fold != "wg", fold != "0" && fold != "tc"
 	d.rawDecode = os.Getenv("EBB_DECODE_PREPARE") != "separate"
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
+	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
+		d.decodeSplits = min(n, decodeVecMaxSplits)
+	}
 	if err := d.initMatMulWG(); err != nil {
 		return err
 	}
@@ -348,10 +353,23 @@ func (d *Device) Copy(dst, src device.Tensor) {
 }
 
 func (d *Device) launch(name string, grid, block Dim3, shmem int, args ...uint64) {
-	if d.err != nil {
-		return
+	if d.err != nil || grid.X == 0 || grid.Y == 0 || grid.Z == 0 {
+		return // an empty grid has nothing to do (a step with no logit rows)
 	}
-	d.fail(d.ctx.LaunchKernel(d.k[name], grid, block, shmem, args...))
+	if k := d.kernel(name); k != nil {
+		d.fail(d.ctx.LaunchKernel(k, grid, block, shmem, args...))
+	}
+}
+
+// kernel looks up one of kernelNames. Names are built from shapes
+// (gemv_m1, matmul_tc_t2, ...): one that is not loaded is a bug to report
+// as an error naming it, never a nil function to launch.
+func (d *Device) kernel(name string) *Kernel {
+	k, ok := d.k[name]
+	if !ok {
+		d.fail(fmt.Errorf("kernel %q is not among the loaded kernels", name))
+	}
+	return k
 }
 
 func gridFor(n int64) Dim3 { return D1(int(min((n+255)/256, 65535))) }

@@ -19,6 +19,9 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.fail(fmt.Errorf("matmul: x %v, w %v, out %v", x, w, out))
 		return
 	}
+	if m == 0 {
+		return
+	}
 	route := routeBLAS
 	if x.Ptr%16 == 0 && w.Ptr%16 == 0 {
 		route = d.matMulRoute(m, n, k, false)

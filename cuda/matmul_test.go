@@ -381,3 +381,49 @@ func TestMatMulRoute(t *testing.T) {
 		t.Errorf("EBB_MATMUL_TC=all: route %d, want matmul_tc", got)
 	}
 }
+
+// TestKernelNamesForEveryRowCount asks for the kernels of every row count a
+// step can hold (a decode batch to a whole prefill chunk) over the shapes
+// of the models ebb serves: each name the routing builds must be one that
+// OpenDevice loads (no GPU needed).
+func TestKernelNamesForEveryRowCount(t *testing.T) {
+	loaded := map[string]bool{"cublasGemmEx": true}
+	for _, n := range kernelNames {
+		loaded[n] = true
+	}
+	shapes := []struct{ n, k int }{
+		{6144, 1024}, {1024, 2048}, {6144, 1024}, {151936, 1024}, // 0.6B
+		{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}, // 8B
+		{64, 64}, {96, 32}, // tiny test models
+	}
+	for _, wg := range []bool{false, true} {
+		d := &Device{ctx: &Context{SMs: 132}, wgmma: wg}
+		for _, s := range shapes {
+			for m := 1; m <= 9000; m++ {
+				if name := d.matMulKernel(m, s.n, s.k); !loaded[name] {
+					t.Fatalf("%d rows of %dx%d (matmul_wg %v): kernel %q is not loaded", m, s.n, s.k, wg, name)
+				}
+				if d.matMulRoute(m, s.n, s.k, true) == routeGemv {
+					if name, _, _ := d.gemvShape(m, s.n, s.k, true); !loaded[name] {
+						t.Fatalf("%d rows of %dx%d with silu: kernel %q is not loaded", m, s.n, s.k, name)
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestLaunchOfUnknownKernelIsAnError: a kernel name the device did not load
+// fails the device with an error that names it; it does not launch nil.
+func TestLaunchOfUnknownKernelIsAnError(t *testing.T) {
+	d := &Device{ctx: &Context{SMs: 132}, k: map[string]*Kernel{}}
+	d.launch("gemv_m0", D1(1), D1(256), 0)
+	if d.err == nil || !strings.Contains(d.err.Error(), `"gemv_m0"`) {
+		t.Fatalf("launch of an unknown kernel: %v", d.err)
+	}
+	d.err = nil
+	d.launch("gemv_m0", D1(0), D1(256), 0) // an empty grid runs nothing
+	if d.err != nil {
+		t.Fatalf("empty grid: %v", d.err)
+	}
+}

@@ -114,7 +114,11 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		d.fail(err)
 		return
 	}
-	d.fail(d.ctx.LaunchCluster(d.k[name], grid, D1(matMulWGThreads), matMulWGShared(bn), int(grid.Z), []TensorMap{wmap, xmap},
+	kern := d.kernel(name)
+	if kern == nil {
+		return
+	}
+	d.fail(d.ctx.LaunchCluster(kern, grid, D1(matMulWGThreads), matMulWGShared(bn), int(grid.Z), []TensorMap{wmap, xmap},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
 		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps)))
 }

@@ -29,6 +29,12 @@ func TestKernelsCompile(t *testing.T) {
 		if !strings.Contains(string(ptx), ".entry") {
 			t.Fatalf("%s: PTX has no kernels", arch)
 		}
+		// Every kernel OpenDevice resolves by name is in the module.
+		for _, name := range kernelNames {
+			if !strings.Contains(string(ptx), ".entry "+name+"(") {
+				t.Errorf("%s: no kernel %q in the module", arch, name)
+			}
+		}
 		t.Logf("NVRTC %d.%d %s: %d bytes of PTX", major, minor, arch, len(ptx))
 	}
 }

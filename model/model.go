@@ -207,7 +207,9 @@ func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, 
 func (m *Model) Forward(in Inputs, s *device.Scratch) device.Tensor {
 	a := m.scratchLayout(in.Tokens.Numel(), in.LogitRows.Numel(), true, s.Take)
 	m.forward(in, a)
-	m.dev.Convert(a.logits, a.rawLogits)
+	if in.LogitRows.Numel() > 0 {
+		m.dev.Convert(a.logits, a.rawLogits)
+	}
 	return a.logits
 }
 
@@ -295,6 +297,12 @@ func (m *Model) forward(in Inputs, a activations) {
 	for i, l := range w.Layers {
 		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
+		if i == last && in.LogitRows.Numel() == 0 {
+			// A prefill chunk that completes no sequence: the last layer's
+			// K and V are all that a later step reads.
+			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+			return
+		}
 		if i == last && pruned {
 			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 			t = in.LogitRows.Numel()
