@@ -43,6 +43,10 @@ type Config struct {
 	// EnableMixedChunk puts the decodes in the steps that prefill
 	// (--enable-mixed-chunk).
 	EnableMixedChunk bool
+	// ScheduleConservativeness scales how much of their remaining output
+	// requests that may stop early are expected to need when admitted
+	// (--schedule-conservativeness; 0 means 1).
+	ScheduleConservativeness float64
 	// DistTimeout bounds waiting on a trainer's process group (--dist-timeout).
 	DistTimeout time.Duration
 	// WatchdogTimeout stops a scheduler process whose step has run this

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"fmt"
 	"time"
 
 	"go.uber.org/zap"
@@ -13,6 +14,12 @@ type StepInfo struct {
 	NewTokens    int  // prompt tokens computed
 	CachedTokens int  // prompt tokens of newly admitted sequences found in the prefix cache
 	Graph        bool // replayed as a CUDA graph
+	// RecomputedTokens of NewTokens had been computed before a retraction.
+	RecomputedTokens int
+	// Retracted requests made room for this step; the new-token ratio
+	// went from RatioBefore to RatioAfter.
+	Retracted               int
+	RatioBefore, RatioAfter float64
 }
 
 // lastStep reports the step launched by the last Step call, and whether
@@ -48,10 +55,15 @@ func (b *batchLog) record(log *zap.Logger, c *Core) {
 		return
 	}
 	usage, used := c.tokenUsage()
+	if info.Retracted > 0 {
+		log.Warn("KV cache pool is full. Retract requests.", zap.Int("retracted_reqs", info.Retracted),
+			zap.String("new_token_ratio", fmt.Sprintf("%.4f -> %.4f", info.RatioBefore, info.RatioAfter)),
+			zap.Int64("retracted_total", c.Stats.Retractions))
+	}
 	if info.NewTokens > 0 {
 		log.Info("Prefill batch", zap.Int("new_seq", info.NewSeqs), zap.Int("new_token", info.NewTokens),
-			zap.Int("cached_token", info.CachedTokens), zap.Float64("token_usage", round2(usage)),
-			zap.Int("running_req", info.Decodes), zap.Int("queue_req", len(c.waiting)))
+			zap.Int("cached_token", info.CachedTokens), zap.Int("recomputed_token", info.RecomputedTokens),
+			zap.Float64("token_usage", round2(usage)), zap.Int("running_req", info.Decodes), zap.Int("queue_req", len(c.waiting)))
 		return
 	}
 	now := time.Now()

@@ -38,6 +38,10 @@ type Options struct {
 	// EnableMixedChunk runs the decodes in the steps that prefill too
 	// (--enable-mixed-chunk); by default a prefill step holds them back.
 	EnableMixedChunk bool
+	// ScheduleConservativeness scales the share of their remaining output
+	// that requests which may stop early are expected to produce
+	// (--schedule-conservativeness; 0 is SGLang's default, 1).
+	ScheduleConservativeness float64
 }
 
 // Core is the scheduling state machine, free of I/O: Add requests, call Step
@@ -58,6 +62,7 @@ type Core struct {
 	owners   []int32  // CheckInvariants' table of slot owners, kept between checks
 	last     StepInfo // the step launched by the last Step, if launched
 	launched bool
+	ratio    tokenRatio // admission's expectation of early stops (admission.go)
 	Stats    Stats
 }
 
@@ -68,8 +73,15 @@ type Stats struct {
 	GeneratedTokens int64
 	Steps           int64
 	Retractions     int64
-	Overlapped      int64 // steps launched before the previous one's results were in
-	Finished        int64
+	// RetractedInputTokens and RetractedOutputTokens are the prompt and
+	// output lengths of the requests retracted (SGLang's counters).
+	RetractedInputTokens  int64
+	RetractedOutputTokens int64
+	// RecomputedTokens were computed again after a retraction: tokens a
+	// request had computed and did not find in the radix cache on return.
+	RecomputedTokens int64
+	Overlapped       int64 // steps launched before the previous one's results were in
+	Finished         int64
 }
 
 // NewCore starts a scheduler over a runner whose model has a KV cache.
@@ -96,7 +108,7 @@ func NewCore(run *runner.Runner, opts Options) (*Core, error) {
 	return &Core{
 		opts: opts, run: run, ctxLen: run.Model.ContextLen(), vocab: run.Model.Config.Vocab,
 		pool: newKVPool(slots), cache: NewRadixCache(), byRid: map[string]*request{},
-		rng: rand.New(rand.NewPCG(seed1, seed2)),
+		rng: rand.New(rand.NewPCG(seed1, seed2)), ratio: newTokenRatio(opts.ScheduleConservativeness),
 	}, nil
 }
 
@@ -228,8 +240,8 @@ func (c *Core) schedule() ([]*request, []int) {
 			decodes++
 		}
 	}
+	c.last = StepInfo{}
 	if !c.opts.EnableMixedChunk {
-		c.last = StepInfo{}
 		if batch, chunks := c.schedulePrefill(nil, nil, decodes, c.opts.ChunkedPrefillSize); len(batch) > 0 {
 			return batch, chunks
 		}
@@ -240,15 +252,16 @@ func (c *Core) schedule() ([]*request, []int) {
 }
 
 // scheduleDecodes gives every running request past its prompt one slot,
-// retracting the newest ones while the pool cannot hold a step of each.
+// retracting some (retractForDecodes) where the pool cannot hold a step of
+// each.
 func (c *Core) scheduleDecodes(decodes int) ([]*request, []int) {
 	var batch []*request
 	var chunks []int
-	for decodes > 0 && !c.ensureFree(decodes) {
-		if !c.retractOne() {
-			break
-		}
-		decodes--
+	if decodes > 0 && !c.ensureFree(decodes) {
+		decodes -= c.retractForDecodes()
+		c.ensureFree(decodes)
+	} else if decodes > 0 {
+		c.ratio.step()
 	}
 	for _, r := range append([]*request(nil), c.running...) {
 		if r.inPrefill() {
@@ -267,13 +280,14 @@ func (c *Core) scheduleDecodes(decodes int) ([]*request, []int) {
 	// batch order, so the long ones start first and short ones fill in at
 	// the end rather than a long one finishing alone.
 	slices.SortStableFunc(batch, func(a, b *request) int { return len(b.slots) - len(a.slots) })
-	c.last = StepInfo{Decodes: len(batch)}
+	c.last.Decodes = len(batch)
 	return batch, chunks
 }
 
 // schedulePrefill appends prompt chunks to batch within budget tokens:
-// unfinished prompts first, then new requests, admitted only with room left
-// for a step of each of the decodes.
+// unfinished prompts first, then new requests, admitted only where the
+// cache holds what they and the running requests are expected to need
+// (mayAdmit) and a step of each of the decodes.
 func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget int) ([]*request, []int) {
 	rows := len(batch)
 	lim := c.run.Limits()
@@ -285,6 +299,7 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 		if n == 0 || !c.ensureFree(n) {
 			break
 		}
+		c.countRecomputed(r, n)
 		c.grow(r, n)
 		batch, chunks = append(batch, r), append(chunks, n)
 		budget -= n
@@ -292,16 +307,22 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 		c.last.NewSeqs++
 		c.last.NewTokens += n
 	}
+	reserved := -1
 	for budget > 0 && len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
+		if reserved < 0 {
+			reserved = c.reservedSlots()
+		}
 		r := c.waiting[0]
 		c.admit(r)
 		n := c.chunkSize(r, budget, lim.MaxLogitRows-rows)
-		if n == 0 || !c.ensureFree(n+decodes) {
+		if n == 0 || !c.mayAdmit(r, reserved) || !c.ensureFree(n+decodes) {
 			c.unadmit(r)
 			break
 		}
+		reserved += c.expectedSlots(r)
 		c.waiting = c.waiting[1:]
 		c.running = append(c.running, r)
+		c.countRecomputed(r, n)
 		c.grow(r, n)
 		batch, chunks = append(batch, r), append(chunks, n)
 		budget -= n
@@ -360,6 +381,7 @@ func (c *Core) admit(r *request) {
 	}
 	r.node, r.nodeTokens = node, len(slots)
 	r.slots = append([]int32(nil), slots...)
+	r.recompute = max(r.computed-len(slots), 0)
 	if !r.admitted {
 		r.admitted = true
 		r.cached = len(slots)
@@ -375,35 +397,14 @@ func (c *Core) unadmit(r *request) {
 	r.node, r.nodeTokens, r.slots = nil, 0, nil
 }
 
-// retractOne moves the newest decoding request back to the queue, keeping
-// its KV in the cache (evictable) so it may re-prefill cheaply.
-func (c *Core) retractOne() bool {
-	for i := len(c.running) - 1; i >= 0; i-- {
-		r := c.running[i]
-		if r.inPrefill() || len(c.running) == 1 {
-			continue
-		}
-		c.release(r)
-		c.running = append(c.running[:i], c.running[i+1:]...)
-		c.waiting = append([]*request{r}, c.waiting...)
-		c.Stats.Retractions++
-		return true
-	}
-	return false
-}
-
 // Retract moves every running request back to the queue (pause with mode
 // retract); their KV stays in the cache until it is flushed or evicted.
 func (c *Core) Retract() int {
 	_ = c.settleInto() // a failed step has already failed its requests
 	n := len(c.running)
 	for i := n - 1; i >= 0; i-- {
-		r := c.running[i]
-		c.release(r)
-		c.waiting = append([]*request{r}, c.waiting...)
+		c.retract(c.running[i])
 	}
-	c.running = nil
-	c.Stats.Retractions += int64(n)
 	return n
 }
 

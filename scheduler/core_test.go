@@ -127,26 +127,104 @@ func TestAbortByPrefixAndBadRequests(t *testing.T) {
 	}
 }
 
-// TestKVExhaustionRetracts: more decode demand than KV slots makes the
-// scheduler retract requests; all still finish, with the right outputs.
+// TestLongRolloutsWaitInsteadOfRetracting: requests that must run to
+// max_new_tokens (ignore_eos, no stop tokens) are admitted only as far as
+// the KV cache holds all of them at full length, so none is ever
+// retracted and none computes anything twice, however short the cache.
+func TestLongRolloutsWaitInsteadOfRetracting(t *testing.T) {
+	const maxNew, promptLen, slots = 40, 30, 260
+	reqs := map[string][]int32{}
+	for i := 0; i < 6; i++ {
+		reqs[fmt.Sprint("r", i)] = prompt(40+i, promptLen)
+	}
+	want := reference(t, reqs, maxNew)
+	h := newHarness(t, false, slots) // 6 x 70 tokens do not fit at once
+	for rid, ids := range reqs {
+		h.generate(rid, ids, maxNew)
+	}
+	most := 0
+	for !h.s.core.Idle() {
+		h.step(1)
+		most = max(most, len(h.s.core.running))
+	}
+	if st := h.s.core.Stats; st.Retractions != 0 || st.RecomputedTokens != 0 {
+		t.Fatalf("%d retractions, %d tokens recomputed", st.Retractions, st.RecomputedTokens)
+	}
+	if fit := slots / (promptLen + maxNew); most != fit {
+		t.Fatalf("at most %d requests ran at once, want the %d that fit whole", most, fit)
+	}
+	sameOutputs(t, h.tokens, want)
+}
+
+// TestKVExhaustionRetracts: requests that may stop early are admitted on
+// SGLang's new-token ratio, so more decode demand than KV slots makes the
+// scheduler retract some; all still finish with the right outputs, and
+// what they compute again is counted.
 func TestKVExhaustionRetracts(t *testing.T) {
 	const maxNew = 40
 	reqs := map[string][]int32{}
 	for i := 0; i < 6; i++ {
 		reqs[fmt.Sprint("r", i)] = prompt(40+i, 30)
 	}
-	want := reference(t, reqs, maxNew)
-	h := newHarness(t, false, 260) // 6 x 70 tokens do not fit at once
-	for rid, ids := range reqs {
-		h.generate(rid, ids, maxNew)
+	zero := 0.0
+	params := ioschema.SamplingParams{MaxNewTokens: ptr(maxNew), Temperature: &zero}
+	run := func(slots int) *harness {
+		h := newHarness(t, false, slots)
+		for rid, ids := range reqs {
+			h.s.Handle(&ioschema.TokenizedGenerateReqInput{Rid: rid, InputIDs: ids, LogprobStartLen: -1, SamplingParams: params})
+		}
+		h.runToIdle()
+		return h
 	}
-	h.runToIdle()
-	if h.s.core.Stats.Retractions == 0 {
+	want := run(4096).tokens
+	h := run(260) // 6 x 70 tokens do not fit at once
+	st := h.s.core.Stats
+	if st.Retractions == 0 {
 		t.Fatal("expected retractions with a small KV cache")
+	}
+	if st.RecomputedTokens > st.RetractedInputTokens+st.RetractedOutputTokens {
+		t.Fatalf("%d tokens recomputed after retractions of %d + %d", st.RecomputedTokens, st.RetractedInputTokens, st.RetractedOutputTokens)
+	}
+	if r := h.s.core.ratio.value; r <= h.s.core.ratio.min {
+		t.Fatalf("new-token ratio %v after a retraction", r)
 	}
 	sameOutputs(t, h.tokens, want)
 	if err := h.s.core.CheckInvariants(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestRetractionVictim: a retraction takes the request whose loss costs
+// least: the smallest that covers the shortfall alone, else the largest.
+func TestRetractionVictim(t *testing.T) {
+	for _, tc := range []struct {
+		free int
+		want []string // retracted, in order
+	}{
+		{free: 30, want: []string{"b"}}, // 3 x 20 needed, short 30: b's 30 covers it
+		{free: 35, want: []string{"b"}}, // short 25: b is the smallest that covers it
+		{free: 10, want: []string{"c"}}, // short 50: only c's 50 covers it
+		{free: 0, want: []string{"c"}},  // short 60: none alone, so the largest, c, which leaves enough for two
+		{free: 60, want: nil},           // no shortfall
+	} {
+		c := &Core{pool: newKVPool(200), cache: NewRadixCache(), ratio: newTokenRatio(1)}
+		held := map[string]int{"a": 10, "b": 30, "c": 50}
+		for _, rid := range []string{"a", "b", "c"} {
+			slots, _ := c.pool.alloc(held[rid])
+			r := &request{Request: Request{Rid: rid, InputIDs: prompt(len(rid), held[rid]-1),
+				Params: ioschema.Resolved{MaxNewTokens: 100}}, output: []int32{1, 2}, slots: slots}
+			c.running = append(c.running, r)
+		}
+		c.pool.alloc(c.pool.available() - tc.free) // held elsewhere
+		n := c.retractForDecodes()
+		var got []string
+		for _, r := range c.waiting {
+			got = append(got, r.Rid)
+		}
+		slices.Reverse(got) // each retraction goes to the head of the queue
+		if n != len(got) || !slices.Equal(got, tc.want) {
+			t.Errorf("free %d: retracted %v (%d), want %v", tc.free, got, n, tc.want)
+		}
 	}
 }
 

@@ -33,6 +33,8 @@ func NewCoreFor(e *engine.Engine) (*Core, error) {
 		DisableRadixCache:  e.Config.DisableRadixCache,
 		DisableOverlap:     e.Config.DisableOverlap,
 		EnableMixedChunk:   e.Config.EnableMixedChunk,
+
+		ScheduleConservativeness: e.Config.ScheduleConservativeness,
 	})
 }
 

@@ -79,11 +79,13 @@ func (c *Core) land() ([]Event, error) {
 
 // follow launches the decode step after the flight, before its results are
 // known, when every running request is in it and can continue blind: no
-// queued request could be admitted instead, and no logit adjustment
-// depends on the token not yet seen. It returns nil when it does not.
+// queued request could be admitted instead (headBlocked: a long rollout
+// that waits for room keeps the decodes overlapped), and no logit
+// adjustment depends on the token not yet seen. It returns nil when it
+// does not.
 func (c *Core) follow() *flight {
 	f := c.flight
-	if c.opts.DisableOverlap || (len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests) {
+	if c.opts.DisableOverlap || !c.headBlocked() {
 		return nil
 	}
 	members, need := 0, 0
@@ -136,6 +138,7 @@ func (c *Core) follow() *flight {
 	}
 	c.Stats.Steps++
 	c.Stats.Overlapped++
+	c.ratio.step()
 	c.last, c.launched = StepInfo{Decodes: len(next.batch), Graph: c.run.Stats.GraphSteps != graphs}, true
 	for _, r := range next.batch {
 		r.ahead++

@@ -45,10 +45,14 @@ type request struct {
 	nodeTokens int        // tokens covered by node
 	cached     int        // prompt tokens reused from the cache at first admission
 	admitted   bool
-	seed       uint64
-	counts     map[int32]int32 // output token counts, for penalties
-	inputLP    []float32
-	inputDone  bool
+	// computed is the most tokens r had computed when it was retracted,
+	// and recompute how many of those its next admission did not find
+	// cached and computes again (Stats.RecomputedTokens).
+	computed, recompute int
+	seed                uint64
+	counts              map[int32]int32 // output token counts, for penalties
+	inputLP             []float32
+	inputDone           bool
 	// ahead counts launched steps whose token is not absorbed yet; epoch
 	// changes whenever r stops running, so results of steps launched
 	// before are recognised as stale.

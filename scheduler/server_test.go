@@ -247,6 +247,10 @@ func TestPauseModesWithRequestsInFlight(t *testing.T) {
 				// Retracted requests re-prefill and continue where they were.
 				sameOutputs(t, h.tokens, want)
 			}
+			if st := h.s.core.Stats; mode == ioschema.PauseRetract && (st.Retractions != 3 || st.RecomputedTokens != 0) {
+				// With room to spare their KV stayed in the radix cache.
+				t.Fatalf("retract: %d retractions, %d tokens computed again", st.Retractions, st.RecomputedTokens)
+			}
 			if err := h.s.core.CheckInvariants(); err != nil {
 				t.Fatal(err)
 			}

@@ -87,10 +87,11 @@ type schedulerCollector struct {
 }
 
 // gauge is one scheduler figure under SGLang's name (nil sglang for none)
-// and ebb's.
+// and ebb's; counter marks the running totals.
 type gauge struct {
 	sglang, ebb, help string
 	value             func(info map[string]any) (float64, bool)
+	counter           bool
 }
 
 func infoField(name string) func(map[string]any) (float64, bool) {
@@ -98,21 +99,29 @@ func infoField(name string) func(map[string]any) (float64, bool) {
 }
 
 var gauges = []gauge{
-	{"sglang:num_running_reqs", "ebb:num_running_reqs", "The number of running requests.", infoField("num_running_reqs")},
-	{"sglang:num_queue_reqs", "ebb:num_waiting_reqs", "The number of requests in the waiting queue.", infoField("num_waiting_reqs")},
-	{"sglang:num_used_tokens", "ebb:kv_used_tokens", "The number of used tokens.", infoField("num_used_tokens")},
+	{"sglang:num_running_reqs", "ebb:num_running_reqs", "The number of running requests.", infoField("num_running_reqs"), false},
+	{"sglang:num_queue_reqs", "ebb:num_waiting_reqs", "The number of requests in the waiting queue.", infoField("num_waiting_reqs"), false},
+	{"sglang:num_used_tokens", "ebb:kv_used_tokens", "The number of used tokens.", infoField("num_used_tokens"), false},
 	{"sglang:token_usage", "", "The token usage.", func(info map[string]any) (float64, bool) {
 		used, ok1 := toFloat(info["num_used_tokens"])
 		total, ok2 := toFloat(info["max_total_num_tokens"])
 		return used / max(total, 1), ok1 && ok2
-	}},
-	{"sglang:cache_hit_rate", "", "The prefix cache hit rate.", cacheHitRate},
-	{"", "ebb:kv_cached_tokens", "KV slots in the prefix cache.", infoField("kv_cached_tokens")},
-	{"", "ebb:kv_free_tokens", "Free KV slots.", infoField("kv_free_tokens")},
-	{"", "ebb:max_total_num_tokens", "KV cache size in tokens.", infoField("max_total_num_tokens")},
+	}, false},
+	{"sglang:cache_hit_rate", "", "The prefix cache hit rate.", cacheHitRate, false},
+	{"", "ebb:kv_cached_tokens", "KV slots in the prefix cache.", infoField("kv_cached_tokens"), false},
+	{"", "ebb:kv_free_tokens", "Free KV slots.", infoField("kv_free_tokens"), false},
+	{"", "ebb:max_total_num_tokens", "KV cache size in tokens.", infoField("max_total_num_tokens"), false},
 	// The schedulers' last "Decode batch" rate, 0 once idle, summed over
 	// engines: SGLang's last_gen_throughput.
-	{"sglang:gen_throughput", "ebb:gen_throughput", "The generation throughput (token/s).", infoField("gen_throughput")},
+	{"sglang:gen_throughput", "ebb:gen_throughput", "The generation throughput (token/s).", infoField("gen_throughput"), false},
+	// KV pressure: requests retracted to make room and what they computed
+	// again on return (what SGLang calls the retracted tokens, ebb finds
+	// in its radix cache where it was not evicted meanwhile).
+	{"sglang:num_retracted_requests_total", "ebb:retracted_requests_total", "Total number of retracted requests.", infoField("num_retracted_reqs"), true},
+	{"sglang:num_retracted_input_tokens_total", "", "Total number of retracted input tokens.", infoField("retracted_input_tokens"), true},
+	{"sglang:num_retracted_output_tokens_total", "", "Total number of retracted output tokens.", infoField("retracted_output_tokens"), true},
+	{"", "ebb:recomputed_tokens_total", "Tokens computed again after a retraction (not found in the radix cache on return).", infoField("recomputed_tokens"), true},
+	{"sglang:new_token_ratio", "ebb:new_token_ratio", "The new token ratio.", infoField("new_token_ratio"), false},
 }
 
 // cacheHitRate is the share of prompt tokens found in the prefix cache.
@@ -157,11 +166,15 @@ func (c *schedulerCollector) Collect(ch chan<- prometheus.Metric) {
 		if !ok {
 			continue
 		}
+		kind := prometheus.GaugeValue
+		if g.counter {
+			kind = prometheus.CounterValue
+		}
 		if g.sglang != "" {
-			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(g.sglang, g.help, sglangLabels, nil), prometheus.GaugeValue, v, labels...)
+			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(g.sglang, g.help, sglangLabels, nil), kind, v, labels...)
 		}
 		if g.ebb != "" {
-			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(g.ebb, g.help, nil, nil), prometheus.GaugeValue, v)
+			ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(g.ebb, g.help, nil, nil), kind, v)
 		}
 	}
 }

@@ -1,0 +1,194 @@
+package scheduler
+
+import "math"
+
+// KV pressure: which waiting request may start, and which running one to
+// retract when the cache cannot hold the next decode step.
+//
+// A request is admitted only when the cache, less what the running
+// requests are expected to grow into, holds its prompt and its own
+// expected output. A request that must run to max_new_tokens (ignore_eos,
+// no stop tokens or strings: what RL rollouts and benchmarks send) is
+// expected to produce all of it, so such requests are never retracted. For
+// the others the expectation is SGLang's new-token ratio: 0.7 of the
+// remaining output at first, falling to a tenth of that as decode steps
+// pass without trouble, and set back up after a retraction.
+
+const (
+	// initNewTokenRatio, minNewTokenRatioFactor and newTokenRatioDecaySteps
+	// are SGLang's defaults (SGLANG_INIT_NEW_TOKEN_RATIO and its companions).
+	initNewTokenRatio       = 0.7
+	minNewTokenRatioFactor  = 0.14
+	newTokenRatioDecaySteps = 600
+	// retractDecodeSteps is how many decode steps of the requests left a
+	// retraction makes room for (SGLang's retract_decode_steps).
+	retractDecodeSteps = 20
+)
+
+// tokenRatio is the share of a request's remaining output that admission
+// expects it to produce, where that output may end early.
+type tokenRatio struct {
+	value, min, decay float64
+}
+
+func newTokenRatio(conservativeness float64) tokenRatio {
+	if conservativeness <= 0 {
+		conservativeness = 1
+	}
+	init := min(initNewTokenRatio*conservativeness, 1)
+	low := init * minNewTokenRatioFactor
+	return tokenRatio{value: init, min: low, decay: (init - low) / newTokenRatioDecaySteps}
+}
+
+// step lowers the ratio after a decode step that needed no retraction.
+func (t *tokenRatio) step() { t.value = max(t.value-t.decay, t.min) }
+
+// runsToLength reports whether r can only finish at max_new_tokens: it
+// ignores EOS and has no stop tokens or strings.
+func (r *request) runsToLength() bool {
+	p := r.Params
+	return p.IgnoreEOS && len(p.StopTokenIDs) == 0 && len(p.Stop) == 0 || p.MinNewTokens >= p.MaxNewTokens
+}
+
+// expectedSlots is the KV r is expected to take beyond what it holds: the
+// tokens it has not computed yet and the output still to come (all of it,
+// or the ratio's share where it may end early).
+func (c *Core) expectedSlots(r *request) int {
+	rest := max(r.Params.MaxNewTokens-len(r.output), 0)
+	if !r.runsToLength() {
+		rest = int(math.Ceil(float64(rest) * c.ratio.value))
+	}
+	return r.pending() + rest
+}
+
+// reservedSlots is expectedSlots summed over the running requests.
+func (c *Core) reservedSlots() int {
+	n := 0
+	for _, r := range c.running {
+		n += c.expectedSlots(r)
+	}
+	return n
+}
+
+// headroom is the KV that new requests may be given: free and evictable
+// slots less the running requests' reservation.
+func (c *Core) headroom(reserved int) int {
+	return c.pool.available() + c.cache.Evictable() - reserved
+}
+
+// mayAdmit reports whether a waiting request (admitted, its cached prefix
+// matched) fits beside the running ones. When none runs it is always
+// taken, so that one that can never fit whole still runs as far as the
+// cache allows.
+func (c *Core) mayAdmit(r *request, reserved int) bool {
+	return len(c.running) == 0 || c.expectedSlots(r) <= c.headroom(reserved)
+}
+
+// headBlocked reports whether the head of the queue cannot start now even
+// if its whole prompt were cached, so that a decode step may be launched
+// ahead without waiting for the results that admission would need.
+func (c *Core) headBlocked() bool {
+	if len(c.waiting) == 0 {
+		return true
+	}
+	if len(c.running) >= c.opts.MaxRunningRequests {
+		return true
+	}
+	if len(c.running) == 0 {
+		return false
+	}
+	r := c.waiting[0]
+	rest := max(r.Params.MaxNewTokens-len(r.output), 0)
+	if !r.runsToLength() {
+		rest = int(math.Ceil(float64(rest) * c.ratio.value))
+	}
+	return rest+1 > c.headroom(c.reservedSlots())
+}
+
+// retractGain is the KV that retracting r makes evictable: the slots it
+// holds alone, its own and those of cached nodes no other request locks.
+// It is also what r computes again if that KV is evicted before it
+// returns.
+func (c *Core) retractGain(r *request) int {
+	gain := len(r.slots) - r.nodeTokens
+	for n := r.node; n != nil && n != c.cache.root && n.lockRef == 1; n = n.parent {
+		gain += len(n.key)
+	}
+	return gain
+}
+
+// retractForDecodes retracts decoding requests until the cache holds
+// retractDecodeSteps more steps of those left (or one remains), each time
+// the one whose loss costs least: the request with the smallest gain that
+// covers the shortfall alone, else the one with the largest gain. It
+// returns how many it retracted and raises the token ratio as SGLang does.
+func (c *Core) retractForDecodes() int {
+	retracted := 0
+	for {
+		decoding, need := 0, 0
+		for _, r := range c.running {
+			if !r.inPrefill() {
+				decoding++
+				need += max(min(r.Params.MaxNewTokens-len(r.output), retractDecodeSteps), 1)
+			}
+		}
+		short := need - c.pool.available() - c.cache.Evictable()
+		if short <= 0 || decoding <= 1 {
+			break
+		}
+		var victim *request
+		best := 0
+		for _, r := range c.running {
+			if r.inPrefill() {
+				continue
+			}
+			g := c.retractGain(r)
+			switch {
+			case victim == nil,
+				g >= short && (best < short || g < best),
+				best < short && g > best:
+				victim, best = r, g
+			}
+		}
+		c.retract(victim)
+		retracted++
+	}
+	if retracted > 0 {
+		decoded, budget := 0, 0
+		for _, r := range c.running {
+			decoded += len(r.output)
+			budget += r.Params.MaxNewTokens
+		}
+		before := c.ratio.value
+		c.ratio.value = min(1, float64(decoded+retractDecodeSteps*len(c.running))/float64(max(budget, 1)))
+		c.last.Retracted, c.last.RatioBefore, c.last.RatioAfter = retracted, before, c.ratio.value
+	}
+	return retracted
+}
+
+// retract moves running request r back to the head of the queue. Its KV
+// goes to the radix cache, where it stays unless the space is needed, so
+// that r finds it again when it returns.
+func (c *Core) retract(r *request) {
+	r.computed = max(r.computed, len(r.slots))
+	c.Stats.Retractions++
+	c.Stats.RetractedInputTokens += int64(len(r.InputIDs))
+	c.Stats.RetractedOutputTokens += int64(len(r.output))
+	c.release(r)
+	for i, x := range c.running {
+		if x == r {
+			c.running = append(c.running[:i], c.running[i+1:]...)
+			break
+		}
+	}
+	c.waiting = append([]*request{r}, c.waiting...)
+}
+
+// countRecomputed charges n tokens of r's chunk that r had computed before
+// it was retracted and did not find in the cache again.
+func (c *Core) countRecomputed(r *request, n int) {
+	take := min(n, r.recompute)
+	r.recompute -= take
+	c.Stats.RecomputedTokens += int64(take)
+	c.last.RecomputedTokens += take
+}
