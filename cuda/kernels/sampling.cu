@@ -3,11 +3,18 @@
 // x/T + g over the kept tokens, g Gumbel noise from a hash of the row's key
 // and the token id, so one pass over the row samples it and the same key
 // gives the same token whatever else is in the batch. Filtering keeps the
-// tokens whose scaled logit is at least a threshold found by radix
-// selection (top_k: the k-th largest; top_p: where the descending mass
-// passes top_p; min_p: m + log(min_p)), never by sorting.
+// tokens whose scaled logit is at least a threshold (top_k: the k-th
+// largest; top_p: where the descending mass passes top_p; min_p:
+// m + log(min_p)), never by sorting the row. With top_k up to the block's
+// threads (the models' own defaults, top_k 20 with top_p 0.95, among them)
+// the k-th largest of the threads' maxima bounds the threshold from below,
+// so one pass collects the few tokens above it and only those are sorted
+// (sample_candidates); otherwise radix selection finds the thresholds.
 
 #define SAMPLE_THREADS 1024
+// SAMPLE_CANDIDATES bounds the tokens sample_candidates sorts; a row with
+// more at or above the bound goes to radix selection.
+#define SAMPLE_CANDIDATES 4096
 
 struct ArgMax {
 	float v;
@@ -205,6 +212,120 @@ __device__ unsigned radix_select(const T *x, int V, float inv, float m, bool by_
 	return prefix;
 }
 
+// from_orderable inverts orderable.
+__device__ __forceinline__ float from_orderable(unsigned k) {
+	return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// bitonic_desc sorts n (a power of two) keys with their ids in shared
+// memory, largest first and the lower id first among equals.
+__device__ void bitonic_desc(unsigned *key, int *id, int n) {
+	for (int size = 2; size <= n; size <<= 1) {
+		for (int stride = size >> 1; stride > 0; stride >>= 1) {
+			__syncthreads();
+			for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
+				const int i = 2 * stride * (t / stride) + t % stride, j = i + stride;
+				const unsigned a = key[i], b = key[j];
+				const int ia = id[i], ib = id[j];
+				// Descending where bit `size` of i is clear, so that the last
+				// merge (size n) leaves the whole run descending.
+				const bool b_first = b > a || (b == a && ib < ia);
+				if (b_first == ((i & size) == 0)) {
+					key[i] = b, key[j] = a;
+					id[i] = ib, id[j] = ia;
+				}
+			}
+		}
+	}
+	__syncthreads();
+}
+
+// row_keys calls f(key, i) for the orderable key of every scaled logit of
+// a row, each thread taking an interleaved share (16-byte loads where rows
+// are whole loads), so that the shares partition the row.
+template <typename T, typename F>
+__device__ __forceinline__ void row_keys(const T *x, int V, float inv, F f) {
+	constexpr int VEC = 16 / sizeof(T);
+	if (V % VEC == 0) {
+		for (int i = threadIdx.x * VEC; i < V; i += blockDim.x * VEC) {
+			float a[VEC];
+			logits_vec(x, i, a);
+#pragma unroll
+			for (int e = 0; e < VEC; e++) f(orderable(a[e] * inv), i + e);
+		}
+		return;
+	}
+	for (int i = threadIdx.x; i < V; i += blockDim.x) f(orderable(logit(x, i) * inv), i);
+}
+
+// sample_candidates finds the filtering threshold of a row with top_k k (at
+// most blockDim.x) from its candidates: the k largest of the threads'
+// maxima are k distinct tokens, so the k-th largest token is at least the
+// k-th largest maximum L, and every token kept is among those at or above
+// L. It collects them (ckey, cid; *count of them), sorts them and returns
+// the largest of the top_k, top_p and min_p thresholds over that prefix of
+// the row's descending order, or 0 where there are too many candidates.
+template <typename T>
+__device__ unsigned sample_candidates(const T *x, int V, float inv, float m, float Z, int k, float top_p,
+                                      unsigned minp_key, unsigned *ckey, int *cid, int *count) {
+	unsigned mx = 0; // below every key, orderable(-inf) included
+	row_keys(x, V, inv, [&](unsigned key, int) { mx = max(mx, key); });
+	ckey[threadIdx.x] = mx;
+	cid[threadIdx.x] = threadIdx.x;
+	bitonic_desc(ckey, cid, blockDim.x);
+	const unsigned L = ckey[k - 1];
+	__syncthreads();
+	if (threadIdx.x == 0) *count = 0;
+	__syncthreads();
+	row_keys(x, V, inv, [&](unsigned key, int i) {
+		if (key >= L) {
+			const int p = atomicAdd(count, 1);
+			if (p < SAMPLE_CANDIDATES) ckey[p] = key, cid[p] = i;
+		}
+	});
+	__syncthreads();
+	const int n = *count;
+	if (n > SAMPLE_CANDIDATES) return 0;
+	int np = 2;
+	while (np < n) np <<= 1;
+	for (int i = n + threadIdx.x; i < np; i += blockDim.x) ckey[i] = 0, cid[i] = 0x7fffffff;
+	bitonic_desc(ckey, cid, np);
+	unsigned thresh = max(minp_key, ckey[k - 1]);
+	if (top_p < 1.f) {
+		// The prefix of the row's descending order that the candidates are
+		// holds the token where the mass passes top_p, unless it lies below
+		// them and so below the top_k threshold anyway. Masses in 2^-32
+		// units, as radix_select counts them: exact and order-free.
+		__shared__ unsigned long long warp_mass[32];
+		__shared__ unsigned p_key;
+		const unsigned long long limit = (unsigned long long)((double)top_p * (double)Z * 4294967296.0);
+		const int per = (n + blockDim.x - 1) / blockDim.x, lo = min((int)threadIdx.x * per, n), hi = min(lo + per, n);
+		unsigned long long own = 0;
+		for (int i = lo; i < hi; i++) own += (unsigned long long)(__expf(from_orderable(ckey[i]) - m) * 4294967296.f);
+		// Inclusive scan of the threads' sums: within each warp, then over warps.
+		const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+		unsigned long long incl = own;
+		for (int o = 1; o < 32; o <<= 1) {
+			const unsigned lo32 = __shfl_up_sync(0xffffffff, (unsigned)incl, o);
+			const unsigned hi32 = __shfl_up_sync(0xffffffff, (unsigned)(incl >> 32), o);
+			if (lane >= o) incl += ((unsigned long long)hi32 << 32) | lo32;
+		}
+		if (threadIdx.x == 0) p_key = 0;
+		if (lane == 31) warp_mass[warp] = incl;
+		__syncthreads();
+		unsigned long long before = incl - own;
+		for (int w = 0; w < warp; w++) before += warp_mass[w];
+		for (int i = lo; i < hi; i++) {
+			const unsigned long long mass = (unsigned long long)(__expf(from_orderable(ckey[i]) - m) * 4294967296.f);
+			if (before <= limit && before + mass > limit) p_key = ckey[i]; // one token passes the limit
+			before += mass;
+		}
+		__syncthreads();
+		thresh = max(thresh, p_key);
+	}
+	return max(thresh, 1u); // 0 means too many candidates
+}
+
 // sample_finish draws one token per row (one block per row) from the
 // slices sample_scan reduced; filtered rows (top-k, top-p, min-p) find
 // their threshold and take the winner among the kept tokens here.
@@ -215,6 +336,9 @@ __device__ void sample_finish_impl(const T *logits, int V, const float *temp, co
 	__shared__ float shared[64];
 	__shared__ int chosen_top[64];
 	__shared__ unsigned long long hist[256];
+	__shared__ unsigned ckey[SAMPLE_CANDIDATES];
+	__shared__ int cid[SAMPLE_CANDIDATES];
+	__shared__ int ccount;
 	const int r = blockIdx.x;
 	const T *x = logits + (long long)r * V;
 	const RowParams rp = row_params(r, temp, top_k, keys);
@@ -234,19 +358,37 @@ __device__ void sample_finish_impl(const T *logits, int V, const float *temp, co
 	const bool filtered = rp.sampled && ((k > 0 && k < V) || top_p[r] < 1.f || min_p[r] > 0.f);
 	int id = best.i;
 	if (filtered) {
+		const unsigned minp_key = min_p[r] > 0.f ? orderable(m + logf(min_p[r])) : 0u;
+		const bool topk = k > 0 && k < V;
 		unsigned thresh = 0;
-		if (min_p[r] > 0.f) thresh = orderable(m + logf(min_p[r]));
-		if (k > 0 && k < V) thresh = max(thresh, radix_select(x, V, inv, m, false, (unsigned long long)k, hist));
-		if (top_p[r] < 1.f) {
-			const unsigned long long limit = (unsigned long long)((double)top_p[r] * (double)Z * 4294967296.0);
-			thresh = max(thresh, radix_select(x, V, inv, m, true, limit, hist));
+		int among = 0; // candidates holding every kept token (0: the whole row)
+		if (topk && k <= (int)blockDim.x) {
+			thresh = sample_candidates(x, V, inv, m, Z, k, top_p[r], minp_key, ckey, cid, &ccount);
+			among = thresh ? ccount : 0;
 		}
-		ArgMax b = {-EBB_INF, 0x7fffffff};
-		for (int i = threadIdx.x; i < V; i += blockDim.x) {
-			const float s = logit(x, i) * inv;
-			if (orderable(s) >= thresh) b = better(b, ArgMax{s + gumbel(rp.k0, rp.k1, i), i});
+		if (thresh == 0) {
+			thresh = minp_key;
+			if (topk) thresh = max(thresh, radix_select(x, V, inv, m, false, (unsigned long long)k, hist));
+			if (top_p[r] < 1.f) {
+				const unsigned long long limit = (unsigned long long)((double)top_p[r] * (double)Z * 4294967296.0);
+				thresh = max(thresh, radix_select(x, V, inv, m, true, limit, hist));
+			}
 		}
-		id = block_argmax(b, shared).i;
+		// The whole row's winner, where kept, is the kept tokens' winner.
+		if (orderable(logit(x, id) * inv) < thresh) {
+			ArgMax b = {-EBB_INF, 0x7fffffff};
+			if (among > 0) {
+				for (int c = threadIdx.x; c < among; c += blockDim.x) {
+					if (ckey[c] >= thresh) b = better(b, ArgMax{from_orderable(ckey[c]) + gumbel(rp.k0, rp.k1, cid[c]), cid[c]});
+				}
+			} else {
+				for (int i = threadIdx.x; i < V; i += blockDim.x) {
+					const float s = logit(x, i) * inv;
+					if (orderable(s) >= thresh) b = better(b, ArgMax{s + gumbel(rp.k0, rp.k1, i), i});
+				}
+			}
+			id = block_argmax(b, shared).i;
+		}
 	}
 	if (threadIdx.x == 0) {
 		out_ids[r] = id;

@@ -130,3 +130,42 @@ func TestThreshold(t *testing.T) {
 		}
 	}
 }
+
+// TestFilteredDrawsFollowTheRenormalisedSoftmax: with top_k, top_p and
+// min_p (alone and together, as a model's generation_config sets them),
+// only the kept tokens are drawn, each as often as the softmax over the
+// kept tokens says.
+func TestFilteredDrawsFollowTheRenormalisedSoftmax(t *testing.T) {
+	logits := []float32{3, 2.5, 2, 1.2, 1, 0, -0.5, -1, -2, -4}
+	const n = 40000
+	for _, c := range []struct {
+		topP float32
+		topK int
+		minP float32
+		kept int // the most likely tokens kept
+	}{
+		{1, 3, 0, 3},
+		{0.8, -1, 0, 3},  // masses 0.42, 0.25, 0.15: the third passes 0.8
+		{0.95, 20, 0, 5}, // Qwen3's defaults: top_p decides (0.956 with the fifth)
+		{0.95, 2, 0, 2},  // top_k decides
+		{1, -1, 0.2, 3},  // p >= 0.2 * max: logits within log(5) of 3
+	} {
+		p := make([]float64, len(logits))
+		var kept float64
+		for i := range c.kept {
+			p[i] = math.Exp(float64(logits[i]))
+			kept += p[i]
+		}
+		counts := make([]int, len(logits))
+		for i := 0; i < n; i++ {
+			id, _, _ := SampleRow(logits, 1, c.topP, c.topK, c.minP, uint32(i*31+7), uint32(i))
+			counts[id]++
+		}
+		for i, got := range counts {
+			want := p[i] / kept
+			if sd := math.Sqrt(want * (1 - want) / n); math.Abs(float64(got)/n-want) > 5*sd+1e-4 {
+				t.Errorf("%+v token %d: frequency %.4f, probability %.4f", c, i, float64(got)/n, want)
+			}
+		}
+	}
+}
