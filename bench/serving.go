@@ -33,8 +33,25 @@ type ServingConfig struct {
 	RequestRate float64 // requests/s, Poisson; 0 or +Inf sends all at once
 	MaxInFlight int     // 0: no limit
 	Temperature float64
-	Stream      bool
-	APIKey      string
+	// TopK, TopP and MinP are sent where set; unset, the server applies
+	// the model's generation_config defaults (Qwen3: top_k 20, top_p 0.95).
+	TopK *int
+	TopP *float64
+	MinP *float64
+	// StopAtEOS lets requests stop at EOS (ignore_eos false), so that a
+	// scheduler cannot count on their lengths; by default every request
+	// runs to its output length.
+	StopAtEOS bool
+	// Duration, when set, keeps sending: a new draw of the workload each
+	// round, as many requests in flight as MaxInFlight (or the workload's
+	// size), until it has passed; then the last ones finish (a soak).
+	Duration time.Duration
+	// Check fails the run (Serving's error) on any failed request and,
+	// once the server is idle again, on KV still held, a broken invariant,
+	// or GPU memory or regions grown since before the run.
+	Check  bool
+	Stream bool
+	APIKey string
 	// FlushCache empties the server's radix cache before the run (SGLang's
 	// --flush-cache), so that a workload sent before finds none of its
 	// prompts cached.
@@ -60,14 +77,21 @@ type Percentiles struct {
 
 // ServingReport is the run's figures.
 type ServingReport struct {
-	Server           string      `json:"server"`
-	Workload         Workload    `json:"workload"`
-	RequestRate      float64     `json:"request_rate"` // 0: all at once
-	Temperature      float64     `json:"temperature"`
-	Stream           bool        `json:"stream"`
-	Completed        int         `json:"completed"`
-	Failed           int         `json:"failed"`
-	FirstError       string      `json:"first_error,omitempty"`
+	Server      string   `json:"server"`
+	Workload    Workload `json:"workload"`
+	RequestRate float64  `json:"request_rate"` // 0: all at once
+	Temperature float64  `json:"temperature"`
+	Stream      bool     `json:"stream"`
+	Completed   int      `json:"completed"`
+	Failed      int      `json:"failed"`
+	FirstError  string   `json:"first_error,omitempty"`
+	Samples     int      `json:"samples"` // completions asked for: requests times n
+	// Retracted and Recomputed are what the server reported during the
+	// run (server_info's num_retracted_reqs and recomputed_tokens).
+	Retracted  int64 `json:"retracted_requests"`
+	Recomputed int64 `json:"recomputed_tokens"`
+	// Checks are the --check findings, "ok" or what failed.
+	Checks           []string    `json:"checks,omitempty"`
 	DurationS        float64     `json:"duration_s"`
 	InputTokens      int         `json:"input_tokens"`
 	CachedTokens     int         `json:"cached_input_tokens"` // prompt tokens the server found in its radix cache
@@ -155,8 +179,20 @@ func Serving(cfg ServingConfig) (*ServingReport, error) {
 			return nil, fmt.Errorf("flush the server's cache: %w", err)
 		}
 	}
-	results := sendAll(client, url, cfg, reqs)
+	before := readServerState(client, url, cfg.APIKey)
+	var results []requestResult
+	if cfg.Duration > 0 {
+		results, reqs, err = soak(client, url, cfg, vocab, reqs)
+		if err != nil {
+			return nil, err
+		}
+	} else {
+		results = sendAll(client, url, cfg, reqs)
+	}
 	rep := summarizeServing(cfg, url, results)
+	rep.Samples = samples(reqs)
+	after := readServerState(client, url, cfg.APIKey)
+	rep.Retracted, rep.Recomputed = after.Retracted-before.Retracted, after.Recomputed-before.Recomputed
 	if mc != nil {
 		peak := cfg.PeakGBPerS * 1e9
 		if peak == 0 {
@@ -173,6 +209,14 @@ func Serving(cfg ServingConfig) (*ServingReport, error) {
 	if cfg.PlotPath != "" {
 		if err := plotServing(rep, results, cfg.PlotPath); err != nil {
 			return rep, fmt.Errorf("plot: %w", err)
+		}
+	}
+	if cfg.Check {
+		rep.Checks = checkAfterRun(client, url, cfg.APIKey, rep, before)
+		for _, c := range rep.Checks {
+			if c != "ok" {
+				return rep, fmt.Errorf("check failed: %s", strings.Join(rep.Checks, "; "))
+			}
 		}
 	}
 	return rep, nil
@@ -248,7 +292,7 @@ func callJSON(client *http.Client, method, url, key string, v any) error {
 // sendAll sends every request at its arrival time and waits for all.
 func sendAll(client *http.Client, url string, cfg ServingConfig, reqs []workRequest) []requestResult {
 	at := arrivals(len(reqs), cfg.RequestRate, cfg.Workload.Seed)
-	results := make([]requestResult, len(reqs))
+	results := make([]requestResult, 0, samples(reqs))
 	bar := newProgress(cfg.Progress, len(reqs), "requests")
 	var mu sync.Mutex
 	var slots chan struct{}
@@ -267,11 +311,12 @@ func sendAll(client *http.Client, url string, cfg ServingConfig, reqs []workRequ
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			results[i] = sendOne(client, url, cfg, r, start)
+			res := sendOne(client, url, cfg, r, start)
 			if slots != nil {
 				<-slots
 			}
 			mu.Lock()
+			results = append(results, res...)
 			bar.Add(1)
 			mu.Unlock()
 		}()
@@ -280,20 +325,81 @@ func sendAll(client *http.Client, url string, cfg ServingConfig, reqs []workRequ
 	return results
 }
 
+// soak sends draws of the workload (its seed advanced each round) with as
+// many requests in flight as MaxInFlight, or the workload's size, until
+// Duration has passed, and waits for the last ones. It returns the results
+// and every request sent.
+func soak(client *http.Client, url string, cfg ServingConfig, vocab int, first []workRequest) ([]requestResult, []workRequest, error) {
+	inFlight := cfg.MaxInFlight
+	if inFlight <= 0 {
+		inFlight = len(first)
+	}
+	slots := make(chan struct{}, inFlight)
+	var mu sync.Mutex
+	var results []requestResult
+	var sent []workRequest
+	bar := newProgress(cfg.Progress, int(cfg.Duration.Seconds()), "seconds")
+	shown := 0
+	start := time.Now()
+	var wg sync.WaitGroup
+	round, reqs := 0, first
+	for time.Since(start) < cfg.Duration {
+		for _, r := range reqs {
+			slots <- struct{}{}
+			if time.Since(start) >= cfg.Duration {
+				<-slots
+				break
+			}
+			sent = append(sent, r)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				res := sendOne(client, url, cfg, r, start)
+				<-slots
+				mu.Lock()
+				results = append(results, res...)
+				if now := min(int(time.Since(start).Seconds()), int(cfg.Duration.Seconds())); now > shown {
+					bar.Add(now - shown)
+					shown = now
+				}
+				mu.Unlock()
+			}()
+		}
+		round++
+		w := cfg.Workload
+		w.Seed += uint64(round)
+		var err error
+		if reqs, err = w.Requests(vocab); err != nil {
+			return nil, nil, err
+		}
+	}
+	wg.Wait()
+	return results, sent, nil
+}
+
 // sendOne posts one /generate and times it; streams are read chunk by
-// chunk, each carrying the output so far (SGLang's format).
-func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, start time.Time) requestResult {
+// chunk, each carrying the output so far (SGLang's format, with "index"
+// where the request asks for n > 1 samples). It returns a result for each
+// sample.
+func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, start time.Time) []requestResult {
 	since := func() float64 { return time.Since(start).Seconds() }
-	res := requestResult{Input: len(r.Prompt), Sent: since(), First: -1}
-	body, _ := json.Marshal(map[string]any{
-		"input_ids": r.Prompt, "stream": cfg.Stream,
-		"sampling_params": map[string]any{"max_new_tokens": r.OutputLen, "temperature": cfg.Temperature,
-			"top_p": 1.0, "top_k": -1, "min_p": 0.0, "ignore_eos": true},
-	})
+	n := max(r.N, 1)
+	res := make([]requestResult, n)
+	for i := range res {
+		res[i] = requestResult{Input: len(r.Prompt), Sent: since(), First: -1}
+	}
+	fail := func(err error) []requestResult {
+		for i := range res {
+			if res[i].Err == nil {
+				res[i].Err = err
+			}
+		}
+		return res
+	}
+	body, _ := json.Marshal(map[string]any{"input_ids": r.Prompt, "stream": cfg.Stream, "sampling_params": cfg.samplingParams(r)})
 	req, err := http.NewRequestWithContext(context.Background(), "POST", url+"/generate", bytes.NewReader(body))
 	if err != nil {
-		res.Err = err
-		return res
+		return fail(err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	if cfg.APIKey != "" {
@@ -301,16 +407,15 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		res.Err = err
-		return res
+		return fail(err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(resp.Body)
-		res.Err = fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(b)))
-		return res
+		return fail(fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(b))))
 	}
 	type reply struct {
+		Index    int `json:"index"`
 		MetaInfo struct {
 			CompletionTokens int `json:"completion_tokens"`
 			CachedTokens     int `json:"cached_tokens"`
@@ -320,12 +425,22 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 		} `json:"error"`
 	}
 	if !cfg.Stream {
-		var out reply
-		if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
-			res.Err = err
-			return res
+		var outs []reply
+		if n == 1 {
+			outs = make([]reply, 1)
+			err = json.NewDecoder(resp.Body).Decode(&outs[0])
+		} else {
+			err = json.NewDecoder(resp.Body).Decode(&outs)
 		}
-		res.Output, res.Cached, res.Done = out.MetaInfo.CompletionTokens, out.MetaInfo.CachedTokens, since()
+		if err == nil && len(outs) != n {
+			err = fmt.Errorf("%d outputs for n = %d", len(outs), n)
+		}
+		if err != nil {
+			return fail(err)
+		}
+		for i, out := range outs {
+			res[i].Output, res[i].Cached, res[i].Done = out.MetaInfo.CompletionTokens, out.MetaInfo.CachedTokens, since()
+		}
 		return res
 	}
 	sc := bufio.NewScanner(resp.Body)
@@ -341,28 +456,54 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 		}
 		var out reply
 		if err := json.Unmarshal(line, &out); err != nil {
-			res.Err = fmt.Errorf("stream chunk: %w", err)
-			return res
+			return fail(fmt.Errorf("stream chunk: %w", err))
+		}
+		if out.Index < 0 || out.Index >= n {
+			return fail(fmt.Errorf("stream chunk for sample %d of %d", out.Index, n))
 		}
 		if out.Error != nil {
-			res.Err = fmt.Errorf("server: %s", out.Error.Message)
-			return res
+			return fail(fmt.Errorf("server: %s", out.Error.Message))
 		}
-		now := since()
-		res.Cached = out.MetaInfo.CachedTokens
-		if n := out.MetaInfo.CompletionTokens - res.Output; n > 0 {
-			if res.First < 0 {
-				res.First = now
+		now, one := since(), &res[out.Index]
+		one.Cached = out.MetaInfo.CachedTokens
+		if k := out.MetaInfo.CompletionTokens - one.Output; k > 0 {
+			if one.First < 0 {
+				one.First = now
 			}
-			res.Chunks = append(res.Chunks, chunk{At: now, Tokens: n})
-			res.Output = out.MetaInfo.CompletionTokens
+			one.Chunks = append(one.Chunks, chunk{At: now, Tokens: k})
+			one.Output = out.MetaInfo.CompletionTokens
 		}
+		one.Done = now
 	}
 	if err := sc.Err(); err != nil {
-		res.Err = err
+		return fail(err)
 	}
-	res.Done = since()
+	for i := range res {
+		if res[i].Done == 0 {
+			res[i].Done = since()
+		}
+	}
 	return res
+}
+
+// samplingParams is what a request of r sends: its length, the
+// temperature, and the filters given (others are left to the model's
+// defaults).
+func (cfg ServingConfig) samplingParams(r workRequest) map[string]any {
+	sp := map[string]any{"max_new_tokens": r.OutputLen, "temperature": cfg.Temperature, "ignore_eos": !cfg.StopAtEOS}
+	if r.N > 1 {
+		sp["n"] = r.N
+	}
+	if cfg.TopK != nil {
+		sp["top_k"] = *cfg.TopK
+	}
+	if cfg.TopP != nil {
+		sp["top_p"] = *cfg.TopP
+	}
+	if cfg.MinP != nil {
+		sp["min_p"] = *cfg.MinP
+	}
+	return sp
 }
 
 func summarizeServing(cfg ServingConfig, url string, results []requestResult) *ServingReport {
@@ -467,11 +608,11 @@ func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, p
 	total := 0
 	for _, r := range reqs {
 		e := tokenizermanager.LeastLoaded(engines, func(l engineLoad) int64 { return l.work })
-		in, out := float64(len(r.Prompt)), float64(r.OutputLen)
-		engines[e].work += tokenizermanager.RequestWork(len(r.Prompt), r.OutputLen)
-		engines[e].kv += (in*out + out*(out-1)/2) * kvPerToken
+		in, out, n := float64(len(r.Prompt)), float64(r.OutputLen), max(r.N, 1)
+		engines[e].work += int64(n) * tokenizermanager.RequestWork(len(r.Prompt), r.OutputLen)
+		engines[e].kv += float64(n) * (in*out + out*(out-1)/2) * kvPerToken
 		engines[e].steps = max(engines[e].steps, r.OutputLen)
-		total += r.OutputLen
+		total += n * r.OutputLen
 	}
 	// What one GPU of an engine reads of its KV and of its weights.
 	kvShare := float64(max(mc.KVHeads/tp, 1)) / float64(mc.KVHeads)

@@ -98,12 +98,12 @@ func TestBandwidthFloor(t *testing.T) {
 	}
 }
 
-// TestServingAgainstFakeServer runs the client against a server that
-// streams SGLang's /generate chunks (the output so far in each) at a known
-// pace, and checks the counts and latencies it derives.
-func TestServingAgainstFakeServer(t *testing.T) {
-	const step = 5 * time.Millisecond
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+// fakeGenerate serves SGLang's /generate: max_new_tokens tokens at a known
+// pace for each of n samples, streamed as chunks carrying the output so
+// far (with "index" where n > 1), or as one object (a list for n > 1). It
+// refuses a request whose sampling_params fail want.
+func fakeGenerate(step time.Duration, want func(sp map[string]any) error) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
 		var in struct {
 			InputIDs       []int32        `json:"input_ids"`
 			Stream         bool           `json:"stream"`
@@ -113,26 +113,57 @@ func TestServingAgainstFakeServer(t *testing.T) {
 			http.Error(w, "bad request", 400)
 			return
 		}
-		if in.SamplingParams["top_k"] != -1.0 || in.SamplingParams["ignore_eos"] != true {
-			http.Error(w, fmt.Sprintf("sampling params %v", in.SamplingParams), 400)
+		if err := want(in.SamplingParams); err != nil {
+			http.Error(w, err.Error(), 400)
 			return
 		}
-		n := int(in.SamplingParams["max_new_tokens"].(float64))
-		ids := []int32{}
-		for i := 1; i <= n; i++ {
+		n, samples := int(in.SamplingParams["max_new_tokens"].(float64)), 1
+		if v, ok := in.SamplingParams["n"].(float64); ok {
+			samples = int(v)
+		}
+		reply := func(i, k int) map[string]any {
+			out := map[string]any{"output_ids": make([]int32, k), "meta_info": map[string]any{"completion_tokens": k}}
+			if samples > 1 {
+				out["index"] = i
+			}
+			return out
+		}
+		for k := 1; k <= n; k++ {
 			time.Sleep(step)
-			ids = append(ids, int32(i))
-			if in.Stream {
-				b, _ := json.Marshal(map[string]any{"output_ids": ids, "meta_info": map[string]any{"completion_tokens": i}})
+			for i := 0; in.Stream && i < samples; i++ {
+				b, _ := json.Marshal(reply(i, k))
 				fmt.Fprintf(w, "data: %s\n\n", b)
 				w.(http.Flusher).Flush()
 			}
 		}
-		if in.Stream {
+		switch {
+		case in.Stream:
 			fmt.Fprint(w, "data: [DONE]\n\n")
-			return
+		case samples == 1:
+			_ = json.NewEncoder(w).Encode(reply(0, n))
+		default:
+			var all []map[string]any
+			for i := range samples {
+				all = append(all, reply(i, n))
+			}
+			_ = json.NewEncoder(w).Encode(all)
 		}
-		_ = json.NewEncoder(w).Encode(map[string]any{"output_ids": ids, "meta_info": map[string]any{"completion_tokens": n}})
+	}
+}
+
+// TestServingAgainstFakeServer runs the client against a server that
+// streams SGLang's /generate chunks (the output so far in each) at a known
+// pace, and checks the counts and latencies it derives.
+func TestServingAgainstFakeServer(t *testing.T) {
+	const step = 5 * time.Millisecond
+	srv := httptest.NewServer(fakeGenerate(step, func(sp map[string]any) error {
+		// Unset filters are left to the model's defaults.
+		_, k := sp["top_k"]
+		_, p := sp["top_p"]
+		if k || p || sp["ignore_eos"] != true {
+			return fmt.Errorf("sampling params %v", sp)
+		}
+		return nil
 	}))
 	defer srv.Close()
 	for _, stream := range []bool{true, false} {
@@ -253,5 +284,124 @@ func TestServingCountsCachedPrompts(t *testing.T) {
 	}
 	if _, err := Serving(ServingConfig{URL: srv.URL + "/nope", FlushCache: true, Workload: Workload{Kind: "fixed", NumPrompts: 1, InputLen: 1, OutputLen: 1}}); err == nil || !strings.Contains(err.Error(), "404") {
 		t.Errorf("a server without /flush_cache: %v, want an error naming the 404", err)
+	}
+}
+
+// TestServingGroupsAndFilters: a GRPO group goes out as n requests or as
+// one with sampling_params.n, and is counted sample by sample either way;
+// filters given are sent, and --duration keeps sending until it passes.
+func TestServingGroupsAndFilters(t *testing.T) {
+	const step = time.Millisecond
+	srv := httptest.NewServer(fakeGenerate(step, func(sp map[string]any) error {
+		if sp["top_k"] != 20.0 || sp["top_p"] != 0.95 || sp["min_p"] != nil || sp["ignore_eos"] != false {
+			return fmt.Errorf("sampling params %v", sp)
+		}
+		return nil
+	}))
+	defer srv.Close()
+	k, p := 20, 0.95
+	for _, stream := range []bool{true, false} {
+		for _, asN := range []bool{false, true} {
+			w := Workload{Kind: "random", NumPrompts: 4, MinInput: 5, MaxInput: 9, MinOutput: 4, MaxOutput: 64,
+				OutputDist: "lognormal", GroupSize: 3, GroupAsN: asN, Seed: 2}
+			reqs, err := w.Requests(1000)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rep, err := Serving(ServingConfig{URL: srv.URL, Stream: stream, TopK: &k, TopP: &p, StopAtEOS: true, Workload: w})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := 0
+			for _, r := range reqs {
+				want += max(r.N, 1) * r.OutputLen
+			}
+			if rep.Completed != 12 || rep.Samples != 12 || rep.Failed != 0 || rep.OutputTokens != want {
+				t.Fatalf("stream %v, n %v: %d completions (%d samples, %d failed: %s), %d output tokens, want 12 and %d",
+					stream, asN, rep.Completed, rep.Samples, rep.Failed, rep.FirstError, rep.OutputTokens, want)
+			}
+			if asN != (len(reqs) == 4) {
+				t.Fatalf("n %v: %d requests for 4 prompts of 3 samples", asN, len(reqs))
+			}
+		}
+	}
+	start := time.Now()
+	rep, err := Serving(ServingConfig{URL: srv.URL, Stream: true, TopK: &k, TopP: &p, StopAtEOS: true, Duration: 300 * time.Millisecond,
+		Workload: Workload{Kind: "fixed", NumPrompts: 2, InputLen: 3, OutputLen: 20, Seed: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took < 300*time.Millisecond || rep.Completed < 10 || rep.Failed != 0 || rep.Samples != rep.Completed {
+		t.Fatalf("soak: %v, %d completed of %d sent, %d failed", took, rep.Completed, rep.Samples, rep.Failed)
+	}
+}
+
+func TestLogNormalOutputs(t *testing.T) {
+	w := Workload{Kind: "random", NumPrompts: 4000, MinInput: 1, MaxInput: 1, MinOutput: 1024, MaxOutput: 16384, OutputDist: "lognormal", Seed: 5}
+	reqs, err := w.Requests(100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	below, atBounds := 0, 0
+	for _, r := range reqs {
+		if r.OutputLen < 1024 || r.OutputLen > 16384 {
+			t.Fatalf("output %d outside the bounds", r.OutputLen)
+		}
+		if r.OutputLen < 4096 {
+			below++
+		}
+		if r.OutputLen == 1024 || r.OutputLen == 16384 {
+			atBounds++
+		}
+	}
+	// The median is the geometric mean, 4096; the bounds are 2 sd out.
+	if below < 1800 || below > 2200 || atBounds > 250 {
+		t.Fatalf("%d of 4000 below the median, %d at the bounds", below, atBounds)
+	}
+	if _, err := (Workload{Kind: "random", NumPrompts: 1, MinInput: 1, MaxInput: 1, MinOutput: 1, MaxOutput: 2, OutputDist: "pareto"}).Requests(100); err == nil {
+		t.Fatal("unknown distribution accepted")
+	}
+}
+
+// TestCheckAfterRun: --check passes an idle server that holds nothing and
+// has not grown, and names each way a server can fail it.
+func TestCheckAfterRun(t *testing.T) {
+	type state struct {
+		used, reserved, process int64
+		ok                      bool
+	}
+	for _, tc := range []struct {
+		name   string
+		after  state
+		failed int
+		want   string
+	}{
+		{"clean", state{0, 100 << 20, 600 << 20, true}, 0, "ok"},
+		{"driver noise", state{0, 100 << 20, 610 << 20, true}, 0, "ok"},
+		{"failed requests", state{0, 100 << 20, 600 << 20, true}, 2, "2 of 7 requests failed"},
+		{"KV held", state{37, 100 << 20, 600 << 20, true}, 0, "37 KV tokens held"},
+		{"invariant", state{0, 100 << 20, 600 << 20, false}, 0, "broken invariant"},
+		{"region grown", state{0, 164 << 20, 600 << 20, true}, 0, "memory regions reserve"},
+		{"memory grown", state{0, 100 << 20, 700 << 20, true}, 0, "GPU memory grew by 100 MiB"},
+	} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			switch r.URL.Path {
+			case "/get_server_info":
+				_ = json.NewEncoder(w).Encode(map[string]any{"num_running_reqs": 0, "num_waiting_reqs": 0,
+					"num_used_tokens": tc.after.used, "invariants_ok": tc.after.ok})
+			case "/memory_stats":
+				_ = json.NewEncoder(w).Encode(map[string]any{"nvml_process_bytes": tc.after.process,
+					"tags": []map[string]any{{"reserved_bytes": tc.after.reserved}}})
+			default:
+				http.NotFound(w, r)
+			}
+		}))
+		before := serverState{HasMemory: true, ReservedBytes: 100 << 20, ProcessBytes: 600 << 20}
+		rep := &ServingReport{Completed: 5, Failed: tc.failed, FirstError: "boom"}
+		got := strings.Join(checkAfterRun(http.DefaultClient, srv.URL, "", rep, before), "; ")
+		srv.Close()
+		if !strings.Contains(got, tc.want) || (tc.want == "ok") != (got == "ok") {
+			t.Errorf("%s: %q, want %q", tc.name, got, tc.want)
+		}
 	}
 }

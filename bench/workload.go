@@ -20,13 +20,33 @@ type Workload struct {
 	MaxInput  int `json:"max_input,omitempty"`
 	MinOutput int `json:"min_output,omitempty"`
 	MaxOutput int `json:"max_output,omitempty"`
+	// OutputDist is how random outputs spread over [MinOutput, MaxOutput]:
+	// uniform, or lognormal (a reasoning model's long tail: median at the
+	// geometric mean of the bounds, which lie two standard deviations out).
+	OutputDist string `json:"output_dist,omitempty"`
+	// GroupSize samples of each prompt (GRPO's group), each with its own
+	// output length; with GroupAsN one request asks for them with
+	// sampling_params.n (and so one length), as RL frameworks may.
+	GroupSize int  `json:"group_size,omitempty"`
+	GroupAsN  bool `json:"group_as_n,omitempty"`
 	Seed      uint64
 }
 
-// workRequest is one request of a workload.
+// workRequest is one request of a workload: N samples (n) of Prompt, each
+// of OutputLen tokens.
 type workRequest struct {
 	Prompt    []int32
 	OutputLen int
+	N         int
+}
+
+// samples is the number of completions the requests ask for.
+func samples(reqs []workRequest) int {
+	n := 0
+	for _, r := range reqs {
+		n += max(r.N, 1)
+	}
+	return n
 }
 
 // ShareGPT-like lengths: log-normal shapes close to ShareGPT V3's
@@ -63,7 +83,19 @@ func (w Workload) Requests(vocab int) ([]workRequest, error) {
 			return nil, fmt.Errorf("workload random: need 0 < min <= max for inputs (%d..%d) and outputs (%d..%d)",
 				w.MinInput, w.MaxInput, w.MinOutput, w.MaxOutput)
 		}
-		lengths = func() (int, int) { return uniform(w.MinInput, w.MaxInput), uniform(w.MinOutput, w.MaxOutput) }
+		out := func() int { return uniform(w.MinOutput, w.MaxOutput) }
+		switch w.OutputDist {
+		case "", "uniform":
+		case "lognormal":
+			median := math.Sqrt(float64(w.MinOutput) * float64(w.MaxOutput))
+			sigma := math.Log(float64(w.MaxOutput)/float64(w.MinOutput)) / 4
+			out = func() int {
+				return min(max(int(math.Round(median*math.Exp(sigma*rng.NormFloat64()))), w.MinOutput), w.MaxOutput)
+			}
+		default:
+			return nil, fmt.Errorf("output distribution %q: want uniform or lognormal", w.OutputDist)
+		}
+		lengths = func() (int, int) { return uniform(w.MinInput, w.MaxInput), out() }
 	case "sharegpt":
 		lengths = func() (int, int) {
 			return logNormal(shareGPTInMedian, shareGPTInSigma, shareGPTMaxIn), logNormal(shareGPTOutMedian, shareGPTOutSigma, shareGPTMaxOut)
@@ -71,14 +103,24 @@ func (w Workload) Requests(vocab int) ([]workRequest, error) {
 	default:
 		return nil, fmt.Errorf("workload %q: want fixed, random or sharegpt", w.Kind)
 	}
-	out := make([]workRequest, w.NumPrompts)
-	for i := range out {
+	group := max(w.GroupSize, 1)
+	out := make([]workRequest, 0, w.NumPrompts*group)
+	for range w.NumPrompts {
 		in, o := lengths()
 		p := make([]int32, in)
 		for j := range p {
 			p[j] = int32(1 + rng.IntN(vocab-1))
 		}
-		out[i] = workRequest{Prompt: p, OutputLen: o}
+		if w.GroupAsN || group == 1 {
+			out = append(out, workRequest{Prompt: p, OutputLen: o, N: group})
+			continue
+		}
+		for j := range group {
+			if j > 0 {
+				_, o = lengths() // each sample its own length
+			}
+			out = append(out, workRequest{Prompt: p, OutputLen: o, N: 1})
+		}
 	}
 	return out, nil
 }

@@ -366,7 +366,11 @@ func servingCmd() *cobra.Command {
 	var cfg bench.ServingConfig
 	var rate string
 	var asJSON bool
-	cmd := &cobra.Command{
+	var topK int
+	var topP, minP float64
+	ignoreEOS := true
+	var cmd *cobra.Command
+	cmd = &cobra.Command{
 		Use: "serving [--url URL | --model DIR] --dataset random --num-prompts 256",
 		Short: "Requests through a server's /generate (any SGLang-compatible server, or an ebb serve it starts): " +
 			"tok/s, TTFT, inter-token and end-to-end latency, fraction of the bandwidth floor",
@@ -387,14 +391,38 @@ func servingCmd() *cobra.Command {
 				cfg.ModelDir = cfg.Engine.ModelDir
 			}
 			cfg.PeakGPU = cfg.Engine.GPU
-			return printReport(asJSON, &cfg.Progress, func() (*bench.ServingReport, error) { return bench.Serving(cfg) }, printServing)
+			f := cmd.Flags()
+			if f.Changed("top-k") {
+				cfg.TopK = &topK
+			}
+			if f.Changed("top-p") {
+				cfg.TopP = &topP
+			}
+			if f.Changed("min-p") {
+				cfg.MinP = &minP
+			}
+			cfg.StopAtEOS = !ignoreEOS
+			if !asJSON {
+				cfg.Progress = os.Stderr
+			}
+			rep, err := bench.Serving(cfg)
+			if rep != nil && (err == nil || cfg.Check) {
+				// A failed check prints the report that shows it, then fails.
+				if perr := emit(asJSON, rep, printServing); perr != nil {
+					return perr
+				}
+			}
+			return err
 		},
 	}
 	f := cmd.Flags()
 	addEngineFlags(f, &cfg.Engine)
 	w := &cfg.Workload
 	f.StringVar(&cfg.URL, "url", "", "a running server (SGLang or ebb); without it ebb serves --model")
-	f.StringVar(&w.Kind, "dataset", "random", "fixed (--input-len/--output-len), random (uniform length ranges) or sharegpt (generated ShareGPT-like lengths)")
+	f.StringVar(&w.Kind, "dataset", "random", "fixed (--input-len/--output-len), random (length ranges) or sharegpt (generated ShareGPT-like lengths)")
+	f.StringVar(&w.OutputDist, "output-dist", "uniform", "random: output lengths uniform, or lognormal (a reasoning model's long tail, median at the geometric mean of the bounds)")
+	f.IntVar(&w.GroupSize, "group-size", 1, "samples of each prompt (a GRPO group), each its own request with its own length")
+	f.BoolVar(&w.GroupAsN, "group-as-n", false, "ask for a prompt's samples in one request with sampling_params.n (one length for the group)")
 	f.IntVar(&w.NumPrompts, "num-prompts", 256, "requests")
 	f.IntVar(&w.InputLen, "input-len", 1024, "fixed: prompt tokens")
 	f.IntVar(&w.OutputLen, "output-len", 1024, "fixed: output tokens")
@@ -405,7 +433,13 @@ func servingCmd() *cobra.Command {
 	f.Uint64Var(&w.Seed, "seed", 0, "seed of the lengths, tokens and arrivals")
 	f.StringVar(&rate, "request-rate", "inf", "requests per second (Poisson arrivals), or inf to send all at once")
 	f.IntVar(&cfg.MaxInFlight, "max-concurrency", 0, "most requests in flight (0: no limit)")
-	f.Float64Var(&cfg.Temperature, "temperature", 0, "sampling temperature (top_p 1, top_k -1 and min_p 0 are sent explicitly)")
+	f.Float64Var(&cfg.Temperature, "temperature", 0, "sampling temperature")
+	f.IntVar(&topK, "top-k", -1, "top_k to send (unset: the model's generation_config default, as for clients that leave it out)")
+	f.Float64Var(&topP, "top-p", 1, "top_p to send (unset: the model's default)")
+	f.Float64Var(&minP, "min-p", 0, "min_p to send (unset: the model's default)")
+	f.BoolVar(&ignoreEOS, "ignore-eos", true, "run every request to its output length; false lets requests stop at EOS (and the scheduler cannot count on their lengths)")
+	f.DurationVar(&cfg.Duration, "duration", 0, "soak: keep sending new draws of the workload, --max-concurrency (default: the workload's size) in flight, for this long (e.g. 10m)")
+	f.BoolVar(&cfg.Check, "check", false, "fail on any failed request and, once the server is idle, on KV still held, a broken invariant or GPU memory grown")
 	f.BoolVar(&cfg.Stream, "stream", true, "stream the outputs (needed for TTFT and inter-token latency)")
 	f.StringVar(&cfg.APIKey, "server-api-key", "", "bearer token for a server started with --api-key")
 	f.BoolVar(&cfg.FlushCache, "flush-cache", false, "empty the server's radix cache first (a repeated workload otherwise finds its prompts cached)")
@@ -416,10 +450,13 @@ func servingCmd() *cobra.Command {
 }
 
 func printServing(r *bench.ServingReport) {
-	fmt.Printf("server %s, %s workload, %d requests (%d failed), temperature %g, stream %v\n", r.Server, r.Workload.Kind,
+	fmt.Printf("server %s, %s workload, %d completions (%d failed), temperature %g, stream %v\n", r.Server, r.Workload.Kind,
 		r.Completed+r.Failed, r.Failed, r.Temperature, r.Stream)
 	if r.FirstError != "" {
 		fmt.Printf("first error: %s\n", r.FirstError)
+	}
+	if r.Retracted > 0 || r.Recomputed > 0 {
+		fmt.Printf("the server retracted %d requests to make room in its KV cache and computed %d tokens again\n", r.Retracted, r.Recomputed)
 	}
 	fmt.Printf("duration %.2f s, input %d tokens, output %d tokens\n", r.DurationS, r.InputTokens, r.OutputTokens)
 	if r.CachedTokens > 0 {
@@ -441,5 +478,8 @@ func printServing(r *bench.ServingReport) {
 		}
 		fmt.Printf("bandwidth floor %.0f output tok/s (KV %.2f TB + weights %.2f TB at %.0f GB/s%s): %.1f %% of it\n",
 			r.FloorTokPerS, r.KVReadBytes/1e12, r.WeightReadBytes/1e12, r.PeakGBPerS, gpus, 100*r.FractionOfFloor)
+	}
+	if len(r.Checks) > 0 {
+		fmt.Printf("checks: %s\n", strings.Join(r.Checks, "; "))
 	}
 }
