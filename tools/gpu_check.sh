@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU check: what CI cannot see, in one command on a GPU machine. Run it
+# before resolving anything that touches cuda/, runner/, model/ or
+# scheduler/. It takes about eight minutes on an H100 and fails (exit 1) on
+# any failed test or request, KV still held when idle, a broken invariant,
+# or GPU memory that grows.
+#
+# Build here (Go is not on the GPU machine) and carry the binaries:
+#
+#   go build -o .device/bin/ebb ./cmd/ebb
+#   (cd cuda && go test -c -o ../.device/bin/cuda.test) && (cd engine && go test -c -o ../.device/bin/engine.test)
+#   ../shared/tools/device-bundle .device/dist .device/bin/*     # adds libzmq
+#
+# then on the GPU machine, from the repository root:
+#
+#   source .device/dist/env.sh; tools/gpu_check.sh [OUT_DIR]
+#
+# Steps: the CUDA kernel tests against the CPU reference; the goldens on
+# CUDA; a Qwen3-0.6B-shaped model (tools/qwen3_06b.py) served with a KV
+# cache of 200k tokens, then through it prompts of 1 to 40,000 tokens, KV
+# demand 1.6x the cache from rollouts that may stop early (so some are
+# retracted), and a soak of GRPO-shaped rollouts (groups of 8, log-normal
+# lengths, the model's own top_k/top_p) for SOAK seconds. Every serving
+# step runs `ebb bench serving --check`. Logs go to OUT_DIR; the summary
+# is the last lines printed.
+set -uo pipefail
+out=${1:-${OUT:-/tmp/ebb-gpu-check}}
+mkdir -p "$out"
+model=${MODEL:-/tmp/qwen3-0.6b}
+soak=${SOAK:-60}
+port=${PORT:-30111}
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=$(dirname "$(command -v ebb)")
+summary=()
+status=0
+
+step() { # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the outcome
+	local name=$1 t0=$SECONDS
+	shift
+	if "$@" >"$out/$name.log" 2>&1; then
+		summary+=("PASS $name ($((SECONDS - t0)) s)$(note "$name")")
+	else
+		summary+=("FAIL $name ($((SECONDS - t0)) s): $(tail -n 3 "$out/$name.log" | tr '\n' ' ')")
+		status=1
+	fi
+}
+
+# note picks the figure worth quoting from a step's log.
+note() {
+	case $1 in
+	serving-*) grep -hE '^throughput|^bandwidth floor|retracted|^checks' "$out/$1.log" | sed 's/^/  /' | tr '\n' ';' | sed 's/^/: /' ;;
+	kernels | goldens) grep -cE '^--- PASS' "$out/$1.log" | sed 's/^/: /; s/$/ tests passed/' ;;
+	esac
+}
+
+bench() { # bench NAME ARGS...: one `ebb bench serving --check` run against the server
+	local name=$1
+	shift
+	step "serving-$name" ebb bench serving --url "http://127.0.0.1:$port" --model "$model" --check "$@"
+}
+
+step kernels "$bin/cuda.test" -test.v -test.count=1
+step goldens bash -c "cd '$root/engine' && '$bin/engine.test' -test.v -test.count=1 -test.run CUDA"
+step model python3 "$root/tools/qwen3_06b.py" --dir "$model" --ebb ebb --make-only
+
+ebb serve --model "$model" --port "$port" --max-total-tokens 200000 --log-level info >"$out/serve.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+for _ in $(seq 300); do
+	curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+	kill -0 $server 2>/dev/null || break
+	sleep 1
+done
+if ! curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
+	summary+=("FAIL serve: the server did not start: $(tail -n 3 "$out/serve.log" | tr '\n' ' ')")
+	status=1
+else
+	curl -s "http://127.0.0.1:$port/memory_stats" >"$out/memory-start.json"
+	for len in 1 8191 8193 16384 32000 40000; do
+		bench "prompt-$len" --dataset fixed --input-len "$len" --output-len 64 --num-prompts 2 --temperature 1
+	done
+	# 70 x (512 + 4096) tokens = 1.6x the cache; may stop at EOS, so the
+	# scheduler expects less than all of it and must retract.
+	bench pressure --dataset fixed --input-len 512 --output-len 4096 --num-prompts 70 --temperature 1 \
+		--ignore-eos=false
+	bench grpo-soak --dataset random --min-input-len 256 --max-input-len 1024 --output-dist lognormal \
+		--min-output-len 512 --max-output-len 4096 --group-size 8 --num-prompts 16 --temperature 1 \
+		--duration "${soak}s"
+	curl -s "http://127.0.0.1:$port/memory_stats" >"$out/memory-end.json"
+	step memory python3 - "$out/memory-start.json" "$out/memory-end.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+grown = b["nvml_process_bytes"] - a["nvml_process_bytes"]
+reserved = lambda s: sum(t["reserved_bytes"] for t in s["tags"])
+print(f"process {a['nvml_process_bytes'] >> 20} -> {b['nvml_process_bytes'] >> 20} MiB, regions {reserved(a) >> 20} -> {reserved(b) >> 20} MiB")
+sys.exit(1 if grown > 32 << 20 or reserved(a) != reserved(b) else 0)
+PY
+	summary[-1]+=": $(tail -n 1 "$out/memory.log")"
+	if grep -q "invariant violated" "$out/serve.log"; then
+		summary+=("FAIL invariants: $(grep -m1 'invariant violated' "$out/serve.log")")
+		status=1
+	fi
+fi
+
+echo "== GPU check ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)), logs in $out"
+printf '%s\n' "${summary[@]}"
+[ $status -eq 0 ] && echo "GPU check: PASS" || echo "GPU check: FAIL"
+exit $status
