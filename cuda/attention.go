@@ -33,7 +33,8 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	}
 	if meta.MaxQLen == 1 && !meta.Sparse {
 		if name, ok := decodeVecKernel(g, dim); ok {
-			d.attnDecode(name, decodeVecWaves(meta.NumSeqs*hk, d.ctx.SMs), 32, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
+			waves, splits := d.decodeVecGrid(meta.NumSeqs * hk)
+			d.attnDecode(name, waves, splits, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
 			return
 		}
 		if name, ok := decodeKernel(g, dim); ok {
@@ -63,6 +64,21 @@ func decodeVecWaves(pairs, sms int) int {
 		return 8
 	}
 	return 4
+}
+
+// decodeVecMaxSplits is attn_decode_vec's limit (DV_MAX_SPLITS).
+const decodeVecMaxSplits = 128
+
+// decodeVecGrid is the waves and most splits attn_decode_vec gets for a
+// batch of pairs (sequence, kv head): 32 splits at most, or with
+// EBB_DECODE_SPLITS (for A/B runs) that many, with the waves to hold them.
+func (d *Device) decodeVecGrid(pairs int) (waves, splits int) {
+	waves, splits = decodeVecWaves(pairs, d.ctx.SMs), 32
+	if d.decodeSplits > 0 {
+		splits = d.decodeSplits
+		waves = max(waves, (splits*pairs+d.ctx.SMs-1)/d.ctx.SMs)
+	}
+	return waves, splits
 }
 
 // decodeVecKernel picks attention_fast.cu's decode kernel: head sizes of
@@ -139,8 +155,9 @@ func (d *Device) prepareDecode(out, qkv, kc, vc device.Tensor, meta device.AttnM
 	if !ok || meta.Sparse || !d.rawDecode || dim%16 != 0 || raw.positions.Numel() != meta.NumSeqs {
 		return false
 	}
-	d.attnDecode("attn_decode_vec_raw"+strings.TrimPrefix(name, "attn_decode_vec"), decodeVecWaves(meta.NumSeqs*hk, d.ctx.SMs),
-		32, true, out, qkv, kc, vc, meta, scale, hq, hk, dim, raw)
+	waves, splits := d.decodeVecGrid(meta.NumSeqs * hk)
+	d.attnDecode("attn_decode_vec_raw"+strings.TrimPrefix(name, "attn_decode_vec"), waves, splits, true,
+		out, qkv, kc, vc, meta, scale, hq, hk, dim, raw)
 	return true
 }
 

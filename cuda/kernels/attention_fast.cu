@@ -27,7 +27,7 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 #define DV_WARPS 4
 #define DV_UNROLL 4
 #define DV_MIN_SPLIT 64
-#define DV_MAX_SPLITS 32 // attnDecode's maxSplits for these kernels
+#define DV_MAX_SPLITS 128 // the most splits attnDecode gives these kernels (decodeVecMaxSplits)
 
 // With RAW the queries and the newest K and V come straight from the qkv
 // projection (raw), and the kernel does what prepare_qkv would have done
