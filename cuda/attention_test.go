@@ -127,6 +127,7 @@ func TestPrepareDecode(t *testing.T) {
 	}{
 		{"qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
 		{"qwen3-one-long", 16, 8, 128, true, []int{3000}},
+		{"qwen3-one-very-long", 16, 8, 128, true, []int{24000}},
 		{"qwen3-ragged-full-gpu", 16, 8, 128, true, raggedContexts(80)},
 		{"d64-g3-no-norm", 6, 2, 64, false, []int{90, 400, 7}},
 		{"d256-g1", 4, 4, 256, true, []int{300, 33}},
@@ -318,6 +319,7 @@ func TestAttention(t *testing.T) {
 		{"decode-tiny-d32", 4, 2, 32, []int{1, 1}, []int{3, 129}},
 		{"decode-g4-d128-long", 32, 8, 128, []int{1, 1}, []int{4096, 777}},
 		{"decode-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
+		{"decode-b1-long", 16, 8, 128, []int{1}, []int{24000}}, // up to 128 splits (EBB_DECODE_SPLITS)
 		// Contexts of very different lengths: long ones take more than one
 		// split by their share of the batch, also where the batch alone
 		// fills the GPU.

@@ -26,7 +26,7 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // (the last block to finish merges, counters reset after use).
 #define DV_WARPS 4
 #define DV_UNROLL 4
-#define DV_MIN_SPLIT 64
+#define DV_UNIT 2048 // positions a work unit aims at (attn_decode_vec_impl)
 #define DV_MAX_SPLITS 128 // the most splits attnDecode gives these kernels (decodeVecMaxSplits)
 
 // With RAW the queries and the newest K and V come straight from the qkv
@@ -81,7 +81,8 @@ template <int D, int MG, bool RAW>
 __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
-                                                     int units, float scale, DecodeRaw raw) {
+                                                     int units, int units_max, int min_split, float scale,
+                                                     DecodeRaw raw) {
 	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
 	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
 	__shared__ float sh_o[GROUPS][MG][D];
@@ -98,15 +99,20 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	// requested, before dep_wait, while the previous kernel finishes.
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
-	// Splits of at least DV_MIN_SPLIT positions; where a sequence's fair
+	// Splits of at least min_split positions; where a sequence's fair
 	// share of the batch's work (over units blocks) is longer, it gets as
 	// many splits as it holds shares (a remainder of three quarters counts
 	// as one): equal contexts keep the splits they had, and a long one among
-	// short ones is cut, so that no block runs far past the rest.
-	int per = max(DV_MIN_SPLIT, (kvlen + splits - 1) / splits);
+	// short ones is cut, so that no block runs far past the rest. Long
+	// contexts raise the units towards units_max, a block for about every
+	// DV_UNIT positions: a batch of more pairs than the GPU holds four
+	// blocks an SM of, one block a pair, left SMs with four or five blocks
+	// and few warps (H100, 71 x 8192 positions: 68% of HBM bandwidth).
+	int per = max(min_split, (kvlen + splits - 1) / splits);
 	int used = max(1, (kvlen + per - 1) / per);
 	const long long total = (long long)(kvptr[gridDim.y] - kvptr[0]) * hk;
-	const long long share = (total + units - 1) / units;
+	const long long work = min((long long)units_max, max((long long)units, total / DV_UNIT));
+	const long long share = (total + work - 1) / work;
 	if (share > per) {
 		used = (int)min((long long)splits, max(1LL, (kvlen + share / 4) / share));
 		per = (kvlen + used - 1) / used;
@@ -333,13 +339,48 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 		sh_inv[r] = L > 0.f ? 1.f / L : 0.f;
 	}
 	__syncthreads();
-	for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-		const int r = idx / D, dd = idx % D;
+	// Each thread takes 4 output elements (16-byte loads) and, where the
+	// block has more threads than the output has quads, its group of
+	// threads a run of the splits; the groups' sums meet in shared memory
+	// in group order. The merge runs alone at the end of the kernel, one
+	// block a (sequence, kv head), so its loads must be many and wide: one
+	// element a thread and a split at a time left 64 splits at 32k
+	// positions slower than 32.
+	__shared__ float4 sh_part[DV_WARPS * 32];
+	const int nv = G * D / 4, groups = max(1, (int)blockDim.x / nv), run = (used + groups - 1) / groups;
+	const int mgrp = threadIdx.x / nv;
+	for (int v = groups == 1 ? threadIdx.x : threadIdx.x % nv; v < nv && mgrp < groups; v += groups == 1 ? blockDim.x : nv) {
+		const int r = 4 * v / D;
 		const long long rh = row * hq + g * G + r;
-		float acc = 0.f;
+		const float *po = part_o + rh * splits * D + 4 * v % D;
+		float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+		const int j1 = min(used, (mgrp + 1) * run);
 #pragma unroll 8
-		for (int j = 0; j < used; j++) acc += sh_w[j][r] * __ldcg(part_o + (rh * splits + j) * D + dd);
-		out[rh * D + dd] = f2bf(acc * sh_inv[r]);
+		for (int j = mgrp * run; j < j1; j++) {
+			const float4 o = __ldcg((const float4 *)(po + (long long)j * D));
+			const float w = sh_w[j][r];
+			acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
+		}
+		if (groups == 1) {
+			const float inv = sh_inv[r];
+			*(uint2 *)(out + rh * D + 4 * v % D) = make_uint2(bf16x2_pack(acc.x * inv, acc.y * inv), bf16x2_pack(acc.z * inv, acc.w * inv));
+		} else {
+			sh_part[threadIdx.x] = acc;
+		}
+	}
+	if (groups > 1) {
+		__syncthreads();
+		if (threadIdx.x < nv) {
+			const int v = threadIdx.x, r = 4 * v / D;
+			float4 acc = sh_part[v];
+			for (int k = 1; k < groups; k++) {
+				const float4 o = sh_part[k * nv + v];
+				acc.x += o.x, acc.y += o.y, acc.z += o.z, acc.w += o.w;
+			}
+			const float inv = sh_inv[r];
+			const long long rh = row * hq + g * G + r;
+			*(uint2 *)(out + rh * D + 4 * v % D) = make_uint2(bf16x2_pack(acc.x * inv, acc.y * inv), bf16x2_pack(acc.z * inv, acc.w * inv));
+		}
 	}
 	if (threadIdx.x == 0) counters[s * hk + g] = 0;
 }
@@ -347,17 +388,18 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 #define ATTN_DECODE_VEC(D, MG)                                                                                    \
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_d##D##_g##MG(                      \
 	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
-	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, float scale) { \
+	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max,  \
+	    int min_split, float scale) {                                                                             \
 		attn_decode_vec_impl<D, MG, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,  \
-		                                   hk, splits, units, scale, DecodeRaw{});                              \
+		                                   hk, splits, units, units_max, min_split, scale, DecodeRaw{});        \
 	}                                                                                                             \
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_raw_d##D##_g##MG(                  \
 	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
-	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, float scale,   \
-	    const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,                \
+	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max,  \
+	    int min_split, float scale, const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,                \
 	    const float *sin_t, float eps) {                                                                          \
 		attn_decode_vec_impl<D, MG, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,   \
-		                                  hk, splits, units, scale,                                            \
+		                                  hk, splits, units, units_max, min_split, scale,                      \
 		                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});             \
 	}
 #define ATTN_DECODE_VEC_D(D) ATTN_DECODE_VEC(D, 1) ATTN_DECODE_VEC(D, 2) ATTN_DECODE_VEC(D, 4) ATTN_DECODE_VEC(D, 8)
