@@ -1,18 +1,22 @@
 package scheduler
 
-import "math"
+import (
+	"math"
+	"slices"
+)
 
 // KV pressure: which waiting request may start, and which running one to
 // retract when the cache cannot hold the next decode step.
 //
-// A request is admitted only when the cache, less what the running
-// requests are expected to grow into, holds its prompt and its own
-// expected output. A request that must run to max_new_tokens (ignore_eos,
-// no stop tokens or strings: what RL rollouts and benchmarks send) is
-// expected to produce all of it, so such requests are never retracted. For
-// the others the expectation is SGLang's new-token ratio: 0.7 of the
-// remaining output at first, falling to a tenth of that as decode steps
-// pass without trouble, and set back up after a retraction.
+// A request is admitted only when the cache can hold, at every step to
+// come, what it and the running requests are expected to hold then: each
+// its tokens and one more a step until it finishes and gives them back. A
+// request that must run to max_new_tokens (ignore_eos, no stop tokens or
+// strings: what RL rollouts and benchmarks send) is expected to produce
+// all of it, so such requests are never retracted. For the others the
+// expectation is SGLang's new-token ratio: 0.7 of the remaining output at
+// first, falling to a tenth of that as decode steps pass without trouble,
+// and set back up after a retraction.
 
 const (
 	// initNewTokenRatio, minNewTokenRatioFactor and newTokenRatioDecaySteps
@@ -50,59 +54,75 @@ func (r *request) runsToLength() bool {
 	return p.IgnoreEOS && len(p.StopTokenIDs) == 0 && len(p.Stop) == 0 || p.MinNewTokens >= p.MaxNewTokens
 }
 
-// expectedSlots is the KV r is expected to take beyond what it holds: the
-// tokens it has not computed yet and the output still to come (all of it,
-// or the ratio's share where it may end early).
-func (c *Core) expectedSlots(r *request) int {
+// kvFuture is what a request is expected to hold from now on: base slots
+// (its tokens so far, computed or not), one more each step for rest steps
+// (all of its remaining output, or the ratio's share where it may end
+// early), and then none: it finishes and its KV can be evicted.
+type kvFuture struct{ base, rest int }
+
+func (c *Core) future(r *request) kvFuture {
 	rest := max(r.Params.MaxNewTokens-len(r.output), 0)
 	if !r.runsToLength() {
 		rest = int(math.Ceil(float64(rest) * c.ratio.value))
 	}
-	return r.pending() + rest
+	return kvFuture{base: r.numTokens(), rest: rest}
 }
 
-// reservedSlots is expectedSlots summed over the running requests.
-func (c *Core) reservedSlots() int {
-	n := 0
+// kvPlan is the running requests' futures, by rest.
+func (c *Core) kvPlan() []kvFuture {
+	plan := make([]kvFuture, 0, len(c.running)+1)
 	for _, r := range c.running {
-		n += c.expectedSlots(r)
+		plan = append(plan, c.future(r))
 	}
-	return n
+	slices.SortFunc(plan, func(a, b kvFuture) int { return a.rest - b.rest })
+	return plan
 }
 
-// headroom is the KV that new requests may be given: free and evictable
-// slots less the running requests' reservation.
-func (c *Core) headroom(reserved int) int {
-	return c.pool.available() + c.cache.Evictable() - reserved
+// withFuture is plan with f in its place.
+func withFuture(plan []kvFuture, f kvFuture) []kvFuture {
+	i, _ := slices.BinarySearchFunc(plan, f, func(a, b kvFuture) int { return a.rest - b.rest })
+	return slices.Insert(plan, i, f)
+}
+
+// peakSlots is the most KV a plan holds at once: the requests still
+// running at step t hold base + t each, so the peak is at one of their
+// ends (a prompt shared by several counts for each, so it errs high).
+// Reserving every request's whole output instead kept the cache half
+// empty under rollouts of mixed lengths (H100, 512 rollouts of 1k-16k
+// tokens: token usage 0.5 with requests waiting).
+func peakSlots(plan []kvFuture) int {
+	peak, base := 0, 0
+	for k := len(plan) - 1; k >= 0; k-- {
+		base += plan[k].base
+		peak = max(peak, base+(len(plan)-k)*plan[k].rest)
+	}
+	return peak
 }
 
 // mayAdmit reports whether a waiting request (admitted, its cached prefix
-// matched) fits beside the running ones. When none runs it is always
-// taken, so that one that can never fit whole still runs as far as the
-// cache allows.
-func (c *Core) mayAdmit(r *request, reserved int) bool {
-	return len(c.running) == 0 || c.expectedSlots(r) <= c.headroom(reserved)
+// matched) fits beside the running ones (plan): their KV and its own never
+// exceed the cache, less a slot each for a step launched ahead. When none
+// runs it is always taken, so that one that can never fit whole still
+// runs as far as the cache allows.
+func (c *Core) mayAdmit(plan []kvFuture, r *request) bool {
+	if len(c.running) == 0 {
+		return true
+	}
+	probe := withFuture(slices.Clip(plan), c.future(r))
+	return peakSlots(probe) <= c.pool.total-len(probe)
 }
 
-// headBlocked reports whether the head of the queue cannot start now even
-// if its whole prompt were cached, so that a decode step may be launched
-// ahead without waiting for the results that admission would need.
+// headBlocked reports whether the head of the queue cannot start now, so
+// that a decode step may be launched ahead without waiting for the
+// results that admission would need.
 func (c *Core) headBlocked() bool {
-	if len(c.waiting) == 0 {
+	switch {
+	case len(c.waiting) == 0 || len(c.running) >= c.opts.MaxRunningRequests:
 		return true
-	}
-	if len(c.running) >= c.opts.MaxRunningRequests {
-		return true
-	}
-	if len(c.running) == 0 {
+	case len(c.running) == 0:
 		return false
 	}
-	r := c.waiting[0]
-	rest := max(r.Params.MaxNewTokens-len(r.output), 0)
-	if !r.runsToLength() {
-		rest = int(math.Ceil(float64(rest) * c.ratio.value))
-	}
-	return rest+1 > c.headroom(c.reservedSlots())
+	return !c.mayAdmit(c.kvPlan(), c.waiting[0])
 }
 
 // retractGain is the KV that retracting r makes evictable: the slots it

@@ -286,8 +286,8 @@ func (c *Core) scheduleDecodes(decodes int) ([]*request, []int) {
 
 // schedulePrefill appends prompt chunks to batch within budget tokens:
 // unfinished prompts first, then new requests, admitted only where the
-// cache holds what they and the running requests are expected to need
-// (mayAdmit) and a step of each of the decodes.
+// cache holds what they and the running requests are expected to hold at
+// once (mayAdmit) and a step of each of the decodes.
 func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget int) ([]*request, []int) {
 	rows := len(batch)
 	lim := c.run.Limits()
@@ -307,19 +307,19 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 		c.last.NewSeqs++
 		c.last.NewTokens += n
 	}
-	reserved := -1
+	var plan []kvFuture
 	for budget > 0 && len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
-		if reserved < 0 {
-			reserved = c.reservedSlots()
+		if plan == nil {
+			plan = c.kvPlan()
 		}
 		r := c.waiting[0]
 		c.admit(r)
 		n := c.chunkSize(r, budget, lim.MaxLogitRows-rows)
-		if n == 0 || !c.mayAdmit(r, reserved) || !c.ensureFree(n+decodes) {
+		if n == 0 || !c.mayAdmit(plan, r) || !c.ensureFree(n+decodes) {
 			c.unadmit(r)
 			break
 		}
-		reserved += c.expectedSlots(r)
+		plan = withFuture(plan, c.future(r))
 		c.waiting = c.waiting[1:]
 		c.running = append(c.running, r)
 		c.countRecomputed(r, n)
