@@ -392,15 +392,7 @@ func servingCmd() *cobra.Command {
 			}
 			cfg.PeakGPU = cfg.Engine.GPU
 			f := cmd.Flags()
-			if f.Changed("top-k") {
-				cfg.TopK = &topK
-			}
-			if f.Changed("top-p") {
-				cfg.TopP = &topP
-			}
-			if f.Changed("min-p") {
-				cfg.MinP = &minP
-			}
+			cfg.TopK, cfg.TopP, cfg.MinP = ifSet(f, "top-k", &topK), ifSet(f, "top-p", &topP), ifSet(f, "min-p", &minP)
 			cfg.StopAtEOS = !ignoreEOS
 			if !asJSON {
 				cfg.Progress = os.Stderr

@@ -124,3 +124,12 @@ func unknownFlagHelp(cmd *cobra.Command, err error) error {
 	})
 	return fmt.Errorf("%w: ebb %s does not take it (it takes %s)", err, cmd.Name(), strings.Join(names, " "))
 }
+
+// ifSet is v where the flag name was given, nil (the server's or the
+// model's default) where it was not.
+func ifSet[T any](f *pflag.FlagSet, name string, v *T) *T {
+	if f.Changed(name) {
+		return v
+	}
+	return nil
+}

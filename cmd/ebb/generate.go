@@ -51,24 +51,9 @@ func generateCmd() *cobra.Command {
 			defer e.Close()
 			var sp ioschema.SamplingParams
 			flags := cmd.Flags()
-			if flags.Changed("max-new-tokens") {
-				sp.MaxNewTokens = &maxNew
-			}
-			if flags.Changed("temperature") {
-				sp.Temperature = &temperature
-			}
-			if flags.Changed("top-p") {
-				sp.TopP = &topP
-			}
-			if flags.Changed("top-k") {
-				sp.TopK = &topK
-			}
-			if flags.Changed("min-p") {
-				sp.MinP = &minP
-			}
-			if flags.Changed("seed") {
-				sp.SamplingSeed = &seed
-			}
+			sp.MaxNewTokens, sp.Temperature = ifSet(flags, "max-new-tokens", &maxNew), ifSet(flags, "temperature", &temperature)
+			sp.TopP, sp.TopK, sp.MinP = ifSet(flags, "top-p", &topP), ifSet(flags, "top-k", &topK), ifSet(flags, "min-p", &minP)
+			sp.SamplingSeed = ifSet(flags, "seed", &seed)
 			sp.IgnoreEOS = ignoreEOS
 			params, err := sp.Resolve(e.Defaults())
 			if err != nil {
