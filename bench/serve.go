@@ -107,6 +107,9 @@ func engineArgs(e engine.Config) []string {
 	if e.EnableMixedChunk {
 		args = append(args, "--enable-mixed-chunk")
 	}
+	if e.EnableDeterministicInference {
+		args = append(args, "--enable-deterministic-inference")
+	}
 	if e.ScheduleConservativeness > 0 && e.ScheduleConservativeness != 1 {
 		args = append(args, "--schedule-conservativeness", strconv.FormatFloat(e.ScheduleConservativeness, 'f', -1, 64))
 	}

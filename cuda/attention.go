@@ -17,6 +17,10 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	hk, dim := kCache.Dim(1), kCache.Dim(2)
 	hq := qkv.Dim(1) - 2*hk
 	g := hq / hk
+	if d.det {
+		d.attnDet(out, qkv, kCache, vCache, meta, scale, hq, hk, dim)
+		return
+	}
 	if meta.MaxQLen > 1 && meta.Decodes > 0 && meta.Decodes < meta.NumSeqs {
 		// A mixed step: the prefill kernel would give each decode a whole
 		// tile of queries; the decodes go to the decode kernel instead.
@@ -121,7 +125,7 @@ func decodeVecKernel(g, dim int) (string, bool) {
 func (d *Device) PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, meta device.AttnMeta, scale, eps float32) bool {
 	hk, dim := kCache.Dim(1), kCache.Dim(2)
 	hq := qkv.Dim(1) - 2*hk
-	if d.err != nil {
+	if d.err != nil || d.det {
 		return false
 	}
 	if meta.MaxQLen == 1 {

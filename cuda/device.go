@@ -48,6 +48,11 @@ type Device struct {
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
+	// det: deterministic inference (deterministic.go), with attn_det's
+	// decode partials.
+	det                 bool
+	detPartO, detPartML device.Tensor
+	detPartRows         int // tests: fewer partial rows, for sequences whose partials do not fit
 }
 
 var (
@@ -63,6 +68,7 @@ var (
 	_ device.GroupJoiner       = (*Device)(nil)
 	_ device.Fused             = (*Device)(nil)
 	_ device.AttentionPreparer = (*Device)(nil)
+	_ device.Deterministic     = (*Device)(nil)
 )
 
 // OpenIPCMemory implements device.IPCImporter.
@@ -116,6 +122,7 @@ var kernelNames = []string{
 	"gather_rows", "fill_bf16", "fill_f32", "bits_hash", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
+	"sample_scan_det_f32", "sample_scan_det_bf16", "token_logprobs_det", "attn_det_d64", "attn_det_d128",
 	"gemv_m1", "gemv2_m1", "gemv_fused_m1",
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128",
@@ -595,7 +602,7 @@ func boolInt(b bool) int {
 func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) {
 	t := positions.Numel()
 	d.prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots, eps, t, 0, qkv.Dim(1),
-		vectorisedQKV(qkv, kCache, vCache, t))
+		!d.det && vectorisedQKV(qkv, kCache, vCache, t))
 }
 
 // qkv16Units is QKV16_UNITS in layers.cu: (token, head) units a thread.
@@ -688,8 +695,15 @@ func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 	for parts > 1 && int64(rows*parts*4*4) > d.samplePart.Bytes() {
 		parts--
 	}
-	d.launch("sample_scan_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
-		P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
+	if d.det {
+		var ok bool
+		if parts, ok = d.sampleDet(suffix, logits, a); !ok {
+			return
+		}
+	} else {
+		d.launch("sample_scan_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
+			P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
+	}
 	d.launch("sample_finish_"+suffix, D1(rows), D1(1024), 0, P(logits.Ptr), I(v), P(a.Temperature.Ptr),
 		P(a.TopP.Ptr), P(a.TopK.Ptr), P(a.MinP.Ptr), P(a.Keys.Ptr), P(a.IDs.Ptr), P(a.Logprobs.Ptr),
 		P(a.TopIDs.Ptr), P(a.TopLogprobs.Ptr), I(ntop), P(d.samplePart.Ptr), I(parts))
@@ -703,6 +717,10 @@ func (d *Device) ResolveTokens(tokens, src, prev device.Tensor) {
 
 // TokenLogprobs implements device.Device.
 func (d *Device) TokenLogprobs(out, logits, targets device.Tensor) {
+	if d.det {
+		d.tokenLogprobsDet(out, logits, targets)
+		return
+	}
 	d.launch("token_logprobs", D1(logits.Dim(0)), D1(1024), 0, P(out.Ptr), P(logits.Ptr), P(targets.Ptr), I(logits.Dim(-1)))
 }
 

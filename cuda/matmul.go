@@ -27,14 +27,16 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		route = d.matMulRoute(m, n, k, false)
 	}
 	outF32 := out.DType == device.F32
-	switch route {
-	case routeGemv:
+	switch {
+	case d.det:
+		d.detMatMul(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false)
+	case route == routeGemv:
 		name, wpo, blocks := d.gemvShape(m, n, k, false)
 		d.launch(name, D1(blocks), D1(256), 0, P(out.Ptr), I(boolInt(outF32)), P(x.Ptr), P(w.Ptr), I(n), I(k), I(wpo),
 			P(0), P(0), I(0), F(0), I(0))
-	case routeTC:
+	case route == routeTC:
 		d.matMulTC(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, normFold{})
-	case routeWG:
+	case route == routeWG:
 		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, normFold{})
 	default:
 		if !d.tunedMatMul(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k) {
@@ -57,7 +59,7 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 // product back. Decode steps keep their kernels.
 func (d *Device) MatMulAccumulate(out, x, w device.Tensor) bool {
 	m, k, n := x.Dim(0), x.Dim(-1), w.Dim(0)
-	if d.err != nil || m < 1024 || w.Dim(-1) != k || out.Numel() != m*n ||
+	if d.err != nil || d.det || m < 1024 || w.Dim(-1) != k || out.Numel() != m*n ||
 		x.DType != device.BF16 || w.DType != device.BF16 || out.DType != device.BF16 {
 		return false
 	}
@@ -234,7 +236,7 @@ func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int)
 
 // MatMulAddRMSNorm implements device.Fused for one row.
 func (d *Device) MatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, normed, normW device.Tensor, eps float32) bool {
-	if !fusable(out.Dim(0), x, w) || out.DType != device.BF16 {
+	if d.det || !fusable(out.Dim(0), x, w) || out.DType != device.BF16 {
 		return false
 	}
 	if d.err != nil {
@@ -268,7 +270,7 @@ type pendingNorm struct {
 // left undone).
 func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.Tensor, glu bool) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
-	if residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 || residual.Ptr%16 != 0 ||
+	if d.det || residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 || residual.Ptr%16 != 0 ||
 		x.Ptr%16 != 0 || w.Ptr%16 != 0 || next.Dim(-1) != n || next.Ptr%16 != 0 {
 		return false
 	}
@@ -354,6 +356,10 @@ func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 	if n%2 != 0 || x.Numel() != m*k || out.Numel() != m*n/2 || x.DType != device.BF16 ||
 		w.DType != device.BF16 || out.DType != device.BF16 || x.Ptr%16 != 0 || w.Ptr%16 != 0 {
 		return false
+	}
+	if d.det {
+		d.detMatMul(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true)
+		return true
 	}
 	switch d.matMulRoute(m, n, k, true) {
 	case routeGemv:

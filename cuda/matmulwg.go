@@ -82,11 +82,14 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 			break
 		}
 	}
+	// Past the largest tile (deterministic inference's prefills), a batch
+	// tile a blockIdx.y.
+	ytiles := (m + bn - 1) / bn
 	tiles, kt := (n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK
 	splits := max(1, min(kt, matMulWGMaxCluster, d.ctx.SMs/tiles))
 	kps = (kt + splits - 1) / splits
 	splits = (kt + kps - 1) / kps
-	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), 1, uint32(splits)}, kps
+	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), uint32(ytiles), uint32(splits)}, kps
 }
 
 // matMulWG launches matmul_wg; with glu w is [gate | up] and out takes

@@ -377,6 +377,15 @@ type AttentionPreparer interface {
 	PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, meta AttnMeta, scale, eps float32) bool
 }
 
+// Deterministic is implemented by devices that can compute every row of a
+// step the same way whatever else is in it (batch-invariant kernels), so
+// that a request's tokens and logprobs do not depend on the batch, prefix
+// caching or chunking, and decode and prefill give a token the same
+// logprob (SGLang's --enable-deterministic-inference).
+type Deterministic interface {
+	EnableDeterministic() error
+}
+
 // Accumulating is implemented by devices that add a matmul's product into
 // its output where that is cheaper than a separate add.
 type Accumulating interface {

@@ -43,6 +43,10 @@ type Config struct {
 	// EnableMixedChunk puts the decodes in the steps that prefill
 	// (--enable-mixed-chunk).
 	EnableMixedChunk bool
+	// EnableDeterministicInference runs batch-invariant kernels: a
+	// request's tokens and logprobs are the same bits whatever it is
+	// batched with (--enable-deterministic-inference).
+	EnableDeterministicInference bool
 	// ScheduleConservativeness scales how much of their remaining output
 	// requests that may stop early are expected to need when admitted
 	// (--schedule-conservativeness; 0 means 1).
@@ -105,6 +109,22 @@ func CheckDType(dtype string) error {
 	return fmt.Errorf("--dtype %s is not supported: ebb runs models in bfloat16 (use auto or bfloat16)", dtype)
 }
 
+// enableDeterministic turns on the device's batch-invariant kernels. The
+// partial sums of tensor parallelism meet in NCCL, whose algorithm (and so
+// the order of the sum) changes with the message size, so the two are not
+// combined; data parallelism is (each engine computes alone).
+func enableDeterministic(dev device.Device, cfg Config) error {
+	if cfg.TPSize > 1 {
+		return errors.New("--enable-deterministic-inference with --tp-size > 1 is not supported: the ranks' sums meet in NCCL, " +
+			"whose order changes with the batch (use --dp-size for more GPUs)")
+	}
+	det, ok := dev.(device.Deterministic)
+	if !ok {
+		return fmt.Errorf("--enable-deterministic-inference: device %s has no batch-invariant kernels", dev.Name())
+	}
+	return det.EnableDeterministic()
+}
+
 // Engine is a loaded model ready to schedule.
 type Engine struct {
 	Config    Config
@@ -152,6 +172,12 @@ func Open(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e.Dev = dev
+	if cfg.EnableDeterministicInference {
+		if err := enableDeterministic(dev, cfg); err != nil {
+			dev.Close()
+			return nil, err
+		}
+	}
 	if cfg.TPSize > 1 {
 		if e.comm, err = cfg.Collective(dev); err != nil {
 			dev.Close()

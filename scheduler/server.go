@@ -469,7 +469,8 @@ func (s *Server) Info() map[string]any {
 	return map[string]any{
 		"device": e.Dev.Name(), "architecture": string(e.Model.Config.Arch), "context_length": e.Model.ContextLen(),
 		"max_total_num_tokens": total, "dp_rank": s.dpRank, "tp_size": e.Config.TPSize, "max_running_requests": s.core.Options().MaxRunningRequests,
-		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "enable_mixed_chunk": s.core.Options().EnableMixedChunk, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
+		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "enable_mixed_chunk": s.core.Options().EnableMixedChunk,
+		"enable_deterministic_inference": e.Config.EnableDeterministicInference, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
 		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,
 		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,
 		"num_used_tokens": used, "token_usage": usage, "num_waiting_tokens": s.core.waitingTokens(), "gen_throughput": s.batches.throughput,

@@ -70,8 +70,15 @@ func newHarness(t *testing.T, backup bool, slots int) *harness {
 
 func newHarnessChunk(t *testing.T, backup bool, slots, chunk int) *harness {
 	t.Helper()
-	e, err := engine.Open(engine.Config{ModelDir: testModel(t), Device: "cpu", MaxRunningRequests: 8,
+	return newHarnessConfig(t, engine.Config{Device: "cpu", MaxRunningRequests: 8,
 		ChunkedPrefillSize: chunk, MaxTotalTokens: slots, CPUBackup: backup, CUDAGraphMaxBS: 4})
+}
+
+// newHarnessConfig is a harness over the test model with cfg.
+func newHarnessConfig(t *testing.T, cfg engine.Config) *harness {
+	t.Helper()
+	cfg.ModelDir = testModel(t)
+	e, err := engine.Open(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -452,20 +452,54 @@ __device__ __forceinline__ unsigned swz(int row, int col) {
 	return row * (D * 2) + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1);
 }
 
-template <int D>
+// Deterministic inference (DET) cuts every query's keys into splits of
+// DET_SPLIT positions from position 0, computes each split as a fresh
+// softmax, and merges the splits in order with det_merge: a query's bits
+// then depend on its position and the keys alone. Prefill blocks (workers
+// 0) run their splits one after another and merge in registers; decode
+// blocks (workers W > 0, one query a sequence) share a sequence's splits
+// among W blocks, which leave them in part_o/part_ml, and the last block to
+// finish merges them with the same operations in the same order.
+#define DET_SPLIT 128
+struct DetArgs {
+	int workers;
+	float *part_o, *part_ml;
+	int *counters;
+	int part_rows; // rows of D floats part_o holds
+};
+
+// det_merge folds a split (max m, sum l, in base 2) into a running
+// (M, L), giving the factors a and b for the outputs: O = O a + o b.
+// Every operation is spelled out so that no contraction can differ
+// between the two places that merge.
+__device__ __forceinline__ void det_merge(float &M, float &L, float m, float l, float &a, float &b) {
+	const float mn = fmaxf(M, m);
+	a = ex2_ftz(__fsub_rn(M, mn));
+	b = ex2_ftz(__fsub_rn(m, mn));
+	L = __fmaf_rn(L, a, __fmul_rn(l, b));
+	M = mn;
+}
+__device__ __forceinline__ float det_acc(float O, float a, float o, float b) { return __fmaf_rn(O, a, __fmul_rn(o, b)); }
+__device__ __forceinline__ float det_out(float O, float L) { return __fmul_rn(O, __frcp_rn(L)); }
+
+template <int D, bool DET = false>
 __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc,
                                                       const int *qptr, const int *kvptr, const int *kvidx, int hq,
                                                       int hk, float scale, const bf16 *qnorm, const float *cos_t,
-                                                      const float *sin_t, float eps, int raw_q) {
+                                                      const float *sin_t, float eps, int raw_q, DetArgs da = {}) {
 	extern __shared__ __align__(16) unsigned char fa_smem[];
 	constexpr int CH = D / 8; // 16-byte chunks per row
 	unsigned char *qs = fa_smem;
 	unsigned char *ks = qs + FA_BM * D * 2; // [FA_BN][D]
 	unsigned char *vs = ks + FA_BN * D * 2;
-	const int s = blockIdx.z, h = blockIdx.y, G = hq / hk, g = h / G;
+	// DET decode (heads mode, hm): blockIdx.x is the worker, blockIdx.y the
+	// kv head, and the tile's rows are its G query heads of the one query.
+	const bool hm = DET && da.workers > 0;
+	const int s = blockIdx.z, G = hq / hk, g = hm ? blockIdx.y : blockIdx.y / G, h = hm ? g * G : blockIdx.y;
 	const int qbase = qptr[s], qlen = qptr[s + 1] - qbase;
-	const int q0 = blockIdx.x * FA_BM;
-	if (q0 >= qlen) return;
+	int workers = hm ? da.workers : 0;
+	const int q0 = hm ? 0 : blockIdx.x * FA_BM;
+	if (q0 >= qlen || (hm && qlen != 1)) return;
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
 	const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 	const long long stride = (long long)(hq + 2 * hk) * D;
@@ -473,11 +507,26 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int last_q = kvlen - qlen + min(q0 + FA_BM, qlen) - 1;
 	const int kend = min(kvlen, last_q + 1);
 	const int ntiles = (kend + FA_BN - 1) / FA_BN;
+	// DET: the splits, this block's first and its stride over them, and
+	// the tiles it takes (nit) in that order.
+	constexpr int TPS = DET_SPLIT / FA_BN;
+	const int nsp = (kend + DET_SPLIT - 1) / DET_SPLIT;
+	const int poff = s + kv0 / DET_SPLIT; // the sequence's first partial row (over hq)
+	if (hm && (long long)(poff + nsp) * hq > da.part_rows) {
+		// Partials that do not fit: the first worker takes every split.
+		if (blockIdx.x != 0) return;
+		workers = 0;
+	}
+	const int w = workers > 0 ? blockIdx.x : 0, wstride = workers > 0 ? workers : 1;
+	const int mysplits = w < nsp ? (nsp - 1 - w) / wstride + 1 : 0;
+	const int nit = !DET ? ntiles : workers > 0 ? mysplits * TPS : ntiles;
+	auto tile_of = [&](int it) { return !DET || workers == 0 ? it : (w + (it / TPS) * wstride) * TPS + it % TPS; };
 
 	for (int i = tid; i < FA_BM * CH; i += blockDim.x) {
 		const int r = i / CH, ch = i % CH;
-		const bool valid = q0 + r < qlen;
-		const bf16 *src = qkv + (long long)(qbase + (valid ? q0 + r : 0)) * stride + (long long)h * D + ch * 8;
+		const bool valid = hm ? r < G : q0 + r < qlen;
+		const bf16 *src = hm ? qkv + (long long)qbase * stride + (long long)(h + (valid ? r : 0)) * D + ch * 8
+		                     : qkv + (long long)(qbase + (valid ? q0 + r : 0)) * stride + (long long)h * D + ch * 8;
 		cp_async16(smem_u32(qs + swz<D>(r, ch * 8)), src, valid);
 	}
 	cp_async_commit();
@@ -512,8 +561,8 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		}
 		cp_async_commit();
 	};
-	int slot = fetch_slot(0);
-	load_kv(0, slot);
+	int slot = fetch_slot(tile_of(0));
+	if (nit > 0) load_kv(tile_of(0), slot);
 	const int w0 = warp * 16;
 	// With raw_q each warp prepares its own 16 rows in the 16-byte layout
 	// of prepare_qkv16 (LG = D / 16 lanes a row), RPP rows a pass. A query is at position
@@ -577,20 +626,103 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const float sl2 = scale * LOG2E;
 	const int gi = lane >> 2, ti = lane & 3;
 	// Absolute positions of this thread's two query rows.
-	const int qpos0 = kvlen - qlen + q0 + w0 + gi, qpos1 = qpos0 + 8;
+	// (In heads mode every row is the one query, at kvlen - 1.)
+	const int qpos0 = hm ? kvlen - 1 : kvlen - qlen + q0 + w0 + gi, qpos1 = hm ? qpos0 : qpos0 + 8;
 	// The warp's first and last query positions; a warp past qlen has
 	// nothing to do.
-	const int wfirst = kvlen - qlen + q0 + w0;
-	const int wlast = q0 + w0 < qlen ? wfirst + 15 : -1;
+	const int wfirst = hm ? kvlen - 1 : kvlen - qlen + q0 + w0;
+	const int wlast = hm ? (w0 < G ? wfirst : -1) : q0 + w0 < qlen ? wfirst + 15 : -1;
+	// DET: whether tile row r is a query, and where its output goes.
+	auto row_ok = [&](int r) { return hm ? r < G : q0 + r < qlen; };
+	auto row_out = [&](int r) {
+		return out + (hm ? (long long)qbase * hq + h + r : (long long)(qbase + q0 + r) * hq + h) * D;
+	};
+	// DET: the merged splits (sequential mode), per row of the thread.
+	float Mrun[2] = {-EBB_INF, -EBB_INF}, Lrun[2] = {0.f, 0.f};
+	float orun[DET ? D / 8 : 1][4];
+	if constexpr (DET) {
+#pragma unroll
+		for (int n = 0; n < D / 8; n++) orun[n][0] = orun[n][1] = orun[n][2] = orun[n][3] = 0.f;
+	}
+	// det_split_end closes split sp: its rows' sums meet across the quad;
+	// prefill merges it into each row it reaches, a decode block leaves it
+	// (row 0) in the partials.
+	auto det_split_end = [&](int sp, int it) {
+		float ls[2];
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			ls[i] = lrow[i] + __shfl_xor_sync(0xffffffff, lrow[i], 1);
+			ls[i] += __shfl_xor_sync(0xffffffff, ls[i], 2);
+		}
+		if (workers > 0) {
+#pragma unroll
+			for (int i = 0; i < 2; i++) {
+				const int r = w0 + gi + 8 * i;
+				if (!row_ok(r)) continue;
+				const long long prow = (long long)(poff + sp) * hq + h + r;
+#pragma unroll
+				for (int n = 0; n < D / 8; n++)
+					*(float2 *)(da.part_o + prow * D + n * 8 + ti * 2) = make_float2(o[n][2 * i], o[n][2 * i + 1]);
+				if (ti == 0) *(float2 *)(da.part_ml + prow * 2) = make_float2(mrow[i], ls[i]);
+			}
+			return;
+		}
+		const int sfirst = sp * DET_SPLIT;
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			if (sfirst > (i ? qpos1 : qpos0) || !row_ok(w0 + gi + 8 * i)) continue;
+			float a, b;
+			det_merge(Mrun[i], Lrun[i], mrow[i], ls[i], a, b);
+#pragma unroll
+			for (int n = 0; n < D / 8; n++) {
+				orun[n][2 * i] = det_acc(orun[n][2 * i], a, o[n][2 * i], b);
+				orun[n][2 * i + 1] = det_acc(orun[n][2 * i + 1], a, o[n][2 * i + 1], b);
+			}
+		}
+	};
+	// det_decode_merge: the last of a (sequence, kv head)'s workers merges
+	// its heads' splits, a thread a column, in order.
+	__shared__ int last;
+	auto det_decode_merge = [&]() {
+		__threadfence();
+		__syncthreads();
+		if (tid == 0) {
+			int *c = da.counters + (long long)s * hk + g;
+			last = atomicAdd(c, 1) == workers - 1;
+			if (last) *c = 0;
+		}
+		__syncthreads();
+		if (!last) return;
+		__threadfence();
+		for (int e = tid; e < G * D; e += blockDim.x) {
+			const int r = e / D, col = e % D;
+			float M = -EBB_INF, L = 0.f, O = 0.f;
+			for (int sp = 0; sp < nsp; sp++) {
+				const long long prow = (long long)(poff + sp) * hq + h + r;
+				const float2 ml = __ldcg((const float2 *)(da.part_ml + prow * 2));
+				float a, b;
+				det_merge(M, L, ml.x, ml.y, a, b);
+				O = det_acc(O, a, __ldcg(da.part_o + prow * D + col), b);
+			}
+			row_out(r)[col] = f2bf(det_out(O, L));
+		}
+	};
 
-	for (int tile = 0; tile < ntiles; tile++) {
-		if (tile > 0) {
+	for (int it = 0; it < nit; it++) {
+		const int tile = tile_of(it);
+		if (it > 0) {
 			load_kv(tile, slot);
 			cp_async_wait<0>();
 			__syncthreads();
 		}
-		if (tile + 1 < ntiles) slot = fetch_slot(tile + 1);
+		if (it + 1 < nit) slot = fetch_slot(tile_of(it + 1));
 		const int k0 = tile * FA_BN;
+		if (DET && tile % TPS == 0) { // a split starts afresh
+#pragma unroll
+			for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+			mrow[0] = mrow[1] = -EBB_INF;
+			lrow[0] = lrow[1] = 0.f;
+		}
 		if (k0 <= wlast) { // else every key of the tile is after the warp's queries
 			const unsigned char *kt = ks, *vt = vs;
 			float sacc[FA_BN / 8][4];
@@ -638,7 +770,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 				mrow[i] = mn;
 				lrow[i] *= alpha[i];
 			}
-			if (tile > 0) { // o is still zero after no tile
+			if (DET ? tile % TPS != 0 : tile > 0) { // o is still zero after no tile
 #pragma unroll
 				for (int n = 0; n < D / 8; n++) {
 					o[n][0] *= alpha[0];
@@ -675,22 +807,40 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 				}
 			}
 		}
+		if constexpr (DET) {
+			if (tile % TPS == TPS - 1 || it == nit - 1) det_split_end(tile / TPS, it);
+		}
 		__syncthreads(); // the next tile overwrites this one
 	}
-#pragma unroll
-	for (int i = 0; i < 2; i++) {
-		lrow[i] += __shfl_xor_sync(0xffffffff, lrow[i], 1);
-		lrow[i] += __shfl_xor_sync(0xffffffff, lrow[i], 2);
-	}
-	const float inv0 = lrow[0] > 0.f ? 1.f / lrow[0] : 0.f, inv1 = lrow[1] > 0.f ? 1.f / lrow[1] : 0.f;
 	const int r0 = q0 + w0 + gi, r1 = r0 + 8;
+	if constexpr (DET) {
+		if (workers > 0) {
+			det_decode_merge();
+			return;
+		}
 #pragma unroll
-	for (int n = 0; n < D / 8; n++) {
-		const int dd = n * 8 + ti * 2;
-		if (r0 < qlen)
-			*(unsigned *)(out + ((long long)(qbase + r0) * hq + h) * D + dd) = pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
-		if (r1 < qlen)
-			*(unsigned *)(out + ((long long)(qbase + r1) * hq + h) * D + dd) = pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
+		for (int n = 0; n < D / 8; n++) {
+			const int dd = n * 8 + ti * 2;
+			if (row_ok(w0 + gi))
+				*(unsigned *)(row_out(w0 + gi) + dd) = pack_bf16x2(det_out(orun[n][0], Lrun[0]), det_out(orun[n][1], Lrun[0]));
+			if (row_ok(w0 + gi + 8))
+				*(unsigned *)(row_out(w0 + gi + 8) + dd) = pack_bf16x2(det_out(orun[n][2], Lrun[1]), det_out(orun[n][3], Lrun[1]));
+		}
+	} else {
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			lrow[i] += __shfl_xor_sync(0xffffffff, lrow[i], 1);
+			lrow[i] += __shfl_xor_sync(0xffffffff, lrow[i], 2);
+		}
+		const float inv0 = lrow[0] > 0.f ? 1.f / lrow[0] : 0.f, inv1 = lrow[1] > 0.f ? 1.f / lrow[1] : 0.f;
+#pragma unroll
+		for (int n = 0; n < D / 8; n++) {
+			const int dd = n * 8 + ti * 2;
+			if (r0 < qlen)
+				*(unsigned *)(out + ((long long)(qbase + r0) * hq + h) * D + dd) = pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
+			if (r1 < qlen)
+				*(unsigned *)(out + ((long long)(qbase + r1) * hq + h) * D + dd) = pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
+		}
 	}
 }
 
@@ -705,3 +855,17 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	}
 ATTN_PREFILL_MMA(64)
 ATTN_PREFILL_MMA(128)
+
+// attn_det: attention for deterministic inference (DET above), prefill
+// and decode alike.
+#define ATTN_DET(D)                                                                                              \
+	extern "C" __global__ void __launch_bounds__(128, 3) attn_det_d##D(                                            \
+	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
+	    const int *kvidx, int hq, int hk, float scale, int workers, float *part_o, float *part_ml, int *counters,  \
+	    int part_rows) {                                                                                           \
+		DEP();                                                                                                     \
+		attn_prefill_mma_impl<D, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale, nullptr, nullptr,       \
+		                               nullptr, 0.f, 0, DetArgs{workers, part_o, part_ml, counters, part_rows});    \
+	}
+ATTN_DET(64)
+ATTN_DET(128)

@@ -215,7 +215,11 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	extern __shared__ unsigned char wg_smem[];
 	__shared__ __align__(8) unsigned long long bars[2 * 8];
 	__shared__ float warp_sq[MWG_CONSUMERS / 32][FOLD ? BN : 1]; // add mode: each warp's 16 columns' squares
-	if ((!FOLD && (residual || norm_w)) || gridDim.z > MWG_MAX_CLUSTER) __trap();
+	// Batches past BN rows (deterministic inference's prefills) take a
+	// batch tile a blockIdx.y; the fold modes are for one tile.
+	if ((!FOLD && (residual || norm_w)) || gridDim.z > MWG_MAX_CLUSTER || (gridDim.y > 1 && (residual || norm_w)))
+		__trap();
+	const int row0 = blockIdx.y * BN;
 	const int tid = threadIdx.x, lane = tid & 31;
 	const bool consumer = tid < MWG_CONSUMERS;
 	const unsigned base = (smem_u32(wg_smem) + 1023) & ~1023u;
@@ -250,13 +254,13 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 		DEP();
 		if (issue) {
 			for (int t = 0; t < min(nt, S); t++)
-				tma_load_2d(base + t * STAGE + WBYTES, xmap, full + 8 * t, (kt0 + t) * MWG_BK, 0);
+				tma_load_2d(base + t * STAGE + WBYTES, xmap, full + 8 * t, (kt0 + t) * MWG_BK, row0);
 			for (int t = S; t < nt; t++) {
 				const int s = t % S;
 				mbar_wait(empty + 8 * s, (t / S - 1) & 1);
 				mbar_expect_tx(full + 8 * s, STAGE);
 				tma_load_4d(base + s * STAGE, wmap, full + 8 * s, (kt0 + t) * MWG_BK, 0, 0, tile * 8);
-				tma_load_2d(base + s * STAGE + WBYTES, xmap, full + 8 * s, (kt0 + t) * MWG_BK, 0);
+				tma_load_2d(base + s * STAGE + WBYTES, xmap, full + 8 * s, (kt0 + t) * MWG_BK, row0);
 			}
 		}
 	} else {
@@ -358,7 +362,7 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 		}
 #pragma unroll
 		for (int e = 0; e < 4; e++) {
-			const int r = 8 * j + 2 * q + (e & 1);
+			const long long r = row0 + 8 * j + 2 * q + (e & 1);
 			if (r >= m) continue;
 			if (glu) {
 				const long long col = 64LL * tile + 8 * (trow >> 4) + g;
@@ -367,8 +371,8 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 			}
 			const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
 			if (n >= N) continue;
-			if (out_f32) ((float *)out)[r * (long long)N + n] = f[e];
-			else ((bf16 *)out)[r * (long long)N + n] = f2bf(f[e]);
+			if (out_f32) ((float *)out)[r * N + n] = f[e];
+			else ((bf16 *)out)[r * N + n] = f2bf(f[e]);
 		}
 	};
 	// squares adds the warps' sums of the rows this block stored, in warp

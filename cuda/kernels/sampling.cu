@@ -86,6 +86,18 @@ __device__ __forceinline__ void logits_vec(const bf16 *x, long long i, float out
 	}
 }
 
+// logits_vecn reads VEC logits from i: 16 bytes, or for float32 in
+// deterministic mode (VEC 8) two 16-byte loads.
+template <int VEC>
+__device__ __forceinline__ void logits_vecn(const float *x, long long i, float out[VEC]) {
+	logits_vec(x, i, out);
+	if constexpr (VEC == 8) logits_vec(x, i + 4, out + 4);
+}
+template <int VEC>
+__device__ __forceinline__ void logits_vecn(const bf16 *x, long long i, float out[VEC]) {
+	logits_vec(x, i, out);
+}
+
 // orderable maps a float to a uint32 that sorts like it.
 __device__ __forceinline__ unsigned orderable(float f) {
 	unsigned u = __float_as_uint(f);
@@ -99,8 +111,14 @@ struct RowParams {
 	unsigned k0, k1;
 };
 
+// Without temperatures (temp null: token_logprobs_det) every row is greedy
+// at temperature 1.
 __device__ __forceinline__ RowParams row_params(int r, const float *temp, const int *top_k, const unsigned *keys) {
 	RowParams p;
+	if (!temp) {
+		p.T = 1.f, p.greedy = true, p.sampled = false, p.k0 = p.k1 = 0;
+		return p;
+	}
 	p.T = temp[r];
 	p.greedy = p.T <= 0.f || top_k[r] == 1;
 	if (p.T <= 0.f) p.T = 1.f;
@@ -114,8 +132,10 @@ __device__ __forceinline__ RowParams row_params(int r, const float *temp, const 
 // largest scaled logit m, the sum of exp(x/T - m), and the winner: the
 // lowest index of the largest logit (greedy rows) or of the largest
 // x/T + g (sampled rows). part[(row * parts + p) * 4 + {0..3}] =
-// {m, sum, winner's value, winner's index as bits}.
-template <typename T>
+// {m, sum, winner's value, winner's index as bits}. DET (deterministic
+// inference) gives float32 and bf16 logits the same 8 values a load, so
+// that a thread sums the same tokens in the same order from either.
+template <typename T, bool DET = false>
 __device__ void sample_scan_impl(const T *logits, int V, const float *temp, const int *top_k, const unsigned *keys,
                                  float *part) {
 	__shared__ float shared[64];
@@ -127,7 +147,7 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 	// takes 16 bytes a load, two loads at a time: one scalar load in
 	// flight per thread left the scan at a sixth of HBM bandwidth (batch
 	// 256 decode, H100: 144 us for 78 MB of logits).
-	constexpr int VEC = 16 / sizeof(T);
+	constexpr int VEC = DET ? 8 : 16 / sizeof(T);
 	const int len = ((V + parts - 1) / parts + VEC - 1) / VEC * VEC, lo = p * len, hi = min(V, lo + len);
 	float m = -EBB_INF, z = 0.f;
 	ArgMax best = {-EBB_INF, 0x7fffffff};
@@ -146,8 +166,8 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 	for (int i = lo + threadIdx.x * VEC; i < vend; i += 2 * step) {
 		float a[VEC], b[VEC];
 		const bool two = i + step < vend;
-		logits_vec(x, i, a);
-		if (two) logits_vec(x, i + step, b);
+		logits_vecn<VEC>(x, i, a);
+		if (two) logits_vecn<VEC>(x, i + step, b);
 #pragma unroll
 		for (int e = 0; e < VEC; e++) take(a[e], i + e);
 		if (two) {
@@ -326,6 +346,19 @@ __device__ unsigned sample_candidates(const T *x, int V, float inv, float m, flo
 	return max(thresh, 1u); // 0 means too many candidates
 }
 
+// parts_lse merges a row's slices from sample_scan: its largest scaled
+// logit m, the sum Z of exp(x/T - m) and their logsumexp. sample_finish
+// and token_logprobs_det share it, so that in deterministic mode a token's
+// logprob is the same bits whether it was sampled or scored as a prompt's.
+__device__ __forceinline__ float parts_lse(const float *pr, int parts, float &m, float &Z) {
+	m = -EBB_INF;
+	for (int p = 0; p < parts; p++) m = fmaxf(m, pr[4 * p]);
+	Z = 0.f;
+	for (int p = 0; p < parts; p++)
+		if (pr[4 * p + 1] > 0.f) Z = __fmaf_rn(pr[4 * p + 1], __expf(pr[4 * p] - m), Z);
+	return __fadd_rn(m, logf(Z));
+}
+
 // sample_finish draws one token per row (one block per row) from the
 // slices sample_scan reduced; filtered rows (top-k, top-p, min-p) find
 // their threshold and take the winner among the kept tokens here.
@@ -344,15 +377,10 @@ __device__ void sample_finish_impl(const T *logits, int V, const float *temp, co
 	const RowParams rp = row_params(r, temp, top_k, keys);
 	const float inv = 1.f / rp.T;
 	const float *pr = part + (long long)r * parts * 4;
-	float m = -EBB_INF;
-	for (int p = 0; p < parts; p++) m = fmaxf(m, pr[4 * p]);
-	float Z = 0.f;
+	float m, Z;
+	const float lse = parts_lse(pr, parts, m, Z);
 	ArgMax best = {-EBB_INF, 0x7fffffff};
-	for (int p = 0; p < parts; p++) {
-		if (pr[4 * p + 1] > 0.f) Z += pr[4 * p + 1] * __expf(pr[4 * p] - m);
-		best = better(best, ArgMax{pr[4 * p + 2], __float_as_int(pr[4 * p + 3])});
-	}
-	const float lse = m + logf(Z);
+	for (int p = 0; p < parts; p++) best = better(best, ArgMax{pr[4 * p + 2], __float_as_int(pr[4 * p + 3])});
 	if (best.i < 0 || best.i >= V) best.i = 0; // a row of -inf logits only
 	const int k = top_k[r];
 	const bool filtered = rp.sampled && ((k > 0 && k < V) || top_p[r] < 1.f || min_p[r] > 0.f);
@@ -429,6 +457,30 @@ __device__ void sample_finish_impl(const T *logits, int V, const float *temp, co
 	}
 SAMPLE_KERNELS(f32, float)
 SAMPLE_KERNELS(bf16, bf16)
+
+// Deterministic inference: the scan with a fixed slice layout, whatever
+// the logits' dtype (the host fixes the slices by vocabulary alone).
+#define SAMPLE_SCAN_DET(NAME, T)                                                                                  \
+	extern "C" __global__ void __launch_bounds__(256) sample_scan_det_##NAME(                                     \
+	    const T *logits, int V, const float *temp, const int *top_k, const unsigned *keys, float *part) {          \
+		DEP();                                                                                                     \
+		sample_scan_impl<T, true>(logits, V, temp, top_k, keys, part);                                             \
+	}
+SAMPLE_SCAN_DET(f32, float)
+SAMPLE_SCAN_DET(bf16, bf16)
+
+// token_logprobs_det: out[r] = x[targets[r]] - the logsumexp of
+// sample_scan_det's slices of row r, as sample_finish computes a sampled
+// token's logprob at temperature 1.
+extern "C" __global__ void token_logprobs_det(float *out, const float *logits, const int *targets, int V,
+                                              const float *part, int parts, int rows) {
+	DEP();
+	const int r = blockIdx.x * blockDim.x + threadIdx.x;
+	if (r >= rows) return;
+	float m, Z;
+	const float lse = parts_lse(part + (long long)r * parts * 4, parts, m, Z);
+	out[r] = logits[(long long)r * V + targets[r]] * 1.f - lse;
+}
 
 extern "C" __global__ void apply_penalties(float *logits, int V, const int *rowptr, const int *toks, const int *counts,
                                            const float *bias, const float *rep, const float *freq, const float *pres) {

@@ -34,6 +34,13 @@ func New(granularity int64) *Device {
 // Name implements device.Device.
 func (d *Device) Name() string { return "cpu" }
 
+// EnableDeterministic implements device.Deterministic: the CPU backend is
+// batch-invariant as it stands. Each row's products, norms, attention and
+// logsumexp run in one fixed order whatever the step holds (the matmul
+// splits work by output rows, never along K), and a sampled token's
+// logprob and a scored prompt token's come from the same logSumExp.
+func (d *Device) EnableDeterministic() error { return nil }
+
 // DType implements device.Device: the CPU computes in float32.
 func (d *Device) DType() device.DType { return device.F32 }
 
@@ -199,6 +206,9 @@ func (d *Device) AddRMSNorm(residual, x, out, w device.Tensor, eps float32) {
 	d.RMSNorm(out, residual, w, eps)
 }
 
+// matMulRowBlock is gonum's block size.
+const matMulRowBlock = 64
+
 // MatMul implements device.Device.
 func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 	m, k := x.Dim(0), x.Dim(-1)
@@ -207,11 +217,25 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.fail(fmt.Errorf("matmul: x %v, w %v, out %v", x, w, out))
 		return
 	}
-	o := F32(out)
-	blas32.Gemm(blas.NoTrans, blas.Trans, 1,
-		blas32.General{Rows: m, Cols: k, Stride: k, Data: F32(x)},
-		blas32.General{Rows: n, Cols: k, Stride: k, Data: F32(w)},
-		0, blas32.General{Rows: m, Cols: n, Stride: n, Data: o})
+	o, xs := F32(out), F32(x)
+	// gonum sums each output over K in one pass when the product has few
+	// 64 x 64 blocks and in 64-wide K blocks when it has many, so the row
+	// count would pick the rounding: products go to it 64 rows at a time,
+	// where only the weights' shape decides (the batch-invariance that
+	// deterministic inference relies on).
+	var wg sync.WaitGroup
+	for r0 := 0; r0 < m; r0 += matMulRowBlock {
+		rows := min(matMulRowBlock, m-r0)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			blas32.Gemm(blas.NoTrans, blas.Trans, 1,
+				blas32.General{Rows: rows, Cols: k, Stride: k, Data: xs[r0*k : (r0+rows)*k]},
+				blas32.General{Rows: n, Cols: k, Stride: k, Data: F32(w)},
+				0, blas32.General{Rows: rows, Cols: n, Stride: n, Data: o[r0*n : (r0+rows)*n]})
+		}()
+	}
+	wg.Wait()
 	if bias.Valid() {
 		b := F32(bias)
 		for r := 0; r < m; r++ {

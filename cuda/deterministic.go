@@ -1,0 +1,161 @@
+package cuda
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+
+	"ebb/device"
+	"ebb/memory"
+)
+
+// Deterministic inference (--enable-deterministic-inference): every
+// operation computes a row the same way whatever else shares its launch,
+// so a request's tokens and logprobs do not depend on the batch, on a
+// prefix-cache hit or on chunk boundaries, and the logprob a token gets as
+// it is generated is the one a prefill of the finished sequence gives it.
+//
+//   - Products: matmul_wg for every row count. Its reduction order (the K
+//     splits of a weight tile, fixed by the weights' shape and the SMs, and
+//     the rank order they are added in) does not depend on the rows; past
+//     128 rows the batch takes a tile a blockIdx.y. The fused decode forms
+//     (norms folded into products, cuBLAS's epilogue, gemv) are off: each
+//     rounds where the plain kernels do not.
+//   - Attention: attn_det for prefills and decodes alike (fixed splits of
+//     DET_SPLIT positions merged in order; attention_fast.cu).
+//   - q/k preparation: prepare_qkv for every step size.
+//   - Sampling and logprobs: sample_scan_det's slices depend on the
+//     vocabulary alone, and a prompt's token logprobs merge them as a
+//     sampled token's do.
+
+// detSplit is DET_SPLIT in attention_fast.cu.
+const detSplit = 128
+
+// detPartialBytes holds attn_det's decode partials: (sequences +
+// positions / detSplit) x query heads rows of head_dim floats (Qwen3-0.6B,
+// 256 sequences of 2,048 positions: 35 MB). Sequences whose splits do not
+// fit are merged by one block instead, with the same bits.
+const detPartialBytes = 64 << 20
+
+// EnableDeterministic implements device.Deterministic. It needs matmul_wg
+// (an sm_90a build: Hopper GPUs).
+func (d *Device) EnableDeterministic() error {
+	if d.det {
+		return nil
+	}
+	if !d.wgmma {
+		return errors.New("deterministic inference needs an sm_90 GPU (H100, H200): its products run on matmul_wg")
+	}
+	for _, dim := range []int{64, 128} {
+		if err := d.k[fmt.Sprintf("attn_det_d%d", dim)].SetMaxDynamicShared(prefillMMAShared(dim)); err != nil {
+			return err
+		}
+	}
+	var err error
+	if d.detPartO, err = d.Alloc(memory.CUDAGraph, device.F32, detPartialBytes/4); err != nil {
+		return fmt.Errorf("deterministic attention partials: %w", err)
+	}
+	if d.detPartML, err = d.Alloc(memory.CUDAGraph, device.F32, detPartialBytes/4/64); err != nil {
+		return fmt.Errorf("deterministic attention partials: %w", err)
+	}
+	d.det = true
+	return nil
+}
+
+// Deterministic reports whether EnableDeterministic was called.
+func (d *Device) Deterministic() bool { return d.det }
+
+// detMatMul is a product on matmul_wg for any m (glu: gate_up with silu).
+func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
+	if n%16 != 0 || k%matMulWGBK != 0 || x%16 != 0 || w%16 != 0 {
+		d.fail(fmt.Errorf("deterministic inference: a %d x %d product (its kernel needs rows in multiples of 16 and K of %d)", n, k, matMulWGBK))
+		return
+	}
+	d.matMulWG(out, outF32, x, w, m, n, k, glu, normFold{})
+}
+
+// attnDet runs attn_det: a step's decodes (one query each, the leading
+// meta.Decodes sequences, or all when MaxQLen is 1) with their splits
+// spread over blocks, the other sequences a query tile a block.
+func (d *Device) attnDet(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+	if dim != 64 && dim != 128 {
+		d.fail(fmt.Errorf("deterministic inference: head_dim %d (its attention takes 64 or 128)", dim))
+		return
+	}
+	dec, pre := meta, device.AttnMeta{}
+	switch {
+	case meta.MaxQLen == 1 && !meta.Sparse:
+	case meta.Decodes > 0:
+		dec.NumSeqs, dec.MaxQLen = meta.Decodes, 1
+		pre = meta
+		pre.NumSeqs, pre.Decodes = meta.NumSeqs-meta.Decodes, 0
+		pre.QIndptr = meta.QIndptr.Rows(meta.Decodes, meta.NumSeqs+1)
+		pre.KVIndptr = meta.KVIndptr.Rows(meta.Decodes, meta.NumSeqs+1)
+	default:
+		dec, pre = device.AttnMeta{}, meta
+	}
+	name := fmt.Sprintf("attn_det_d%d", dim)
+	if b := dec.NumSeqs; b > 0 {
+		if b*hk > matMulCountersAt {
+			d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
+			return
+		}
+		if hq/hk > 16 {
+			d.fail(fmt.Errorf("deterministic inference: %d query heads a kv head (its decode takes 16)", hq/hk))
+			return
+		}
+		// A block takes a (sequence, kv head)'s query heads, as rows of
+		// its tile, over every workers-th split.
+		workers := max(1, min(32, 2*d.ctx.SMs/(b*hk)))
+		d.launchDet(name, Dim3{uint32(workers), uint32(hk), uint32(b)}, workers, out, qkv, kc, vc, dec, scale, hq, hk, dim)
+	}
+	if pre.NumSeqs > 0 {
+		tiles := (pre.MaxQLen + 63) / 64
+		d.launchDet(name, Dim3{uint32(tiles), uint32(hq), uint32(pre.NumSeqs)}, 0, out, qkv, kc, vc, pre, scale, hq, hk, dim)
+	}
+}
+
+func (d *Device) launchDet(name string, grid Dim3, workers int, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
+	d.launch(name, grid, D1(128), prefillMMAShared(dim), P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr),
+		P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr), P(meta.KVIndices.Ptr), I(hq), I(hk), F(scale), I(workers),
+		P(d.detPartO.Ptr), P(d.detPartML.Ptr), P(d.counters.Ptr), I(cmp.Or(d.detPartRows, d.detPartO.Numel()/dim)))
+}
+
+// detSampleParts is how many slices sample_scan_det cuts a row of v
+// logits into: fixed by the vocabulary, so a row's logsumexp has the same
+// bits in any batch.
+func detSampleParts(v int) int { return max(1, min(64, (v+2047)/2048)) }
+
+// sampleDet is Sample's scan with the fixed slices; sample_finish merges
+// them as usual.
+func (d *Device) sampleDet(suffix string, logits device.Tensor, a device.SampleArgs) (parts int, ok bool) {
+	rows, v := logits.Dim(0), logits.Dim(-1)
+	parts = detSampleParts(v)
+	if int64(rows*parts*16) > d.samplePart.Bytes() {
+		d.fail(fmt.Errorf("sample: %d rows of %d logits exceed deterministic sampling's buffer", rows, v))
+		return 0, false
+	}
+	d.launch("sample_scan_det_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
+		P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
+	return parts, true
+}
+
+// tokenLogprobsDet scores targets as sampleDet and sample_finish would
+// at temperature 1, as many rows at a time as the slices' buffer holds.
+func (d *Device) tokenLogprobsDet(out, logits, targets device.Tensor) {
+	rows, v := logits.Dim(0), logits.Dim(-1)
+	if logits.DType != device.F32 {
+		d.fail(fmt.Errorf("token logprobs: logits %v (float32)", logits))
+		return
+	}
+	parts := detSampleParts(v)
+	chunk := int(d.samplePart.Bytes() / int64(parts*16))
+	for r0 := 0; r0 < rows; r0 += chunk {
+		n := min(chunk, rows-r0)
+		l := logits.Rows(r0, r0+n)
+		d.launch("sample_scan_det_f32", Dim3{uint32(n), uint32(parts), 1}, D1(256), 0, P(l.Ptr), I(v),
+			P(0), P(0), P(0), P(d.samplePart.Ptr))
+		d.launch("token_logprobs_det", D1((n+127)/128), D1(128), 0, P(out.Ptr+uintptr(4*r0)), P(l.Ptr),
+			P(targets.Ptr+uintptr(4*r0)), I(v), P(d.samplePart.Ptr), I(parts), I(n))
+	}
+}

@@ -1,0 +1,254 @@
+package cuda
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"testing"
+
+	"ebb/device"
+)
+
+// detPair is a pair whose GPU runs deterministic inference's kernels.
+func detPair(t *testing.T) *pair {
+	p := newPair(t)
+	if err := p.gpu.EnableDeterministic(); err != nil {
+		t.Skip(err)
+	}
+	return p
+}
+
+// TestDeterministicProductsAreRowInvariant: a row's product has the same
+// bits whichever rows share the launch (1 to 300 of them: every batch tile
+// and past one), on matmul_wg for every count, and matches the CPU
+// reference within bf16 rounding.
+func TestDeterministicProductsAreRowInvariant(t *testing.T) {
+	const rows = 300
+	for _, tc := range []struct {
+		n, k  int
+		glu   bool
+		f32   bool
+		scale float32
+	}{{1024, 2048, false, false, 0.03}, {4096, 1024, false, false, 0.03}, {6144, 1024, true, false, 0.03},
+		{151936, 1024, false, true, 0.03}} {
+		t.Run(fmt.Sprintf("n%d-k%d-glu%v", tc.n, tc.k, tc.glu), func(t *testing.T) {
+			p := detPair(t) // the context is this goroutine's
+			x := p.random(device.BF16, 1, rows, tc.k)
+			w := p.random(device.BF16, tc.scale, tc.n, tc.k)
+			cols, dt := tc.n, device.BF16
+			if tc.glu {
+				cols = tc.n / 2
+			}
+			if tc.f32 {
+				dt = device.F32
+			}
+			product := func(out, x device.Tensor) {
+				if tc.glu {
+					if !p.gpu.MatMulSiLU(out, x, w.g) {
+						t.Fatal("MatMulSiLU declined")
+					}
+					return
+				}
+				p.gpu.MatMul(out, x, w.g, device.Tensor{})
+			}
+			full := p.random(dt, 0, rows, cols)
+			product(full.g, x.g)
+			if tc.glu {
+				gu := p.random(device.F32, 0, rows, tc.n)
+				p.cpu.MatMul(gu.c, x.c, w.c, device.Tensor{})
+				p.cpu.SiLUMul(full.c, gu.c)
+			} else {
+				p.cpu.MatMul(full.c, x.c, w.c, device.Tensor{})
+			}
+			p.close("product", full, 2e-2, 2e-2)
+			want, _ := p.download(full)
+			for _, m := range []int{1, 2, 9, 25, 33, 48, 64, 100, 128, 129, 256} {
+				// The last m rows: each lands at another place in its tile.
+				part := p.random(dt, 0, m, cols)
+				product(part.g, x.g.Rows(rows-m, rows))
+				got, _ := p.download(part)
+				for i := range got {
+					if math.Float32bits(got[i]) != math.Float32bits(want[(rows-m)*cols+i]) {
+						t.Fatalf("%d rows: row %d col %d: %v, %v among %d rows", m, rows-m+i/cols, i%cols, got[i], want[(rows-m)*cols+i], rows)
+					}
+				}
+			}
+		})
+	}
+}
+
+// detSeq is a sequence's slots in position order.
+type detSeq []int32
+
+// detMeta builds a step over prefix sequences: sequence i has queries
+// for its last qlens[i] positions and attends to kv[i].
+func detMeta(p *pair, qlens []int, kv []detSeq) device.AttnMeta {
+	qptr, kvptr, idx := []int32{0}, []int32{0}, []int32{}
+	maxQ, maxKV, decodes := 0, 0, 0
+	for i, s := range kv {
+		if decodes == i && qlens[i] == 1 {
+			decodes++
+		}
+		idx = append(idx, s...)
+		qptr = append(qptr, qptr[i]+int32(qlens[i]))
+		kvptr = append(kvptr, kvptr[i]+int32(len(s)))
+		maxQ, maxKV = max(maxQ, qlens[i]), max(maxKV, len(s))
+	}
+	return device.AttnMeta{NumSeqs: len(kv), MaxQLen: maxQ, MaxKVLen: maxKV, Decodes: decodes,
+		QIndptr: p.ints(qptr).g, KVIndptr: p.ints(kvptr).g, KVIndices: p.ints(idx).g}
+}
+
+// TestDeterministicAttention: attn_det gives a query the same bits as a
+// prompt's row in one prefill, in a chunk of it, and as a decode among
+// others of any length (its splits spread over blocks), and the prefill
+// matches the CPU reference within bf16 rounding.
+func TestDeterministicAttention(t *testing.T) {
+	for _, tc := range []struct{ hq, hk, d int }{{16, 8, 128}, {32, 8, 128}, {12, 4, 64}} {
+		t.Run(fmt.Sprintf("hq%d-hk%d-d%d", tc.hq, tc.hk, tc.d), func(t *testing.T) {
+			p := detPair(t)
+			const n = 1500
+			slots := n + 64
+			perm := p.rng.Perm(slots)
+			seq := make(detSeq, n)
+			for i := range seq {
+				seq[i] = int32(perm[i])
+			}
+			qkv := p.random(device.BF16, 1, n, tc.hq+2*tc.hk, tc.d)
+			kc, vc := p.random(device.BF16, 1, slots, tc.hk, tc.d), p.random(device.BF16, 1, slots, tc.hk, tc.d)
+			scale := float32(1 / math.Sqrt(float64(tc.d)))
+			row := tc.hq * tc.d
+
+			// The whole prompt in one prefill.
+			full := p.random(device.BF16, 0, n, tc.hq, tc.d)
+			meta := detMeta(p, []int{n}, []detSeq{seq})
+			p.gpu.Attention(full.g, qkv.g, kc.g, vc.g, meta, scale)
+			cmeta := meta
+			cmeta.QIndptr, cmeta.KVIndptr, cmeta.KVIndices = p.ints([]int32{0, n}).c, p.ints([]int32{0, n}).c, p.ints(seq).c
+			p.cpu.Attention(full.c, qkv.c, kc.c, vc.c, cmeta, scale)
+			p.close("prefill", full, 2e-2, 2e-2)
+			want, _ := p.download(full)
+			same := func(name string, got []float32, pos []int) {
+				t.Helper()
+				for i, ps := range pos {
+					for j := 0; j < row; j++ {
+						if a, b := got[i*row+j], want[ps*row+j]; math.Float32bits(a) != math.Float32bits(b) {
+							t.Fatalf("%s: position %d element %d: %v, one prefill %v", name, ps, j, a, b)
+						}
+					}
+				}
+			}
+			span := func(from, to int) []int {
+				var s []int
+				for i := from; i < to; i++ {
+					s = append(s, i)
+				}
+				return s
+			}
+
+			// A chunk: the prompt's last 700 tokens after the first 800
+			// were cached, beside a short prompt.
+			short := seq[:50]
+			cq := p.random(device.BF16, 0, 750, tc.hq+2*tc.hk, tc.d)
+			p.gpu.Copy(cq.g.Rows(0, 700), qkv.g.Rows(800, n))
+			p.gpu.Copy(cq.g.Rows(700, 750), qkv.g.Rows(0, 50))
+			chunk := p.random(device.BF16, 0, 750, tc.hq, tc.d)
+			p.gpu.Attention(chunk.g, cq.g, kc.g, vc.g, detMeta(p, []int{700, 50}, []detSeq{seq, short}), scale)
+			got, _ := p.download(chunk)
+			same("chunk", got, append(span(800, n), span(0, 50)...))
+
+			// Decodes at positions around the split and tile edges, one
+			// batch alone and one mixed with a prefill after them.
+			pos := []int{0, 1, 63, 64, 127, 128, 129, 255, 256, 700, 1023, n - 1}
+			dq := p.random(device.BF16, 0, len(pos)+50, tc.hq+2*tc.hk, tc.d)
+			var kv []detSeq
+			for i, ps := range pos {
+				p.gpu.Copy(dq.g.Rows(i, i+1), qkv.g.Rows(ps, ps+1))
+				kv = append(kv, seq[:ps+1])
+			}
+			p.gpu.Copy(dq.g.Rows(len(pos), len(pos)+50), qkv.g.Rows(0, 50))
+			qlens := slices.Repeat([]int{1}, len(pos))
+			dec := p.random(device.BF16, 0, len(pos), tc.hq, tc.d)
+			p.gpu.Attention(dec.g, dq.g.Rows(0, len(pos)), kc.g, vc.g, detMeta(p, qlens, kv), scale)
+			got, _ = p.download(dec)
+			same("decode", got, pos)
+			mixed := p.random(device.BF16, 0, len(pos)+50, tc.hq, tc.d)
+			p.gpu.Attention(mixed.g, dq.g, kc.g, vc.g, detMeta(p, append(qlens, 50), append(kv, short)), scale)
+			got, _ = p.download(mixed)
+			same("mixed step", got, append(slices.Clone(pos), span(0, 50)...))
+
+			// A decode among 255 others, whose partials then take every
+			// worker's share of the buffer differently.
+			var many []detSeq
+			mq := p.random(device.BF16, 0, 256, tc.hq+2*tc.hk, tc.d)
+			for i := 0; i < 256; i++ {
+				ps := n - 1 - 5*i
+				many = append(many, seq[:ps+1])
+				p.gpu.Copy(mq.g.Rows(i, i+1), qkv.g.Rows(ps, ps+1))
+			}
+			big := p.random(device.BF16, 0, 256, tc.hq, tc.d)
+			p.gpu.Attention(big.g, mq.g, kc.g, vc.g, detMeta(p, slices.Repeat([]int{1}, 256), many), scale)
+			got, _ = p.download(big)
+			var mpos []int
+			for i := 0; i < 256; i++ {
+				mpos = append(mpos, n-1-5*i)
+			}
+			same("256 decodes", got, mpos)
+			// Partials for a tenth of them: the rest are merged by one
+			// block each, in registers.
+			p.gpu.detPartRows = 26 * tc.hq * 12
+			p.gpu.Attention(big.g, mq.g, kc.g, vc.g, detMeta(p, slices.Repeat([]int{1}, 256), many), scale)
+			got, _ = p.download(big)
+			p.gpu.detPartRows = 0
+			same("256 decodes, partials for some", got, mpos)
+		})
+	}
+}
+
+// TestDeterministicLogprobs: a sampled token's logprob (from bf16 logits,
+// as decode graphs sample) has the bits of the same token scored as a
+// prompt's (float32 logits, TokenLogprobs), in batches of any size.
+func TestDeterministicLogprobs(t *testing.T) {
+	p := detPair(t)
+	const v, b = 151936, 9
+	logits := p.random(device.BF16, 3, b, v)
+	f32 := p.random(device.F32, 0, b, v)
+	p.gpu.Convert(f32.g, logits.g)
+	p.cpu.Convert(f32.c, logits.c)
+	greedy := make([]float32, b)
+	args := sampleArgs(p, greedy, slices.Repeat([]float32{1}, b), slices.Repeat([]int32{-1}, b), make([]float32, b), make([]int32, 2*b), 0)
+	p.gpu.Sample(logits.g, args[0])
+	p.sync()
+	ids, lps := make([]int32, b), make([]float32, b)
+	if err := p.gpu.DownloadI32(args[0].IDs, ids); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.gpu.DownloadF32(args[0].Logprobs, lps); err != nil {
+		t.Fatal(err)
+	}
+	targets := p.ints(ids)
+	scored := p.random(device.F32, 0, b)
+	p.gpu.TokenLogprobs(scored.g, f32.g, targets.g)
+	got, _ := p.download(scored)
+	ref := p.random(device.F32, 0, b)
+	p.cpu.TokenLogprobs(ref.c, f32.c, targets.c)
+	_, cpuLps := p.download(ref)
+	for r := range got {
+		if math.Float32bits(got[r]) != math.Float32bits(lps[r]) {
+			t.Fatalf("row %d: sampled logprob %v, scored %v", r, lps[r], got[r])
+		}
+		if math.Abs(float64(got[r]-cpuLps[r])) > 1e-3 {
+			t.Fatalf("row %d: logprob %v, CPU reference %v", r, got[r], cpuLps[r])
+		}
+	}
+	// One row alone.
+	one := sampleArgs(p, greedy[:1], []float32{1}, []int32{-1}, []float32{0}, []int32{0, 0}, 0)
+	p.gpu.Sample(logits.g.Rows(b-1, b), one[0])
+	p.sync()
+	alone := make([]float32, 1)
+	if err := p.gpu.DownloadF32(one[0].Logprobs, alone); err != nil {
+		t.Fatal(err)
+	}
+	if math.Float32bits(alone[0]) != math.Float32bits(lps[b-1]) {
+		t.Fatalf("a row alone: logprob %v, among %d rows %v", alone[0], b, lps[b-1])
+	}
+}
