@@ -691,16 +691,17 @@ func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 		return
 	}
 	rows, v := logits.Dim(0), logits.Dim(-1)
-	parts := max(1, min(64, 4*d.ctx.SMs/rows, (v+2047)/2048))
-	for parts > 1 && int64(rows*parts*4*4) > d.samplePart.Bytes() {
-		parts--
-	}
+	var parts int
 	if d.det {
 		var ok bool
 		if parts, ok = d.sampleDet(suffix, logits, a); !ok {
 			return
 		}
 	} else {
+		parts = max(1, min(64, 4*d.ctx.SMs/rows, (v+2047)/2048))
+		for parts > 1 && int64(rows*parts*4*4) > d.samplePart.Bytes() {
+			parts--
+		}
 		d.launch("sample_scan_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
 			P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
 	}
