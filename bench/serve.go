@@ -110,6 +110,12 @@ func engineArgs(e engine.Config) []string {
 	if e.EnableDeterministicInference {
 		args = append(args, "--enable-deterministic-inference")
 	}
+	if e.EnableReturnRoutedExperts {
+		args = append(args, "--enable-return-routed-experts")
+	}
+	if e.LoadFormat != "" && e.LoadFormat != "auto" {
+		args = append(args, "--load-format", e.LoadFormat)
+	}
 	if e.ScheduleConservativeness > 0 && e.ScheduleConservativeness != 1 {
 		args = append(args, "--schedule-conservativeness", strconv.FormatFloat(e.ScheduleConservativeness, 'f', -1, 64))
 	}

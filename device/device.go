@@ -386,6 +386,29 @@ type Deterministic interface {
 	EnableDeterministic() error
 }
 
+// MoE is implemented by devices that run the sparse MLP of a
+// mixture-of-experts layer (Qwen3-MoE).
+type MoE interface {
+	// MoERoute picks each row's experts from router logits [T, E] (the
+	// activation dtype): a float32 softmax, its k largest probabilities in
+	// descending order (the lower expert first on a tie) into ids [T, k]
+	// int32 and weights [T, k] float32, the weights divided by their sum
+	// when norm and then rounded to the activation dtype, as transformers
+	// rounds them.
+	MoERoute(ids, weights, logits Tensor, norm bool)
+	// MoEExperts: out[t] = sum over j of weights[t, j] times expert
+	// e = ids[t, j] applied to x[t], down_e(silu(gate_e x) * up_e x),
+	// where gateUp [E, 2I, H] holds each expert's gate rows then its up
+	// rows and down is [E, H, I]. The k terms are added in ascending
+	// expert order, each rounded to out's dtype and the sum rounded after
+	// every addition, as transformers' index_add_ does. work is scratch
+	// of MoEWorkBytes.
+	MoEExperts(out, x, ids, weights, gateUp, down, work Tensor)
+	// MoEWorkBytes is the scratch MoEExperts needs for t rows of k
+	// experts each, of experts experts of inter columns over hidden.
+	MoEWorkBytes(t, k, experts, inter, hidden int) int64
+}
+
 // Accumulating is implemented by devices that add a matmul's product into
 // its output where that is cheaper than a separate add.
 type Accumulating interface {

@@ -47,6 +47,13 @@ type Config struct {
 	// request's tokens and logprobs are the same bits whatever it is
 	// batched with (--enable-deterministic-inference).
 	EnableDeterministicInference bool
+	// EnableReturnRoutedExperts records the experts every token of a
+	// mixture-of-experts model was routed to, for requests that ask
+	// (return_routed_experts; --enable-return-routed-experts).
+	EnableReturnRoutedExperts bool
+	// LoadFormat is auto (the safetensors of ModelDir) or dummy (random
+	// weights from config.json alone, for benchmarks; --load-format).
+	LoadFormat string
 	// ScheduleConservativeness scales how much of their remaining output
 	// requests that may stop early are expected to need when admitted
 	// (--schedule-conservativeness; 0 means 1).
@@ -95,6 +102,9 @@ func (c *Config) Defaults() {
 	}
 	if c.TokenizerDir == "" {
 		c.TokenizerDir = c.ModelDir
+	}
+	if c.LoadFormat == "" {
+		c.LoadFormat = "auto"
 	}
 	c.TPSize, c.DPSize = max(c.TPSize, 1), max(c.DPSize, 1)
 }
@@ -201,7 +211,15 @@ func (e *Engine) load(mcfg *model.Config) error {
 	if err != nil {
 		return err
 	}
-	if err := loadCheckpoint(m, cfg.ModelDir); err != nil {
+	switch cfg.LoadFormat {
+	case "", "auto", "safetensors":
+		err = loadCheckpoint(m, cfg.ModelDir)
+	case "dummy":
+		err = m.LoadDummy(1)
+	default:
+		err = fmt.Errorf("--load-format %q is not supported (auto, safetensors or dummy)", cfg.LoadFormat)
+	}
+	if err != nil {
 		return err
 	}
 	e.Model = m
@@ -221,6 +239,11 @@ func (e *Engine) load(mcfg *model.Config) error {
 	}
 	if e.Runner, err = runner.New(m, limits); err != nil {
 		return err
+	}
+	if cfg.EnableReturnRoutedExperts {
+		if err := e.Runner.EnableRoutedExperts(); err != nil {
+			return fmt.Errorf("--enable-return-routed-experts: %w", err)
+		}
 	}
 	if e.Dev.Name() != "cpu" { // every rank, in step: the warm-up runs the collectives
 		if err := e.Runner.WarmUp(runner.WarmUpSizes(limits)); err != nil {

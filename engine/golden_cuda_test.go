@@ -49,7 +49,7 @@ func TestGoldensCUDA(t *testing.T) {
 		t.Run(g.Name, func(t *testing.T) {
 			dir := m.dir(t)
 			e, err := engine.Open(engine.Config{ModelDir: dir, Device: "cuda", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
-				MaxTotalTokens: 4096, CUDAGraphMaxBS: 8})
+				MaxTotalTokens: 4096, CUDAGraphMaxBS: 8, EnableReturnRoutedExperts: isMoE(t, dir)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -66,6 +66,14 @@ func TestGoldensCUDA(t *testing.T) {
 				}
 			}
 			for i, c := range g.Cases {
+				agree := 0
+				for j := range c.OutputIDs {
+					if c.Top2Gap[j] < tieGap || outs[i].OutputIDs[j] != c.OutputIDs[j] {
+						break
+					}
+					agree++
+				}
+				compareRouting(t, fmt.Sprintf("prompt %d", i), c, outs[i].RoutedExperts, agree, routerTieBF16)
 				for j := range c.OutputIDs {
 					if c.Top2Gap[j] < tieGap {
 						break

@@ -14,6 +14,7 @@ import (
 
 	"ebb/engine"
 	"ebb/ioschema"
+	"ebb/model"
 	"ebb/runner"
 	"ebb/scheduler"
 	"ebb/tinymodel"
@@ -40,7 +41,20 @@ type goldenCase struct {
 	OutputLogprobs []float64 `json:"output_logprobs"`
 	Top2Gap        []float64 `json:"top2_gap"`
 	PromptLogprobs []float64 `json:"prompt_logprobs"`
+	// Mixture-of-experts models: the experts every token but the last was
+	// routed to, [tokens][layers][k] (-1 in dense layers), and the margin
+	// of each token's choice in each layer [tokens][layers].
+	RoutedExperts [][][]int32 `json:"routed_experts"`
+	RouterMargin  [][]float64 `json:"router_margin"`
 }
+
+// Margins between neighbouring router probabilities that float32 noise
+// (the CPU against transformers in float32) and bf16 noise (the GPU
+// against transformers in bf16) may reorder.
+const (
+	routerTie     = 1e-5
+	routerTieBF16 = 0.02
+)
 
 const (
 	logprobTol = 1e-3
@@ -112,12 +126,55 @@ func writeGoldenModel(t *testing.T, g golden) string {
 func openCPU(t *testing.T, dir string) *engine.Engine {
 	t.Helper()
 	e, err := engine.Open(engine.Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
-		MaxTotalTokens: 4096, CUDAGraphMaxBS: 8})
+		MaxTotalTokens: 4096, CUDAGraphMaxBS: 8, EnableReturnRoutedExperts: isMoE(t, dir)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { e.Close() })
 	return e
+}
+
+// isMoE reports whether dir holds a mixture-of-experts model.
+func isMoE(t *testing.T, dir string) bool {
+	t.Helper()
+	c, err := model.LoadConfig(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c.MoE != nil
+}
+
+// compareRouting checks the experts ebb routed each token to against
+// transformers' router, for every token before the outputs first differ
+// (compared counts the output tokens that agree) and wherever the choice
+// is not a float tie.
+func compareRouting(t *testing.T, what string, c goldenCase, got []int32, compared int, tie float64) {
+	t.Helper()
+	if c.RoutedExperts == nil {
+		return
+	}
+	layers, k := len(c.RoutedExperts[0]), len(c.RoutedExperts[0][0])
+	n := len(c.InputIDs) + len(c.OutputIDs) - 1
+	if len(got) != n*layers*k {
+		t.Fatalf("%s: %d routed expert ids, want %d tokens x %d layers x %d", what, len(got), n, layers, k)
+	}
+	checked := 0
+	for tok := 0; tok < min(n, len(c.InputIDs)+compared); tok++ {
+		for l := 0; l < layers; l++ {
+			if c.RouterMargin[tok][l] < tie {
+				continue
+			}
+			want := c.RoutedExperts[tok][l]
+			row := got[(tok*layers+l)*k : (tok*layers+l+1)*k]
+			if !slices.Equal(row, want) {
+				t.Fatalf("%s: token %d layer %d routed to %v, transformers %v (margin %.2g)", what, tok, l, row, want, c.RouterMargin[tok][l])
+			}
+			checked++
+		}
+	}
+	if checked == 0 {
+		t.Fatalf("%s: no routing compared", what)
+	}
 }
 
 // TestGoldensCPU: greedy output is token-exact with transformers (float32)
@@ -131,8 +188,10 @@ func TestGoldensCPU(t *testing.T) {
 			e := openCPU(t, dir)
 			outs := runGolden(t, e, g)
 			for i, c := range g.Cases {
-				compareGolden(t, fmt.Sprintf("prompt of %d", len(c.InputIDs)), c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
+				what := fmt.Sprintf("prompt of %d", len(c.InputIDs))
+				n := compareGolden(t, what, c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
 					outs[i].OutputIDs, outs[i].OutputLogprobs, logprobTol)
+				compareRouting(t, what, c, outs[i].RoutedExperts, n, routerTie)
 				// Teacher-forced prompt logprobs (input_token_logprobs).
 				got := outs[i].InputLogprobs
 				if len(got) != len(c.InputIDs) || (len(got) > 0 && !math.IsNaN(float64(got[0]))) {
@@ -191,7 +250,7 @@ func generateGolden(t *testing.T, e *engine.Engine, g golden) []scheduler.Output
 	var reqs []scheduler.Request
 	for i, c := range g.Cases {
 		reqs = append(reqs, scheduler.Request{Rid: fmt.Sprint(i), InputIDs: c.InputIDs, Params: params,
-			ReturnLogprob: true, LogprobStartLen: 0})
+			ReturnLogprob: true, LogprobStartLen: 0, ReturnRoutedExperts: c.RoutedExperts != nil})
 	}
 	outs, err := scheduler.Generate(e, reqs)
 	if err != nil {
@@ -200,8 +259,9 @@ func generateGolden(t *testing.T, e *engine.Engine, g golden) []scheduler.Output
 	return outs
 }
 
-// compareGolden checks tokens up to the first near-tie and logprobs there.
-func compareGolden(t *testing.T, what string, wantIDs []int32, wantLP, gaps []float64, gotIDs []int32, gotLP []float32, tol float64) {
+// compareGolden checks tokens up to the first near-tie and logprobs there,
+// and returns how many output tokens it compared.
+func compareGolden(t *testing.T, what string, wantIDs []int32, wantLP, gaps []float64, gotIDs []int32, gotLP []float32, tol float64) int {
 	t.Helper()
 	n := len(wantIDs)
 	for j, gap := range gaps {
@@ -224,7 +284,7 @@ func compareGolden(t *testing.T, what string, wantIDs []int32, wantLP, gaps []fl
 	if n < len(wantIDs) {
 		t.Logf("%s: near-tie at step %d; compared %d tokens", what, n-1, n)
 	}
-	_ = slices.Equal[[]int32]
+	return n
 }
 
 // defaultModelDir is ebb's trained default model (tools/train_default_model.py).

@@ -34,7 +34,7 @@ func TestGoldensCPUTensorParallel(t *testing.T) {
 			var ranks [2]*engine.Engine
 			for r := range ranks {
 				e, err := engine.Open(engine.Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
-					MaxTotalTokens: 4096, TPSize: 2, TPRank: r,
+					MaxTotalTokens: 4096, TPSize: 2, TPRank: r, EnableReturnRoutedExperts: mc.MoE != nil,
 					Collective: func(device.Device) (device.Collective, error) { return comms[r], nil }})
 				if err != nil {
 					t.Fatal(err)
@@ -77,8 +77,10 @@ func TestGoldensCPUTensorParallel(t *testing.T) {
 				t.Fatalf("rank 1: %v", err)
 			}
 			for i, c := range g.Cases {
-				compareGolden(t, fmt.Sprintf("prompt of %d", len(c.InputIDs)), c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
+				what := fmt.Sprintf("prompt of %d", len(c.InputIDs))
+				n := compareGolden(t, what, c.OutputIDs, c.OutputLogprobs, c.Top2Gap,
 					outs[i].OutputIDs, outs[i].OutputLogprobs, logprobTol)
+				compareRouting(t, what, c, outs[i].RoutedExperts, n, routerTie)
 				for j, want := range c.PromptLogprobs {
 					if d := math.Abs(float64(outs[i].InputLogprobs[j+1]) - want); d > logprobTol {
 						t.Fatalf("prompt token %d: logprob %v, transformers %v", j+1, outs[i].InputLogprobs[j+1], want)

@@ -62,6 +62,10 @@ type GenerateReqInput struct {
 	TopLogprobsNum       int           `msgpack:"top_logprobs_num" json:"top_logprobs_num"`
 	ReturnTextInLogprobs bool          `msgpack:"return_text_in_logprobs" json:"return_text_in_logprobs"`
 	Stream               bool          `msgpack:"stream" json:"stream"`
+	// ReturnRoutedExperts returns, when the request finishes, the experts
+	// each of its tokens was routed to, as meta_info.routed_experts (a
+	// mixture-of-experts model served with --enable-return-routed-experts).
+	ReturnRoutedExperts bool `msgpack:"return_routed_experts" json:"return_routed_experts"`
 	// RoutedDPRank sends every prompt of the request to that data-parallel
 	// engine instead of the least loaded one (SGLang's routed_dp_rank, as an
 	// external router sets it). DataParallelRank is its deprecated spelling,
@@ -104,6 +108,8 @@ type TokenizedGenerateReqInput struct {
 	LogprobStartLen int            `msgpack:"logprob_start_len"`
 	TopLogprobsNum  int            `msgpack:"top_logprobs_num"`
 	Stream          bool           `msgpack:"stream"`
+	// ReturnRoutedExperts: SGLang's field of the same name.
+	ReturnRoutedExperts bool `msgpack:"return_routed_experts"`
 }
 
 // TypeName implements Message.
@@ -124,6 +130,10 @@ type tokenOutputs struct {
 	OutputTopLogprobsIdx   [][]Int32s    `msgpack:"output_top_logprobs_idx"`
 	InputTokenLogprobsVal  [][]float32   `msgpack:"input_token_logprobs_val"`
 	InputTokenLogprobsIdx  []Int32s      `msgpack:"input_token_logprobs_idx"`
+	// RoutedExperts, in a finished request's entry when it asked, are the
+	// experts each token but the last was routed to, [tokens - 1, layers,
+	// k] flattened (SGLang's routed_experts).
+	RoutedExperts []Int32s `msgpack:"routed_experts"`
 	// WeightVersion is the weights these tokens were produced with.
 	WeightVersion string `msgpack:"weight_version"`
 }

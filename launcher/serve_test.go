@@ -172,6 +172,7 @@ type genResult struct {
 		ID               string `json:"id"`
 		CompletionTokens int    `json:"completion_tokens"`
 		CachedTokens     int    `json:"cached_tokens"`
+		RoutedExperts    string `json:"routed_experts"`
 		FinishReason     struct {
 			Type string `json:"type"`
 		} `json:"finish_reason"`

@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 )
 
 // Arch is a supported architecture.
@@ -16,9 +17,10 @@ type Arch string
 
 // Supported architectures.
 const (
-	Qwen3 Arch = "Qwen3ForCausalLM"
-	Qwen2 Arch = "Qwen2ForCausalLM"
-	Llama Arch = "LlamaForCausalLM"
+	Qwen3    Arch = "Qwen3ForCausalLM"
+	Qwen2    Arch = "Qwen2ForCausalLM"
+	Llama    Arch = "LlamaForCausalLM"
+	Qwen3MoE Arch = "Qwen3MoeForCausalLM"
 )
 
 // RopeScaling is the subset of rope_scaling / rope_parameters ebb supports.
@@ -57,6 +59,43 @@ type Config struct {
 	BOSTokenID    int32
 	EOSTokenIDs   []int32
 	TorchDType    string
+	// MoE is the mixture-of-experts part of a sparse model; nil for a
+	// dense one.
+	MoE *MoEConfig
+}
+
+// MoEConfig describes the sparse MLP layers of a mixture-of-experts model
+// (Qwen3-MoE): a router picks TopK of Experts per token, each expert a
+// silu-gated MLP of Intermediate columns, and their outputs are added
+// weighted by the router's softmax (renormalised over the chosen ones when
+// NormTopK).
+type MoEConfig struct {
+	Experts      int
+	TopK         int
+	Intermediate int // this rank's share under tensor parallelism
+	NormTopK     bool
+	// SparseStep and MLPOnly pick the sparse layers as transformers does:
+	// layer i is sparse when (i+1) % SparseStep == 0 and i is not in
+	// MLPOnly; the others have a dense MLP of Config.Intermediate.
+	SparseStep int
+	MLPOnly    []int
+}
+
+// Sparse reports whether layer i has experts rather than a dense MLP.
+func (c *Config) Sparse(i int) bool {
+	m := c.MoE
+	return m != nil && (i+1)%m.SparseStep == 0 && !slices.Contains(m.MLPOnly, i)
+}
+
+// SparseLayers is the number of layers with experts.
+func (c *Config) SparseLayers() int {
+	n := 0
+	for i := 0; i < c.Layers; i++ {
+		if c.Sparse(i) {
+			n++
+		}
+	}
+	return n
 }
 
 // LocalVocab is the number of embedding and lm_head rows this rank holds.
@@ -95,6 +134,15 @@ type rawConfig struct {
 	TorchDType         string          `json:"torch_dtype"`
 	DType              string          `json:"dtype"`
 	QuantizationConfig json.RawMessage `json:"quantization_config"`
+	// Mixture of experts (Qwen3-MoE). Qwen's releases write num_experts,
+	// transformers 5 num_local_experts.
+	NumExperts          *int  `json:"num_experts"`
+	NumLocalExperts     *int  `json:"num_local_experts"`
+	NumExpertsPerTok    int   `json:"num_experts_per_tok"`
+	MoEIntermediateSize int   `json:"moe_intermediate_size"`
+	NormTopKProb        bool  `json:"norm_topk_prob"`
+	DecoderSparseStep   *int  `json:"decoder_sparse_step"`
+	MLPOnlyLayers       []int `json:"mlp_only_layers"`
 }
 
 // LoadConfig reads dir/config.json.
@@ -129,7 +177,7 @@ func ParseConfig(data []byte) (*Config, error) {
 		c.TorchDType = r.DType
 	}
 	switch c.Arch {
-	case Qwen3:
+	case Qwen3, Qwen3MoE:
 		c.QKNorm = true
 		c.AttentionBias = r.AttentionBias != nil && *r.AttentionBias
 		c.OutputBias = c.AttentionBias
@@ -139,7 +187,7 @@ func ParseConfig(data []byte) (*Config, error) {
 		c.AttentionBias = r.AttentionBias != nil && *r.AttentionBias
 		c.OutputBias = c.AttentionBias
 	default:
-		return nil, fmt.Errorf("unsupported architecture %q (supported: %s, %s, %s)", c.Arch, Qwen3, Qwen2, Llama)
+		return nil, fmt.Errorf("unsupported architecture %q (supported: %s, %s, %s, %s)", c.Arch, Qwen3, Qwen3MoE, Qwen2, Llama)
 	}
 	var errs []error
 	positive := func(name string, v int) {
@@ -206,8 +254,57 @@ func ParseConfig(data []byte) (*Config, error) {
 		return nil, fmt.Errorf("eos_token_id: %w", err)
 	}
 	c.EOSTokenIDs = eos
+	if c.Arch == Qwen3MoE {
+		if c.MoE, err = parseMoE(&r, c.Layers); err != nil {
+			return nil, err
+		}
+	}
 	return c, nil
 }
+
+// parseMoE reads the expert settings with Qwen3MoeConfig's defaults.
+func parseMoE(r *rawConfig, layers int) (*MoEConfig, error) {
+	m := &MoEConfig{Experts: 128, TopK: r.NumExpertsPerTok, Intermediate: r.MoEIntermediateSize,
+		NormTopK: r.NormTopKProb, SparseStep: 1, MLPOnly: r.MLPOnlyLayers}
+	switch {
+	case r.NumExperts != nil:
+		m.Experts = *r.NumExperts
+	case r.NumLocalExperts != nil:
+		m.Experts = *r.NumLocalExperts
+	}
+	if r.DecoderSparseStep != nil {
+		m.SparseStep = *r.DecoderSparseStep
+	}
+	if m.TopK == 0 {
+		m.TopK = 8
+	}
+	if m.Intermediate == 0 {
+		m.Intermediate = 768
+	}
+	var errs []error
+	if m.Experts <= 0 || m.TopK <= 0 || m.TopK > m.Experts {
+		errs = append(errs, fmt.Errorf("num_experts_per_tok %d must be in [1, num_experts %d]", m.TopK, m.Experts))
+	}
+	if m.TopK > MaxTopKExperts {
+		errs = append(errs, fmt.Errorf("num_experts_per_tok %d exceeds the %d ebb supports", m.TopK, MaxTopKExperts))
+	}
+	if m.Intermediate <= 0 {
+		errs = append(errs, fmt.Errorf("moe_intermediate_size must be positive, got %d", m.Intermediate))
+	}
+	if m.SparseStep <= 0 {
+		errs = append(errs, fmt.Errorf("decoder_sparse_step must be positive, got %d", m.SparseStep))
+	}
+	for _, l := range m.MLPOnly {
+		if l < 0 || l >= layers {
+			errs = append(errs, fmt.Errorf("mlp_only_layers names layer %d of %d", l, layers))
+		}
+	}
+	return m, errors.Join(errs...)
+}
+
+// MaxTopKExperts bounds num_experts_per_tok: the routing kernels keep a
+// token's choices in registers.
+const MaxTopKExperts = 16
 
 func (c *Config) parseRope(r *rawConfig) error {
 	if r.RopeTheta != nil {
@@ -312,11 +409,28 @@ func (c *Config) RopeTables(n int) (cos, sin []float32) {
 	return cos, sin
 }
 
-// DecodeWeightBytes is what one decode step reads of the weights in bf16:
-// every layer's projections and the lm_head (the embedding rows looked up
-// are negligible).
-func (c *Config) DecodeWeightBytes() int64 {
-	h, i := int64(c.Hidden), int64(c.Intermediate)
-	perLayer := h*int64(c.QKVRows()) + int64(c.Heads*c.HeadDim)*h + 3*h*i
-	return 2 * (int64(c.Layers)*perLayer + int64(c.Vocab)*h)
+// DecodeWeightBytes is what one decode step of a single sequence reads of
+// the weights in bf16: every layer's projections (the chosen experts' of a
+// sparse layer, and its router) and the lm_head (the embedding rows looked
+// up are negligible).
+func (c *Config) DecodeWeightBytes() int64 { return c.DecodeWeightBytesAt(1) }
+
+// DecodeWeightBytesAt is DecodeWeightBytes for a step of batch sequences:
+// a sparse layer reads each expert that any of them picks, expected
+// Experts * (1 - (1 - TopK/Experts)^batch) of them with uniform routing.
+func (c *Config) DecodeWeightBytesAt(batch int) int64 {
+	h := int64(c.Hidden)
+	attn := h*int64(c.QKVRows()) + int64(c.Heads*c.HeadDim)*h
+	var n int64
+	for i := 0; i < c.Layers; i++ {
+		n += attn
+		if !c.Sparse(i) {
+			n += 3 * h * int64(c.Intermediate)
+			continue
+		}
+		m := c.MoE
+		touched := float64(m.Experts) * (1 - math.Pow(1-float64(m.TopK)/float64(m.Experts), float64(max(batch, 1))))
+		n += int64(m.Experts)*h + int64(touched*float64(3*h*int64(m.Intermediate)))
+	}
+	return 2 * (n + int64(c.Vocab)*h)
 }

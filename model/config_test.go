@@ -38,6 +38,22 @@ func TestParseConfig(t *testing.T) {
 		{"missing sizes", `{"architectures": ["LlamaForCausalLM"]}`, "hidden_size", nil},
 		{"quantized", `{"architectures": ["LlamaForCausalLM"], ` + base + `, "quantization_config": {"quant_method": "awq"}}`, "quantization", nil},
 		{"not json", `{`, "parse", nil},
+		{"qwen3 moe, Qwen's spelling", `{"architectures": ["Qwen3MoeForCausalLM"], ` + base + `, "num_experts": 16, "num_experts_per_tok": 4,
+			"moe_intermediate_size": 32, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [0]}`, "",
+			func(c *Config) bool {
+				m := c.MoE
+				return c.QKNorm && m.Experts == 16 && m.TopK == 4 && m.Intermediate == 32 && m.NormTopK &&
+					!c.Sparse(0) && c.Sparse(1) && c.SparseLayers() == 1
+			}},
+		{"qwen3 moe, transformers 5 spelling and defaults", `{"architectures": ["Qwen3MoeForCausalLM"], ` + base + `, "num_local_experts": 32, "decoder_sparse_step": 2}`, "",
+			func(c *Config) bool {
+				m := c.MoE
+				return m.Experts == 32 && m.TopK == 8 && m.Intermediate == 768 && !m.NormTopK && !c.Sparse(0) && c.Sparse(1)
+			}},
+		{"dense models have no experts", `{"architectures": ["Qwen3ForCausalLM"], ` + base + `, "num_experts": 8}`, "",
+			func(c *Config) bool { return c.MoE == nil && !c.Sparse(0) }},
+		{"top-k beyond the experts", `{"architectures": ["Qwen3MoeForCausalLM"], ` + base + `, "num_experts": 4, "num_experts_per_tok": 8}`, "num_experts_per_tok", nil},
+		{"mlp_only_layers out of range", `{"architectures": ["Qwen3MoeForCausalLM"], ` + base + `, "mlp_only_layers": [5]}`, "mlp_only_layers", nil},
 	}
 	for _, c := range cases {
 		cfg, err := ParseConfig([]byte(c.json))

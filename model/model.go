@@ -24,6 +24,8 @@ type Model struct {
 	// KV cache: K and V of layer l are KV[2l] and KV[2l+1], each [slots, Hk, D].
 	KV    []device.Tensor
 	kvBuf device.Tensor
+	// targetIndex maps checkpoint names to places, built on first use.
+	targetIndex map[string]Target
 }
 
 // Options size the model's device state.
@@ -51,6 +53,9 @@ func New(dev device.Device, cfg *Config, opts Options) (*Model, error) {
 	local, err := opts.Shard.LocalConfig(cfg)
 	if err != nil {
 		return nil, err
+	}
+	if _, ok := dev.(device.MoE); cfg.MoE != nil && !ok {
+		return nil, fmt.Errorf("%s is a mixture-of-experts model and the %s device has no expert kernels", cfg.Arch, dev.Name())
 	}
 	m := &Model{Config: local, Global: cfg, Shard: opts.Shard, Comm: opts.Comm, dev: dev}
 	size := WeightBytes(local, dev.DType(), ctx)
@@ -144,6 +149,10 @@ type Inputs struct {
 	// attention, o_proj and the MLP for those rows alone: no other row's
 	// output is read, and its K and V are written all the same.
 	LastAttn device.AttnMeta
+	// Routed, when valid, receives the experts each token's sparse layers
+	// chose, [sparse layers, T, TopK] int32 (routing replay); every layer
+	// then runs on every token.
+	Routed device.Tensor
 }
 
 // ScratchBytes is the activation memory of a step with t tokens and r
@@ -165,6 +174,9 @@ func (m *Model) scratchBytes(t, r int, f32 bool) int64 {
 type activations struct {
 	h, x, qkv, attn, gateUp, act, tmp, sel, rawLogits, logits device.Tensor
 	localLogits                                               device.Tensor // this rank's part of the vocabulary, when split
+	// Sparse layers: router logits, the chosen experts and their weights,
+	// and the device's scratch for the experts.
+	routerLogits, expertIDs, expertWeights, moeWork device.Tensor
 }
 
 func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, ...int) device.Tensor) activations {
@@ -186,7 +198,18 @@ func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, 
 	if c.LocalVocab() != c.Vocab {
 		local = take(dt, r, c.LocalVocab())
 	}
+	var moe activations
+	if c.MoE != nil {
+		k := c.MoE.TopK
+		moe.routerLogits = take(dt, t, c.MoE.Experts)
+		moe.expertIDs = take(device.I32, t, k)
+		moe.expertWeights = take(device.F32, t, k)
+		if n := m.dev.(device.MoE).MoEWorkBytes(t, k, c.MoE.Experts, c.MoE.Intermediate, c.Hidden); n > 0 {
+			moe.moeWork = take(device.I32, int((n+3)/4))
+		}
+	}
 	return activations{
+		routerLogits: moe.routerLogits, expertIDs: moe.expertIDs, expertWeights: moe.expertWeights, moeWork: moe.moeWork,
 		localLogits: local,
 		h:           take(dt, t, c.Hidden),
 		x:           take(dt, t, c.Hidden),
@@ -255,6 +278,15 @@ func (m *Model) forward(in Inputs, a activations) {
 		}
 		dev.MatMul(out, a.x, wt, bias)
 	}
+	// addTmp: h += tmp (the ranks' partial sums added first), x =
+	// rmsnorm(h) * norm.
+	addTmp := func(norm device.Tensor) {
+		if normer != nil && normer.AllReduceAddRMSNorm(a.h, a.tmp, a.x, norm, eps) {
+			return
+		}
+		reduce(a.tmp)
+		dev.AddRMSNorm(a.h, a.tmp, a.x, norm, eps)
+	}
 	// addNorm: h += in @ wt^T (+ bias; in formed by SiLUMul when silu),
 	// x = rmsnorm(h) * norm. With next set, x goes only to a product by
 	// next without bias (with glu: gate_up, then silu).
@@ -277,11 +309,7 @@ func (m *Model) forward(in Inputs, a activations) {
 			return
 		}
 		dev.MatMul(a.tmp, in, wt, bias)
-		if normer != nil && normer.AllReduceAddRMSNorm(a.h, a.tmp, a.x, norm, eps) {
-			return
-		}
-		reduce(a.tmp)
-		dev.AddRMSNorm(a.h, a.tmp, a.x, norm, eps)
+		addTmp(norm)
 	}
 	first := m.Shard.vocabSpan(c).from
 	dev.Embedding(a.h, w.Embed, in.Tokens, first, c.Vocab)
@@ -293,11 +321,15 @@ func (m *Model) forward(in Inputs, a activations) {
 		dev.Convert(a.h, a.tmp)
 	}
 	dev.RMSNorm(a.x, a.h, w.Layers[0].InputNorm, eps)
-	last, pruned := len(w.Layers)-1, m.logitRowsOnly(in, t)
+	// Routing replay needs every token's choice in every layer: no layer
+	// is cut short.
+	capture := in.Routed.Valid()
+	last, pruned := len(w.Layers)-1, m.logitRowsOnly(in, t) && !capture
+	sparse := 0 // sparse layers so far
 	for i, l := range w.Layers {
 		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
-		if i == last && in.LogitRows.Numel() == 0 {
+		if i == last && in.LogitRows.Numel() == 0 && !capture {
 			// A prefill chunk that completes no sequence: the last layer's
 			// K and V are all that a later step reads.
 			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
@@ -313,6 +345,7 @@ func (m *Model) forward(in Inputs, a activations) {
 			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		}
+		// A sparse layer's router and experts read x as it is.
 		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, l.GateUp, true)
 		// The last layer's x goes to GatherRows, and a biased qkv is not
 		// normalised on the fly.
@@ -322,6 +355,19 @@ func (m *Model) forward(in Inputs, a activations) {
 			if !w.Layers[i+1].QKVBias.Valid() {
 				nextQKV = w.Layers[i+1].QKV
 			}
+		}
+		if l.Sparse() {
+			ids := a.expertIDs.Rows(0, t)
+			if capture {
+				ids = in.Routed.Rows(sparse, sparse+1).View(t, c.MoE.TopK)
+			}
+			sparse++
+			moe := dev.(device.MoE)
+			dev.MatMul(a.routerLogits.Rows(0, t), a.x, l.Router, device.Tensor{})
+			moe.MoERoute(ids, a.expertWeights.Rows(0, t), a.routerLogits.Rows(0, t), c.MoE.NormTopK)
+			moe.MoEExperts(a.tmp, a.x, ids, a.expertWeights.Rows(0, t), l.ExpertGateUp, l.ExpertDown, a.moeWork)
+			addTmp(norm)
+			continue
 		}
 		if lazyNorm.Valid() && fused.RMSNormMatMul(a.act, a.h, lazyNorm, l.GateUp, eps, true) {
 			// The product that normalised x also applied silu: each gate
@@ -336,6 +382,9 @@ func (m *Model) forward(in Inputs, a activations) {
 		}
 		matMulX(a.gateUp, l.GateUp, device.Tensor{})
 		addNorm(a.gateUp, l.Down, device.Tensor{}, true, norm, nextQKV, false)
+	}
+	if in.LogitRows.Numel() == 0 {
+		return // a chunk that completes no sequence, run whole for its routing
 	}
 	sel := a.x // the last layer ran on the logit rows alone
 	if !pruned {
@@ -374,6 +423,7 @@ func (a activations) logitRows(r int, rows device.Tensor, dev device.Device) act
 		h: a.sel, x: a.x.Rows(0, r), qkv: qkv, attn: a.attn.Rows(0, r),
 		gateUp: a.gateUp.Rows(0, r), act: a.act.Rows(0, r), tmp: a.tmp.Rows(0, r),
 		rawLogits: a.rawLogits, logits: a.logits, localLogits: a.localLogits,
+		routerLogits: a.routerLogits, expertIDs: a.expertIDs, expertWeights: a.expertWeights, moeWork: a.moeWork,
 	}
 }
 

@@ -17,9 +17,16 @@ import (
 // placed into a shard's targets give
 // the weights that loading the shard from disk gives, for every target
 // (row blocks of fused q/k/v and gate/up, column blocks of o_proj and
-// down_proj, replicated KV heads).
+// down_proj, replicated KV heads, and each expert's blocks of a sparse
+// layer).
 func TestPlacerTakesEachRanksPart(t *testing.T) {
-	dir := tinymodel.TestDir(t, "qwen3", nil)
+	for _, arch := range []string{"qwen3", "qwen3_moe"} {
+		t.Run(arch, func(t *testing.T) { testPlacer(t, arch) })
+	}
+}
+
+func testPlacer(t *testing.T, arch string) {
+	dir := tinymodel.TestDir(t, arch, nil)
 	set, err := safetensors.OpenDir(dir)
 	if err != nil {
 		t.Fatal(err)

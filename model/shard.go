@@ -28,7 +28,18 @@ func (s Shard) LocalConfig(c *Config) (*Config, error) {
 	if c.KVHeads%s.Size != 0 && s.Size%c.KVHeads != 0 {
 		return nil, fmt.Errorf("%d KV heads neither split over nor replicate evenly to %d ranks", c.KVHeads, s.Size)
 	}
+	if c.MoE != nil && c.MoE.Intermediate%s.Size != 0 {
+		return nil, fmt.Errorf("moe_intermediate_size %d does not split over %d ranks", c.MoE.Intermediate, s.Size)
+	}
 	l := *c
+	if c.MoE != nil {
+		// Every rank holds every expert's share of columns: the router
+		// picks the same experts on each, and the partial sums meet as a
+		// dense MLP's do.
+		moe := *c.MoE
+		moe.Intermediate /= s.Size
+		l.MoE = &moe
+	}
 	l.Heads = c.Heads / s.Size
 	l.KVHeads = max(c.KVHeads/s.Size, 1)
 	l.Intermediate = c.Intermediate / s.Size

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 
 	"ebb/device"
 	"ebb/safetensors"
@@ -16,8 +17,15 @@ type Layer struct {
 	QKV, QKVBias, O     device.Tensor
 	OBias               device.Tensor
 	QNorm, KNorm        device.Tensor
-	GateUp, Down        device.Tensor
+	GateUp, Down        device.Tensor // a dense MLP
+	// A sparse MLP: the router [E, H], every expert's gate and up rows
+	// [E, 2I, H] (as transformers 5 fuses them) and down [E, H, I].
+	Router                   device.Tensor
+	ExpertGateUp, ExpertDown device.Tensor
 }
+
+// Sparse reports whether the layer has experts.
+func (l *Layer) Sparse() bool { return l.Router.Valid() }
 
 // Weights are the model's parameters on the device.
 type Weights struct {
@@ -89,11 +97,77 @@ func (m *Model) Targets() []Target {
 			add("self_attn.q_norm.weight", []int{d}, l.QNorm, none, none)
 			add("self_attn.k_norm.weight", []int{d}, l.KNorm, none, none)
 		}
-		add("mlp.gate_proj.weight", []int{ginter, c.Hidden}, l.GateUp.Rows(0, inter), mlp, none)
-		add("mlp.up_proj.weight", []int{ginter, c.Hidden}, l.GateUp.Rows(inter, 2*inter), mlp, none)
-		add("mlp.down_proj.weight", []int{c.Hidden, ginter}, l.Down, none, mlp)
+		if !l.Sparse() {
+			add("mlp.gate_proj.weight", []int{ginter, c.Hidden}, l.GateUp.Rows(0, inter), mlp, none)
+			add("mlp.up_proj.weight", []int{ginter, c.Hidden}, l.GateUp.Rows(inter, 2*inter), mlp, none)
+			add("mlp.down_proj.weight", []int{c.Hidden, ginter}, l.Down, none, mlp)
+			continue
+		}
+		mi, gmi := c.MoE.Intermediate, g.MoE.Intermediate
+		var ex span
+		if m.Shard.Sharded() {
+			ex = span{m.Shard.Rank * mi, (m.Shard.Rank + 1) * mi}
+		}
+		add("mlp.gate.weight", []int{c.MoE.Experts, c.Hidden}, l.Router, none, none)
+		for e := 0; e < c.MoE.Experts; e++ {
+			gu := l.ExpertGateUp.Rows(e, e+1).View(2*mi, c.Hidden)
+			q := fmt.Sprintf("mlp.experts.%d.", e)
+			add(q+"gate_proj.weight", []int{gmi, c.Hidden}, gu.Rows(0, mi), ex, none)
+			add(q+"up_proj.weight", []int{gmi, c.Hidden}, gu.Rows(mi, 2*mi), ex, none)
+			add(q+"down_proj.weight", []int{c.Hidden, gmi}, l.ExpertDown.Rows(e, e+1).View(c.Hidden, mi), none, ex)
+		}
 	}
 	return targets
+}
+
+// fusedExpertTargets are the names transformers 5 gives a sparse layer's
+// experts as one tensor each ([E, 2I, H] gate then up, and [E, H, I]),
+// which trainers may send instead of the per-expert ones. Checkpoints keep
+// per-expert tensors, so these are not part of Targets; a rank of a
+// tensor-parallel group would need a block of every expert, so only an
+// unsplit model takes them.
+func (m *Model) fusedExpertTargets() []Target {
+	if m.Shard.Sharded() {
+		return nil
+	}
+	c := m.Config
+	var out []Target
+	for i, l := range m.W.Layers {
+		if !l.Sparse() {
+			continue
+		}
+		p := fmt.Sprintf("model.layers.%d.mlp.experts.", i)
+		out = append(out,
+			Target{Name: p + "gate_up_proj", Shape: []int{c.MoE.Experts, 2 * c.MoE.Intermediate, c.Hidden}, Dst: l.ExpertGateUp},
+			Target{Name: p + "down_proj", Shape: []int{c.MoE.Experts, c.Hidden, c.MoE.Intermediate}, Dst: l.ExpertDown})
+	}
+	return out
+}
+
+// checkpointTargets is Targets, except that a sparse layer whose experts
+// the checkpoint holds fused (transformers 5's gate_up_proj and down_proj)
+// takes them from there.
+func (m *Model) checkpointTargets(set *safetensors.Set) []Target {
+	fused := map[string]bool{} // layer prefixes whose experts come fused
+	var extra []Target
+	for _, f := range m.fusedExpertTargets() {
+		prefix := strings.TrimSuffix(strings.TrimSuffix(f.Name, "gate_up_proj"), "down_proj")
+		if _, ok := set.Get(prefix + "gate_up_proj"); ok {
+			fused[prefix] = true
+			extra = append(extra, f)
+		}
+	}
+	if len(extra) == 0 {
+		return m.Targets()
+	}
+	var out []Target
+	for _, t := range m.Targets() {
+		if i := strings.Index(t.Name, "mlp.experts."); i >= 0 && fused[t.Name[:i+len("mlp.experts.")]] {
+			continue
+		}
+		out = append(out, t)
+	}
+	return append(out, extra...)
 }
 
 // TargetByName finds a checkpoint tensor's place; tied lm_head resolves to
@@ -102,12 +176,16 @@ func (m *Model) TargetByName(name string) (Target, bool) {
 	if m.Config.TieEmbeddings && name == "lm_head.weight" {
 		name = "model.embed_tokens.weight"
 	}
-	for _, t := range m.Targets() {
-		if t.Name == name {
-			return t, true
+	if m.targetIndex == nil {
+		// A 128-expert model has tens of thousands of tensors, and an
+		// update looks up each of them.
+		m.targetIndex = map[string]Target{}
+		for _, t := range append(m.Targets(), m.fusedExpertTargets()...) {
+			m.targetIndex[t.Name] = t
 		}
 	}
-	return Target{}, false
+	t, ok := m.targetIndex[name]
+	return t, ok
 }
 
 // allocWeights creates every weight tensor in the weights region.
@@ -149,6 +227,13 @@ func (m *Model) allocWeights(ropePositions int) error {
 			l.QNorm = alloc(dt, c.HeadDim)
 			l.KNorm = alloc(dt, c.HeadDim)
 		}
+		if c.Sparse(i) {
+			mi := c.MoE.Intermediate
+			l.Router = alloc(dt, c.MoE.Experts, c.Hidden)
+			l.ExpertGateUp = alloc(dt, c.MoE.Experts, 2*mi, c.Hidden)
+			l.ExpertDown = alloc(dt, c.MoE.Experts, c.Hidden, mi)
+			continue
+		}
 		l.GateUp = alloc(dt, 2*c.Intermediate, c.Hidden)
 		l.Down = alloc(dt, c.Hidden, c.Intermediate)
 	}
@@ -159,7 +244,7 @@ func (m *Model) allocWeights(ropePositions int) error {
 
 // WeightBytes is the size of the weights region the model needs on dev.
 func WeightBytes(c *Config, dt device.DType, ropePositions int) int64 {
-	perLayer := int64(2*c.Hidden + c.QKVRows()*c.Hidden + c.Hidden*c.Heads*c.HeadDim + 3*c.Intermediate*c.Hidden)
+	perLayer := int64(2*c.Hidden + c.QKVRows()*c.Hidden + c.Hidden*c.Heads*c.HeadDim)
 	if c.AttentionBias {
 		perLayer += int64(c.QKVRows())
 	}
@@ -170,6 +255,13 @@ func WeightBytes(c *Config, dt device.DType, ropePositions int) int64 {
 		perLayer += int64(2 * c.HeadDim)
 	}
 	n := int64(c.LocalVocab()*c.Hidden+c.Hidden) + int64(c.Layers)*perLayer
+	for i := 0; i < c.Layers; i++ {
+		if c.Sparse(i) {
+			n += int64(c.MoE.Experts) * int64(c.Hidden) * int64(1+3*c.MoE.Intermediate)
+		} else {
+			n += int64(3*c.Intermediate) * int64(c.Hidden)
+		}
+	}
 	if !c.TieEmbeddings {
 		n += int64(c.LocalVocab() * c.Hidden)
 	}
@@ -190,7 +282,7 @@ func (m *Model) uploadRope() error {
 // needs with the right shape and a float dtype, before anything is written.
 func (m *Model) CheckCheckpoint(set *safetensors.Set) error {
 	var errs []error
-	for _, t := range m.Targets() {
+	for _, t := range m.checkpointTargets(set) {
 		src, ok := set.Get(t.Name)
 		if !ok {
 			errs = append(errs, fmt.Errorf("missing tensor %s", t.Name))
@@ -224,7 +316,7 @@ func (m *Model) LoadCheckpoint(set *safetensors.Set) error {
 	if err := m.CheckCheckpoint(set); err != nil {
 		return err
 	}
-	for _, t := range m.Targets() {
+	for _, t := range m.checkpointTargets(set) {
 		src, _ := set.Get(t.Name)
 		dt, _ := sourceDType(src.DType)
 		if err := m.dev.Upload(t.Dst, slice(src.Data, src.Shape, dt.Size(), t.Rows, t.Cols), dt); err != nil {

@@ -33,8 +33,12 @@ type graphSet struct {
 	host  [2][]byte
 	outs  [2][]int32 // outputs copied back: ids, then logprobs, maxB each
 	users [2]*Pending
-	cur   int
-	words []int32 // host[cur] as 4-byte words (little-endian, as the device reads them)
+	// Routing replay: the graphs' routing [sparse layers][b][k], and its
+	// two host copies.
+	routed    device.Tensor
+	routedOut [2][]int32
+	cur       int
+	words     []int32 // host[cur] as 4-byte words (little-endian, as the device reads them)
 }
 
 // staticLayout places every field at a fixed word offset for the largest
@@ -104,6 +108,19 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 		}
 		g.outs[i] = unsafe.Slice((*int32)(unsafe.Pointer(&out[0])), 2*maxB)
 	}
+	if st := r.routed; st != nil {
+		n := len(st.sparse) * maxB * st.k
+		if g.routed, err = r.dev.Alloc(memory.CUDAGraph, device.I32, n); err != nil {
+			return fmt.Errorf("graph routing: %w", err)
+		}
+		for i := range g.routedOut {
+			buf, err := hostBuffer(r.dev, 4*n)
+			if err != nil {
+				return fmt.Errorf("graph routing staging: %w", err)
+			}
+			g.routedOut[i] = unsafe.Slice((*int32)(unsafe.Pointer(&buf[0])), n)
+		}
+	}
 	g.use(0)
 	for _, b := range sizes {
 		// Valid dummy inputs: every row decodes token 0 into the pad slot.
@@ -112,6 +129,9 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 			return err
 		}
 		in, samp := g.views(b, r.Model.ContextLen())
+		if g.routed.Valid() {
+			in.Routed = g.routedView(b, r.routed)
+		}
 		run := func() {
 			r.dev.ResolveTokens(in.Tokens, g.i32(g.l.src, b), g.i32(g.l.outIDs, maxB))
 			logits := r.Model.ForwardLogits(in, device.NewScratch(g.scratch))
@@ -156,6 +176,11 @@ func (g *graphSet) i32(off, n int) device.Tensor {
 
 func (g *graphSet) f32(off, n int) device.Tensor {
 	return device.Tensor{Ptr: g.buf.Ptr + uintptr(4*off), DType: device.F32, Shape: []int{n}}
+}
+
+// routedView is the first b rows' share of the graphs' routing buffer.
+func (g *graphSet) routedView(b int, st *routedStore) device.Tensor {
+	return device.Tensor{Ptr: g.routed.Ptr, DType: device.I32, Shape: []int{len(st.sparse), b, st.k}}
 }
 
 func (g *graphSet) setI(off int, v int32)   { g.words[off] = v }
@@ -269,10 +294,21 @@ func (r *Runner) launchGraph(seqs []SeqStep, b int) (*Pending, error) {
 	// One copy back: ids and logprobs sit next to each other.
 	outs := g.i32(l.outIDs, 2*g.maxB)
 	p := &Pending{n: len(seqs), graph: true, out: g.outs[g.cur], maxB: g.maxB}
+	var routed device.Tensor
+	if g.routed.Valid() {
+		routed = g.routedView(b, r.routed)
+		p.routed, p.routedB, p.store = g.routedOut[g.cur][:routed.Numel()], b, r.routed
+		p.routedSlots = stepSlots(seqs)
+	}
 	g.users[g.cur] = p
 	if st, ok := r.dev.(device.Streamer); ok {
 		if err := st.DownloadAsync(outs, unsafe.Slice((*byte)(unsafe.Pointer(&p.out[0])), 4*len(p.out))); err != nil {
 			return nil, err
+		}
+		if routed.Valid() {
+			if err := st.DownloadAsync(routed, unsafe.Slice((*byte)(unsafe.Pointer(&p.routed[0])), 4*len(p.routed))); err != nil {
+				return nil, err
+			}
 		}
 		f, err := st.Fence()
 		if err != nil {
@@ -284,7 +320,13 @@ func (r *Runner) launchGraph(seqs []SeqStep, b int) (*Pending, error) {
 	if err := g.dev.DownloadI32(outs, p.out); err != nil {
 		return nil, err
 	}
+	if routed.Valid() {
+		if err := g.dev.DownloadI32(routed, p.routed); err != nil {
+			return nil, err
+		}
+	}
 	p.res, p.err = p.decode(), r.dev.Sync()
+	p.fileRouting()
 	return p, nil
 }
 

@@ -90,6 +90,7 @@ type Runner struct {
 	host   hostStep  // reused packing buffers
 	graphs *graphSet // captured decode steps, nil when eager only
 	last   *Pending  // the step launched last, which Follows refers to
+	routed *routedStore
 	Stats  Stats
 	// Mirror, when set, is given every step before it is launched: a
 	// tensor-parallel leader sends it to the other ranks, which must run
@@ -107,6 +108,12 @@ type Pending struct {
 	maxB  int
 	res   []SeqResult
 	err   error
+	// A graph step's routing, filed once it is back: [sparse layers][b][k]
+	// for the rows whose KV slots are routedSlots.
+	routed      []int32
+	routedSlots []int32
+	routedB     int
+	store       *routedStore
 }
 
 // Wait returns the step's results once the device has them.
@@ -116,9 +123,17 @@ func (p *Pending) Wait() ([]SeqResult, error) {
 		p.fence = nil
 		if p.err == nil {
 			p.res = p.decode()
+			p.fileRouting()
 		}
 	}
 	return p.res, p.err
+}
+
+func (p *Pending) fileRouting() {
+	if p.store != nil {
+		p.store.scatter(p.routed, p.routedSlots, p.routedB)
+		p.store = nil
+	}
 }
 
 func (p *Pending) decode() []SeqResult {
@@ -178,7 +193,7 @@ func (r *Runner) Limits() Limits { return r.limits }
 func WorkspaceBytes(m *model.Model, l Limits) int64 {
 	l.MaxLogitRows = max(l.MaxLogitRows, l.MaxSeqs)
 	l.MaxTopK = max(l.MaxTopK, 1)
-	scratch := m.ScratchBytes(l.MaxTokens, l.MaxLogitRows)
+	scratch := m.ScratchBytes(l.MaxTokens, l.MaxLogitRows) + routedBytes(m.Config, l.MaxTokens)
 	return scratch + inputBytes(l.MaxTokens, l.MaxSeqs, l.MaxTokens+l.MaxSeqs*m.ContextLen(), l.MaxLogitRows, l.MaxTopK, 0) + 4<<20
 }
 
@@ -264,7 +279,7 @@ func resolved(seqs []SeqStep, prev []SeqResult) []SeqStep {
 func (r *Runner) eager(seqs []SeqStep) ([]SeqResult, error) {
 	h := &r.host
 	h.pack(seqs, r.limits.MaxTopK)
-	wsBytes := r.Model.ScratchBytes(h.numTokens, h.numRows) + h.bytes()
+	wsBytes := r.Model.ScratchBytes(h.numTokens, h.numRows) + h.bytes() + routedBytes(r.Model.Config, h.numTokens)
 	ws, err := r.dev.Alloc(memory.Workspace, device.F32, int((wsBytes+3)/4))
 	if err != nil {
 		return nil, fmt.Errorf("step workspace: %w", err)
@@ -275,6 +290,7 @@ func (r *Runner) eager(seqs []SeqStep) ([]SeqResult, error) {
 	if err != nil {
 		return nil, err
 	}
+	in.Routed = r.routed.take(s, h.numTokens)
 	logits := r.Model.Forward(in, s)
 	if pen.RowPtr.Valid() {
 		r.dev.ApplyPenalties(logits.Rows(0, h.numSample), pen)
@@ -284,6 +300,9 @@ func (r *Runner) eager(seqs []SeqStep) ([]SeqResult, error) {
 	}
 	if tl.Valid() {
 		r.dev.TokenLogprobs(tl, logits.Rows(h.numSample, h.numRows), h.targetsTensor)
+	}
+	if err := r.routed.collect(r.dev, in.Routed, seqs); err != nil {
+		return nil, err
 	}
 	return h.results(r.dev, samp, tl)
 }

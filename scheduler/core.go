@@ -151,6 +151,9 @@ func (c *Core) Add(req Request) error {
 			return fmt.Errorf("stop_token_ids: %d is outside the vocabulary (size %d)", t, c.vocab)
 		}
 	}
+	if req.ReturnRoutedExperts && !c.run.RoutedExpertsEnabled() {
+		return errors.New("return_routed_experts needs a mixture-of-experts model served with --enable-return-routed-experts")
+	}
 	if req.TopLogprobsNum < 0 || req.TopLogprobsNum > c.run.Limits().MaxTopK {
 		return fmt.Errorf("top_logprobs_num must be in [0, %d], got %d", c.run.Limits().MaxTopK, req.TopLogprobsNum)
 	}
@@ -541,6 +544,12 @@ func (c *Core) finishWith(r *request, ev Event, fr *ioschema.FinishReason) Event
 
 // finish ends a running request and frees what it holds.
 func (c *Core) finish(r *request, fr *ioschema.FinishReason) Event {
+	var routed []int32
+	if r.ReturnRoutedExperts {
+		// Every token but the last has been through the model (SGLang
+		// reports the same seqlen - 1); an aborted one, those computed.
+		routed = c.run.RoutedExperts(r.slots[:max(min(len(r.slots), r.numTokens()-1), 0)])
+	}
 	c.release(r)
 	for i, x := range c.running {
 		if x == r {
@@ -550,7 +559,9 @@ func (c *Core) finish(r *request, fr *ioschema.FinishReason) Event {
 	}
 	delete(c.byRid, r.Rid)
 	c.Stats.Finished++
-	return c.finishEvent(r, fr)
+	ev := c.finishEvent(r, fr)
+	ev.RoutedExperts = routed
+	return ev
 }
 
 func (c *Core) finishEvent(r *request, fr *ioschema.FinishReason) Event {

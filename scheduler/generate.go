@@ -20,6 +20,7 @@ type Output struct {
 	PromptTokens      int
 	CompletionTokens  int
 	CachedTokens      int
+	RoutedExperts     []int32 // [tokens - 1, layers, k], when asked
 }
 
 // NewCoreFor starts a scheduler core over an engine.
@@ -45,6 +46,12 @@ func Generate(e *engine.Engine, reqs []Request) ([]Output, error) {
 	if err != nil {
 		return nil, err
 	}
+	return generateOn(core, reqs)
+}
+
+// generateOn runs requests to completion on an existing core, whose radix
+// cache earlier requests may have filled.
+func generateOn(core *Core, reqs []Request) ([]Output, error) {
 	outs := make([]Output, len(reqs))
 	index := map[string]int{}
 	for i, r := range reqs {
@@ -74,6 +81,7 @@ func Generate(e *engine.Engine, reqs []Request) ([]Output, error) {
 			if ev.Finished {
 				o.FinishReason = ev.FinishReason
 				o.PromptTokens, o.CompletionTokens, o.CachedTokens = ev.PromptTokens, ev.CompletionTokens, ev.CachedTokens
+				o.RoutedExperts = ev.RoutedExperts
 			}
 		}
 	}

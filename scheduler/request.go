@@ -17,6 +17,9 @@ type Request struct {
 	ReturnLogprob   bool
 	LogprobStartLen int // first prompt position whose logprob is returned; -1: none
 	TopLogprobsNum  int
+	// ReturnRoutedExperts asks for the experts every token was routed to
+	// (mixture-of-experts models, --enable-return-routed-experts).
+	ReturnRoutedExperts bool
 }
 
 // Event is what one request produced in one step.
@@ -35,6 +38,10 @@ type Event struct {
 	PromptTokens     int
 	CompletionTokens int
 	CachedTokens     int
+	// RoutedExperts, in a finished request's last event when it asked, are
+	// the experts each of its tokens but the last was routed to:
+	// [prompt + output - 1, layers, k] int32 (SGLang's layout).
+	RoutedExperts []int32
 }
 
 type request struct {

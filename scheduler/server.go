@@ -386,6 +386,7 @@ func (s *Server) emit(events []Event) {
 		o.OutputTopLogprobsIdx = append(o.OutputTopLogprobsIdx, top)
 		o.InputTokenLogprobsVal = append(o.InputTokenLogprobsVal, ev.InputLogprobs)
 		o.InputTokenLogprobsIdx = append(o.InputTokenLogprobsIdx, ev.InputTokenIDs)
+		o.RoutedExperts = append(o.RoutedExperts, ev.RoutedExperts)
 		b.SkipSpecialTokens = append(b.SkipSpecialTokens, f.skipSpecial)
 		b.SpacesBetweenSpecialTokens = append(b.SpacesBetweenSpecialTokens, f.spacesBetween)
 		b.NoStopTrim = append(b.NoStopTrim, f.noStopTrim)
@@ -451,7 +452,7 @@ func (s *Server) addRequest(r *ioschema.TokenizedGenerateReqInput) {
 		return
 	}
 	req := Request{Rid: r.Rid, InputIDs: r.InputIDs, Params: params, ReturnLogprob: r.ReturnLogprob,
-		LogprobStartLen: r.LogprobStartLen, TopLogprobsNum: r.TopLogprobsNum}
+		LogprobStartLen: r.LogprobStartLen, TopLogprobsNum: r.TopLogprobsNum, ReturnRoutedExperts: r.ReturnRoutedExperts}
 	if err := s.core.Add(req); err != nil {
 		s.fail(r.Rid, r.TypeName(), err)
 		return
@@ -471,6 +472,7 @@ func (s *Server) Info() map[string]any {
 		"max_total_num_tokens": total, "dp_rank": s.dpRank, "tp_size": e.Config.TPSize, "max_running_requests": s.core.Options().MaxRunningRequests,
 		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "enable_mixed_chunk": s.core.Options().EnableMixedChunk,
 		"enable_deterministic_inference": e.Config.EnableDeterministicInference, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
+		"enable_return_routed_experts": e.Runner.RoutedExpertsEnabled(), "load_format": e.Config.LoadFormat,
 		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,
 		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,
 		"num_used_tokens": used, "token_usage": usage, "num_waiting_tokens": s.core.waitingTokens(), "gen_throughput": s.batches.throughput,

@@ -17,7 +17,7 @@ import (
 
 // Spec describes a tiny model.
 type Spec struct {
-	Arch          string  `json:"arch"` // qwen3, qwen2, llama
+	Arch          string  `json:"arch"` // qwen3, qwen3_moe, qwen2, llama
 	Hidden        int     `json:"hidden"`
 	Intermediate  int     `json:"intermediate"`
 	Layers        int     `json:"layers"`
@@ -34,6 +34,28 @@ type Spec struct {
 	// Vocab overrides the tokenizer's vocabulary size (0: keep it); a
 	// smaller one makes a fast model that takes input_ids only.
 	Vocab int `json:"vocab,omitempty"`
+	// Mixture of experts (qwen3_moe): layers are sparse as
+	// decoder_sparse_step and mlp_only_layers say; dense ones use
+	// Intermediate.
+	Experts         int   `json:"experts,omitempty"`
+	ExpertsPerToken int   `json:"experts_per_token,omitempty"`
+	MoEIntermediate int   `json:"moe_intermediate,omitempty"`
+	NormTopK        bool  `json:"norm_topk_prob,omitempty"`
+	SparseStep      int   `json:"decoder_sparse_step,omitempty"`
+	MLPOnly         []int `json:"mlp_only_layers,omitempty"`
+}
+
+// sparse reports whether layer i has experts (transformers' rule).
+func (s Spec) sparse(i int) bool {
+	if s.Arch != "qwen3_moe" {
+		return false
+	}
+	for _, l := range s.MLPOnly {
+		if l == i {
+			return false
+		}
+	}
+	return (i+1)%s.SparseStep == 0
 }
 
 // FromJSON overlays a JSON spec (any subset of fields, "arch" required) on
@@ -62,12 +84,15 @@ func Default(arch string) (Spec, error) {
 	switch arch {
 	case "qwen3":
 		s.HeadDim, s.Tie = 32, true // head_dim differs from hidden/heads, as in Qwen3
+	case "qwen3_moe":
+		s.HeadDim = 32
+		s.Experts, s.ExpertsPerToken, s.MoEIntermediate, s.NormTopK, s.SparseStep = 8, 2, 48, true, 1
 	case "qwen2":
 		s.HeadDim = 16
 	case "llama":
 		s.HeadDim, s.Rope, s.RopeTheta = 16, "llama3", 500000
 	default:
-		return Spec{}, fmt.Errorf("unknown tiny-model arch %q (qwen3, qwen2, llama)", arch)
+		return Spec{}, fmt.Errorf("unknown tiny-model arch %q (qwen3, qwen3_moe, qwen2, llama)", arch)
 	}
 	return s, nil
 }
@@ -85,6 +110,8 @@ func familyOf(arch string) (family, error) {
 	switch arch {
 	case "qwen3":
 		return family{"Qwen3ForCausalLM", "qwen3", "qwen3", 151936, nil, 151645, []int{151645, 151643}}, nil
+	case "qwen3_moe":
+		return family{"Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", 151936, nil, 151645, []int{151645, 151643}}, nil
 	case "qwen2":
 		return family{"Qwen2ForCausalLM", "qwen2", "qwen3", 151936, nil, 151645, []int{151645, 151643}}, nil
 	case "llama":
@@ -102,6 +129,10 @@ func Write(dir string, s Spec) error {
 	}
 	if s.Heads%s.KVHeads != 0 || s.HeadDim%2 != 0 {
 		return fmt.Errorf("tiny model: kv_heads must divide heads and head_dim must be even")
+	}
+	if s.Arch == "qwen3_moe" && (s.Experts <= 0 || s.ExpertsPerToken <= 0 || s.ExpertsPerToken > s.Experts ||
+		s.MoEIntermediate <= 0 || s.SparseStep <= 0) {
+		return fmt.Errorf("tiny model: qwen3_moe needs experts >= experts_per_token > 0, moe_intermediate and decoder_sparse_step > 0")
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
@@ -150,6 +181,16 @@ func configJSON(s Spec, f family) map[string]any {
 		"attention_dropout": 0.0, "use_cache": true, "transformers_version": "4.51.0",
 	}
 	switch s.Arch {
+	case "qwen3_moe":
+		c["attention_bias"] = s.AttentionBias
+		c["num_experts"] = s.Experts
+		c["num_experts_per_tok"] = s.ExpertsPerToken
+		c["moe_intermediate_size"] = s.MoEIntermediate
+		c["norm_topk_prob"] = s.NormTopK
+		c["decoder_sparse_step"] = s.SparseStep
+		c["mlp_only_layers"] = append([]int{}, s.MLPOnly...)
+		c["output_router_logits"] = false
+		c["router_aux_loss_coef"] = 0.001
 	case "qwen3", "llama":
 		c["attention_bias"] = s.AttentionBias
 	case "qwen2":
@@ -248,13 +289,26 @@ func weights(s Spec, f family) ([]safetensors.Writable, error) {
 		if s.Arch != "qwen2" && s.AttentionBias {
 			add(p+"self_attn.o_proj.bias", 0, 0.2, h)
 		}
-		if s.Arch == "qwen3" {
+		if s.Arch == "qwen3" || s.Arch == "qwen3_moe" {
 			add(p+"self_attn.q_norm.weight", 1, 0.1, d)
 			add(p+"self_attn.k_norm.weight", 1, 0.1, d)
 		}
-		add(p+"mlp.gate_proj.weight", 0, 1/math.Sqrt(float64(h)), inter, h)
-		add(p+"mlp.up_proj.weight", 0, 1/math.Sqrt(float64(h)), inter, h)
-		add(p+"mlp.down_proj.weight", 0, 3/math.Sqrt(float64(inter)), h, inter)
+		if !s.sparse(i) {
+			add(p+"mlp.gate_proj.weight", 0, 1/math.Sqrt(float64(h)), inter, h)
+			add(p+"mlp.up_proj.weight", 0, 1/math.Sqrt(float64(h)), inter, h)
+			add(p+"mlp.down_proj.weight", 0, 3/math.Sqrt(float64(inter)), h, inter)
+			continue
+		}
+		// A router of this scale spreads the softmax over a few units, so
+		// the top-k choice has clear margins rather than float-noise ties.
+		add(p+"mlp.gate.weight", 0, 3/math.Sqrt(float64(h)), s.Experts, h)
+		mi := s.MoEIntermediate
+		for e := 0; e < s.Experts; e++ {
+			q := fmt.Sprintf("%smlp.experts.%d.", p, e)
+			add(q+"gate_proj.weight", 0, 1/math.Sqrt(float64(h)), mi, h)
+			add(q+"up_proj.weight", 0, 1/math.Sqrt(float64(h)), mi, h)
+			add(q+"down_proj.weight", 0, 3/math.Sqrt(float64(mi)), h, mi)
+		}
 	}
 	add("model.norm.weight", 1, 0.1, h)
 	if !s.Tie {

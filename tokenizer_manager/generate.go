@@ -86,7 +86,8 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 			sp := sp
 			sp.N = nil
 			t := &ioschema.TokenizedGenerateReqInput{Rid: r, InputText: texts[i], InputIDs: ids, SamplingParams: sp,
-				ReturnLogprob: in.ReturnLogprob, LogprobStartLen: start, TopLogprobsNum: in.TopLogprobsNum, Stream: in.Stream}
+				ReturnLogprob: in.ReturnLogprob, LogprobStartLen: start, TopLogprobsNum: in.TopLogprobsNum, Stream: in.Stream,
+				ReturnRoutedExperts: in.ReturnRoutedExperts}
 			out = append(out, &prompt{tokenized: t, state: newReqState(r, in.ReturnLogprob, in.TopLogprobsNum)})
 		}
 	}

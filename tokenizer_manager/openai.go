@@ -38,6 +38,9 @@ type openAISampling struct {
 	Rid               string              `json:"rid"`
 	RoutedDPRank      *int                `json:"routed_dp_rank"`
 	DataParallelRank  *int                `json:"data_parallel_rank"` // SGLang's deprecated spelling
+	// ReturnRoutedExperts: SGLang's extension; the response's sglext
+	// carries the first choice's routed experts.
+	ReturnRoutedExperts bool `json:"return_routed_experts"`
 }
 
 func (o *openAISampling) params(defaultMax *int) ioschema.SamplingParams {
@@ -90,8 +93,35 @@ func (r *openAIReply) withUsage(choices []any, snaps []snapshot) map[string]any 
 	return b
 }
 
-// finishStream sends the usage chunk when the client asked for it, then [DONE].
+// complete is a whole (not streamed) response: choices, usage and SGLang's
+// extensions.
+func (r *openAIReply) complete(choices []any, snaps []snapshot) map[string]any {
+	b := r.withUsage(choices, snaps)
+	if ext := sglExt(snaps); ext != nil {
+		b["sglext"] = ext
+	}
+	return b
+}
+
+// sglExt is SGLang's response-level extension object: the routed experts
+// of the first choice that has them, or nil.
+func sglExt(snaps []snapshot) map[string]any {
+	for _, s := range snaps {
+		if s.Routed != nil {
+			return map[string]any{"routed_experts": ioschema.EncodeRoutedExperts(s.Routed)}
+		}
+	}
+	return nil
+}
+
+// finishStream sends SGLang's extension chunk when there is one and the
+// usage chunk when the client asked for it, then [DONE].
 func (o *openAISampling) finishStream(stream *sse, reply *openAIReply, final []snapshot) {
+	if ext := sglExt(final); ext != nil {
+		b := reply.body([]any{})
+		b["sglext"] = ext
+		stream.send(b)
+	}
 	if o.StreamOptions != nil && o.StreamOptions.IncludeUsage {
 		stream.send(reply.withUsage([]any{}, final))
 	}
@@ -127,6 +157,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 	if req.Logprobs != nil {
 		in.ReturnLogprob, in.TopLogprobsNum = true, *req.Logprobs
 	}
+	in.ReturnRoutedExperts = req.ReturnRoutedExperts
 	reply := m.newOpenAIReply("cmpl-", "text_completion")
 	prompts, _, err := m.start(r.Context(), in)
 	if err != nil {
@@ -180,7 +211,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 		}
 		choices[i] = choice(i, s, text)
 	}
-	writeJSON(w, http.StatusOK, reply.withUsage(choices, snaps))
+	writeJSON(w, http.StatusOK, reply.complete(choices, snaps))
 }
 
 func (m *Manager) tokenText(id int32) string {
@@ -315,6 +346,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	if req.Logprobs {
 		in.ReturnLogprob, in.TopLogprobsNum = true, req.TopLogprobs
 	}
+	in.ReturnRoutedExperts = req.ReturnRoutedExperts
 	reply := m.newOpenAIReply("chatcmpl-", "chat.completion")
 	prompts, _, err := m.start(r.Context(), in)
 	if err != nil {
@@ -398,7 +430,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		}
 		choices[i] = c
 	}
-	writeJSON(w, http.StatusOK, reply.withUsage(choices, snaps))
+	writeJSON(w, http.StatusOK, reply.complete(choices, snaps))
 }
 
 // chatFinish is "tool_calls" when the model stopped after calling tools.

@@ -23,8 +23,9 @@ var (
 		"presence_penalty": nil, "frequency_penalty": nil, "repetition_penalty": nil, "ignore_eos": nil,
 		"skip_special_tokens": nil, "no_stop_trim": nil, "min_tokens": nil, "rid": nil,
 		"routed_dp_rank": nil, "data_parallel_rank": nil, // checked against the engines where the request starts
-		"user":       nil, // an end-user id, for the caller's own accounting
-		"logit_bias": onlyValue("{}", "logit biases are not supported"),
+		"user":                  nil, // an end-user id, for the caller's own accounting
+		"return_routed_experts": nil, // SGLang's routing replay
+		"logit_bias":            onlyValue("{}", "logit biases are not supported"),
 	}
 	completionParams = with(samplingParams, map[string]paramRule{
 		"prompt": nil, "logprobs": nil, "echo": nil,

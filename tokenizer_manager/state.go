@@ -32,6 +32,7 @@ type reqState struct {
 	promptTokens  int
 	completion    int
 	cached        int
+	routed        []int32 // routed experts, once finished, when asked
 	finish        *ioschema.FinishReason
 	weightVersion string
 	firstToken    time.Time
@@ -84,6 +85,9 @@ func (r *reqState) absorb(o *ioschema.BatchStrOutput, i int, m *Manager) {
 	if i < len(o.PromptTokens) {
 		r.promptTokens, r.completion, r.cached = o.PromptTokens[i], o.CompletionTokens[i], o.CachedTokens[i]
 	}
+	if i < len(o.RoutedExperts) && o.RoutedExperts[i] != nil {
+		r.routed = o.RoutedExperts[i]
+	}
 	r.weightVersion = o.WeightVersion
 	if i < len(o.FinishedReasons) && o.FinishedReasons[i] != nil {
 		r.finish = o.FinishedReasons[i]
@@ -120,6 +124,7 @@ type snapshot struct {
 	PromptTokens  int
 	Completion    int
 	Cached        int
+	Routed        []int32
 	Finish        *ioschema.FinishReason
 	WeightVersion string
 	Err           error
@@ -133,7 +138,7 @@ func (r *reqState) snapshot() snapshot {
 	return snapshot{Rid: r.rid, Text: r.text.String(), OutputIDs: append([]int32(nil), r.outputIDs...),
 		OutLogprobs: append([]float32(nil), r.outLogprobs...), OutTopVals: append([][]float32(nil), r.outTopVals...),
 		OutTopIdx: append([][]int32(nil), r.outTopIdx...), InLogprobs: r.inLogprobs, InIdx: r.inIdx,
-		PromptTokens: r.promptTokens, Completion: r.completion, Cached: r.cached, Finish: r.finish,
+		PromptTokens: r.promptTokens, Completion: r.completion, Cached: r.cached, Routed: r.routed, Finish: r.finish,
 		WeightVersion: r.weightVersion, Err: r.err, Done: r.done, Latency: time.Since(r.created)}
 }
 
@@ -155,6 +160,9 @@ func (m *Manager) generateResult(s snapshot, withText bool) map[string]any {
 		"id": s.Rid, "finish_reason": s.Finish, "prompt_tokens": s.PromptTokens,
 		"completion_tokens": s.Completion, "cached_tokens": s.Cached, "weight_version": s.WeightVersion,
 		"e2e_latency": s.Latency.Seconds(),
+	}
+	if s.Routed != nil {
+		meta["routed_experts"] = ioschema.EncodeRoutedExperts(s.Routed)
 	}
 	if s.OutLogprobs != nil || s.InLogprobs != nil {
 		out := make([][]any, len(s.OutLogprobs))

@@ -9,7 +9,10 @@ For each case it writes the model with `ebb tiny-model --spec`, runs
 transformers in float32 on the CPU with eager attention (no TF32, no fused
 kernels) and records, per prompt: 32 greedy tokens, their logprobs, the
 top-1/top-2 logprob gap of each step (to recognise near-ties) and the
-teacher-forced logprob of every prompt token. tests read OUTDIR/<name>.json.
+teacher-forced logprob of every prompt token; for mixture-of-experts models
+also the experts every token but the last was routed to in every layer
+(SGLang's routed_experts layout, -1 in dense layers) with the margin of
+each choice. tests read OUTDIR/<name>.json.
 
 With --random N it also draws N fresh random configurations, runs
 `ebb generate --device cpu` on them and compares against transformers
@@ -50,9 +53,43 @@ def prompts_for(seed, vocab_limit):
 
 
 @torch.no_grad()
+def routing(model, ids, device):
+    """The experts each token of ids was routed to in every layer, [T][L][k]
+    (-1 in dense layers), and each choice's margin [T][L]: the smallest gap
+    between neighbouring probabilities among the top k+1, below which float
+    noise may reorder or swap them."""
+    layers = model.model.layers
+    seen = {}
+    hooks = []
+    for i, layer in enumerate(layers):
+        mlp = layer.mlp
+        if hasattr(mlp, "experts") and hasattr(mlp, "gate"):
+            def hook(mod, args, out, i=i):
+                seen[i] = args[0].reshape(-1, args[0].shape[-1])
+            hooks.append(mlp.gate.register_forward_hook(hook))
+    model(torch.tensor([ids], device=device))
+    for h in hooks:
+        h.remove()
+    k = model.config.num_experts_per_tok
+    n = len(ids)
+    experts = [[[-1] * k for _ in layers] for _ in range(n)]
+    margins = [[1.0 for _ in layers] for _ in range(n)]
+    for i, x in seen.items():
+        gate = layers[i].mlp.gate
+        probs = torch.softmax(torch.nn.functional.linear(x, gate.weight).float(), dim=-1)
+        top = torch.topk(probs, min(k + 1, probs.shape[-1]), dim=-1)
+        gaps = top.values[:, :-1] - top.values[:, 1:]
+        for t in range(n):
+            experts[t][i] = [int(e) for e in top.indices[t, :k]]
+            margins[t][i] = float(gaps[t].min()) if gaps.shape[1] > 0 else 1.0
+    return experts, margins
+
+
+@torch.no_grad()
 def reference(model_dir, prompts, dtype=torch.float32, device="cpu", attn="eager"):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn).to(device)
     model.eval()
+    moe = hasattr(model.config, "num_experts_per_tok")
     cases = []
     for p in prompts:
         logits = model(torch.tensor([p], device=device)).logits[0].float()
@@ -71,8 +108,11 @@ def reference(model_dir, prompts, dtype=torch.float32, device="cpu", attn="eager
             lps.append(float(top.values[0]))
             gaps.append(float(top.values[0] - top.values[1]))
             ids = torch.tensor([[t]], device=device)
-        cases.append({"input_ids": p, "output_ids": toks, "output_logprobs": lps,
-                      "top2_gap": gaps, "prompt_logprobs": prompt_lp})
+        case = {"input_ids": p, "output_ids": toks, "output_logprobs": lps,
+                "top2_gap": gaps, "prompt_logprobs": prompt_lp}
+        if moe:
+            case["routed_experts"], case["router_margin"] = routing(model, p + toks[:-1], device)
+        cases.append(case)
     return cases
 
 
@@ -90,13 +130,15 @@ def spread(a, b):
 
 
 def vocab_limit(spec):
-    return 150000 if spec["arch"] in ("qwen3", "qwen2") else 128000
+    return 150000 if spec["arch"] in ("qwen3", "qwen3_moe", "qwen2") else 128000
 
 
 def goldens(args):
     cases = json.load(open(args.cases))
     os.makedirs(args.out, exist_ok=True)
     for i, case in enumerate(cases):
+        if args.only and case["name"] not in args.only.split(","):
+            continue
         with tempfile.TemporaryDirectory() as d:
             write_model(args.ebb, case["spec"], d)
             prompts = prompts_for(1000 + i, vocab_limit(case["spec"]))
@@ -167,6 +209,7 @@ def main():
     ap.add_argument("--ebb", default="ebb")
     ap.add_argument("--cases", default="testdata/goldens/cases.json")
     ap.add_argument("--out", default="testdata/goldens")
+    ap.add_argument("--only", default="", help="comma-separated case names to regenerate (default: all)")
     ap.add_argument("--random", type=int, default=0)
     ap.add_argument("--random-seed", type=int, default=7)
     args = ap.parse_args()

@@ -45,6 +45,20 @@ SHAPES = {
 }
 
 
+@torch.no_grad()
+def init_weights(model, hidden):
+    """Norms near one, every other weight with variance 1/fan_in (its last
+    dimension), the embedding and lm_head so that logits spread over a few
+    nats."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.normal_(1.0, 0.1)
+        elif "embed_tokens" in name or "lm_head" in name:
+            p.normal_(0.0, 4.8 / math.sqrt(hidden))
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+
+
 def make_model(path, ebb, seed, shape="0.6b"):
     if os.path.exists(os.path.join(path, "tokenizer.json")):  # written last
         return
@@ -56,14 +70,7 @@ def make_model(path, ebb, seed, shape="0.6b"):
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.normal_(0.0, 4.8 / math.sqrt(cfg.hidden_size))
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+    init_weights(model, cfg.hidden_size)
     model.save_pretrained(path, safe_serialization=True)
     del model
     torch.cuda.empty_cache()

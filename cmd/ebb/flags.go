@@ -43,6 +43,9 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.BoolVar(&cfg.EnableMixedChunk, "enable-mixed-chunk", false, "run the decodes in the steps that prefill (by default they wait for the prompt tokens)")
 	f.BoolVar(&cfg.EnableDeterministicInference, "enable-deterministic-inference", false, "batch-invariant kernels: a request's tokens and logprobs are the same bits "+
 		"whatever it is batched with, and a token's decode logprob equals its prefill logprob")
+	f.BoolVar(&cfg.EnableReturnRoutedExperts, "enable-return-routed-experts", false, "record the experts each token of a mixture-of-experts model is routed to, "+
+		"returned to requests with return_routed_experts (routing replay)")
+	f.StringVar(&cfg.LoadFormat, "load-format", "auto", "auto (the model's safetensors) or dummy (random weights from config.json alone, for benchmarks)")
 	f.Float64Var(&cfg.ScheduleConservativeness, "schedule-conservativeness", 1, "scale of the output that requests which may stop early are expected to need at admission "+
 		"(requests with ignore_eos and no stop tokens or strings are expected to run to max_new_tokens)")
 	f.BoolVar(&cfg.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")

@@ -17,19 +17,19 @@ import (
 
 func generateCmd() *cobra.Command {
 	var (
-		cfg           engine.Config
-		prompts       []string
-		inputIDs      []string
-		maxNew        int
-		temperature   float64
-		topP          float64
-		topK          int
-		minP          float64
-		seed          uint64
-		ignoreEOS     bool
-		returnLogprob bool
-		logprobStart  int
-		asJSON        bool
+		cfg                         engine.Config
+		prompts                     []string
+		inputIDs                    []string
+		maxNew                      int
+		temperature                 float64
+		topP                        float64
+		topK                        int
+		minP                        float64
+		seed                        uint64
+		ignoreEOS                   bool
+		returnLogprob, returnRouted bool
+		logprobStart                int
+		asJSON                      bool
 	)
 	cmd := &cobra.Command{
 		Use:   "generate --model DIR (--prompt TEXT | --input-ids 1,2,3)...",
@@ -44,6 +44,7 @@ func generateCmd() *cobra.Command {
 			if cfg.ChunkedPrefillSize == 0 {
 				cfg.ChunkedPrefillSize = 2048
 			}
+			cfg.EnableReturnRoutedExperts = cfg.EnableReturnRoutedExperts || returnRouted
 			e, err := engine.Open(cfg)
 			if err != nil {
 				return err
@@ -73,7 +74,7 @@ func generateCmd() *cobra.Command {
 				}
 				inputs = append(inputs, ids)
 			}
-			outs, err := runOffline(e, inputs, params, returnLogprob, logprobStart)
+			outs, err := runOffline(e, inputs, params, returnLogprob, logprobStart, returnRouted)
 			if err != nil {
 				return err
 			}
@@ -105,6 +106,7 @@ func generateCmd() *cobra.Command {
 	f.BoolVar(&ignoreEOS, "ignore-eos", false, "keep generating past end-of-sequence tokens")
 	f.BoolVar(&returnLogprob, "return-logprob", false, "report the logprob of each generated token")
 	f.IntVar(&logprobStart, "logprob-start-len", -1, "with --return-logprob, also report prompt token logprobs from this position")
+	f.BoolVar(&returnRouted, "return-routed-experts", false, "report the experts each token was routed to (mixture-of-experts models; turns on --enable-return-routed-experts)")
 	f.BoolVar(&asJSON, "json", false, "print one SGLang /generate-shaped JSON object per prompt")
 	return cmd
 }
@@ -136,11 +138,11 @@ type GenerateOutput struct {
 }
 
 // runOffline generates every input at once and shapes the results.
-func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, returnLogprob bool, logprobStart int) ([]GenerateOutput, error) {
+func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, returnLogprob bool, logprobStart int, returnRouted bool) ([]GenerateOutput, error) {
 	reqs := make([]scheduler.Request, len(inputs))
 	for i, ids := range inputs {
 		reqs[i] = scheduler.Request{Rid: fmt.Sprintf("generate-%d", i), InputIDs: ids, Params: params,
-			ReturnLogprob: returnLogprob, LogprobStartLen: logprobStart}
+			ReturnLogprob: returnLogprob, LogprobStartLen: logprobStart, ReturnRoutedExperts: returnRouted}
 	}
 	results, err := scheduler.Generate(e, reqs)
 	if err != nil {
@@ -158,6 +160,9 @@ func runOffline(e *engine.Engine, inputs [][]int32, params ioschema.Resolved, re
 		if e.Tokenizer != nil {
 			text := e.Tokenizer.Decode(r.OutputIDs, params.SkipSpecialTokens)
 			o.Text = &text
+		}
+		if r.RoutedExperts != nil {
+			o.MetaInfo["routed_experts"] = ioschema.EncodeRoutedExperts(r.RoutedExperts)
 		}
 		if returnLogprob {
 			o.MetaInfo["output_token_logprobs"] = logprobTriples(e, r.OutputLogprobs, r.OutputIDs)

@@ -217,7 +217,21 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.fail(fmt.Errorf("matmul: x %v, w %v, out %v", x, w, out))
 		return
 	}
-	o, xs := F32(out), F32(x)
+	o := F32(out)
+	gemm(o, F32(x), F32(w), m, n, k)
+	if bias.Valid() {
+		b := F32(bias)
+		for r := 0; r < m; r++ {
+			row := o[r*n : (r+1)*n]
+			for j := range row {
+				row[j] += b[j]
+			}
+		}
+	}
+}
+
+// gemm: o[m,n] = x[m,k] @ w[n,k]^T.
+func gemm(o, xs, ws []float32, m, n, k int) {
 	// gonum sums each output over K in one pass when the product has few
 	// 64 x 64 blocks and in 64-wide K blocks when it has many, so the row
 	// count would pick the rounding: products go to it 64 rows at a time,
@@ -231,20 +245,11 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 			defer wg.Done()
 			blas32.Gemm(blas.NoTrans, blas.Trans, 1,
 				blas32.General{Rows: rows, Cols: k, Stride: k, Data: xs[r0*k : (r0+rows)*k]},
-				blas32.General{Rows: n, Cols: k, Stride: k, Data: F32(w)},
+				blas32.General{Rows: n, Cols: k, Stride: k, Data: ws[:n*k]},
 				0, blas32.General{Rows: rows, Cols: n, Stride: n, Data: o[r0*n : (r0+rows)*n]})
 		}()
 	}
 	wg.Wait()
-	if bias.Valid() {
-		b := F32(bias)
-		for r := 0; r < m; r++ {
-			row := o[r*n : (r+1)*n]
-			for j := range row {
-				row[j] += b[j]
-			}
-		}
-	}
 }
 
 // PrepareQKV implements device.Device.

@@ -1,0 +1,278 @@
+// Mixture-of-experts layers (Qwen3-MoE): routing, the tokens grouped by
+// expert, the experts' products on tensor cores, and the weighted sum.
+//
+// moe_route picks each token's experts; moe_sort lists the (token, choice)
+// pairs grouped by expert, in pair order within an expert, so that every
+// run, whatever else is in the batch, puts a pair through the same
+// operations; moe_gemm runs each expert's products over its rows only
+// (the gate and up products with silu in one pass, then down), and
+// moe_combine adds each token's k results in ascending expert order,
+// rounded as transformers' index_add_ rounds them.
+#define MOE_MAX_EXPERTS 512 // moe_sort's shared counts
+#define MOE_BM 64           // moe_gemm: rows of a tile
+#define MOE_BN 64           // output columns of a tile (32 with glu)
+#define MOE_BK 32
+#define MOE_STAGES 4 // cp.async steps in flight: a decode step's few rows leave it bound by reading weights
+
+// moe_route: one warp a row of router logits [T, E] (E <= 256): a float
+// softmax, its k largest probabilities (the lower expert first on a tie)
+// into ids [T, k] and weights [T, k], divided by their sum when norm, and
+// rounded to bf16 as transformers rounds the routing weights.
+extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logits, int T, int E, int k, int norm) {
+	DEP(); // every moe kernel reads what the one before it wrote
+	const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+	if (row >= T) return;
+	const bf16 *l = logits + (long long)row * E;
+	float v[8];
+	float m = -EBB_INF;
+#pragma unroll
+	for (int i = 0; i < 8; i++) {
+		const int e = lane + 32 * i;
+		v[i] = e < E ? bf2f(l[e]) : -EBB_INF;
+		m = fmaxf(m, v[i]);
+	}
+	m = warp_max(m);
+	float s = 0.f;
+#pragma unroll
+	for (int i = 0; i < 8; i++) {
+		v[i] = lane + 32 * i < E ? expf(v[i] - m) : -1.f;
+		s += fmaxf(v[i], 0.f);
+	}
+	s = warp_sum(s);
+	float picked[16];
+	int chosen[16];
+	float sum = 0.f;
+	for (int j = 0; j < k; j++) {
+		float bv = -1.f;
+		int bi = 0x7fffffff;
+#pragma unroll
+		for (int i = 0; i < 8; i++)
+			if (v[i] > bv) bv = v[i], bi = lane + 32 * i; // ascending experts: the first of equals stays
+		for (int o = 16; o > 0; o >>= 1) {
+			const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+			const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+			if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+		}
+		if ((bi & 31) == lane) v[bi >> 5] = -1.f; // taken
+		picked[j] = bv / s;
+		chosen[j] = bi;
+		sum += picked[j];
+	}
+	if (lane == 0) {
+		for (int j = 0; j < k; j++) {
+			ids[(long long)row * k + j] = chosen[j];
+			weights[(long long)row * k + j] = rbf(norm ? picked[j] / sum : picked[j]);
+		}
+	}
+}
+
+// moe_sort (one block of 1024 threads) lists the P = T*k pairs grouped by
+// expert: order[i] is the pair at sorted position i (pairs of one expert
+// in pair order), inv[pair] its position, offsets[e] the first position of
+// expert e (offsets[E] = P) and tiles[e] the first of its MOE_BM-row
+// tiles (tiles[E] = all of them).
+extern "C" __global__ void moe_sort(int *order, int *inv, int *offsets, int *tiles, const int *ids, int P, int E) {
+	__shared__ int count[MOE_MAX_EXPERTS];
+	__shared__ int base[MOE_MAX_EXPERTS];
+	DEP();
+	for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+	__syncthreads();
+	for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&count[min(max(ids[p], 0), E - 1)], 1);
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		int at = 0, tile = 0;
+		for (int e = 0; e < E; e++) {
+			base[e] = at, offsets[e] = at, tiles[e] = tile;
+			at += count[e];
+			tile += (count[e] + MOE_BM - 1) / MOE_BM;
+		}
+		offsets[E] = at, tiles[E] = tile;
+	}
+	__syncthreads();
+	if (threadIdx.x >= 32) return;
+	// One warp places the pairs 32 at a time: peers with the same expert
+	// take consecutive places in lane order, after those placed before.
+	const int lane = threadIdx.x;
+	for (int p0 = 0; p0 < P; p0 += 32) {
+		const int p = p0 + lane;
+		const int e = p < P ? min(max(ids[p], 0), E - 1) : -1;
+		const unsigned peers = __match_any_sync(0xffffffffu, e);
+		const int at = p < P ? base[e] + __popc(peers & ((1u << lane) - 1)) : 0;
+		if (p < P) order[at] = p, inv[p] = at;
+		__syncwarp();
+		if (p < P && lane == __ffs(peers) - 1) base[e] += __popc(peers);
+		__syncwarp();
+	}
+}
+
+// moe_gemm: for each expert e, out[r] = a_r @ w[e]^T over its sorted rows
+// r in [offsets[e], offsets[e+1]), w [E, N, K]. a_r is x[order[r] / k]
+// when order is given (the tokens, gathered), else a[r]. With glu, w's
+// rows are each expert's gates then ups (N = 2I) and out [rows, I] takes
+// silu(gate) * up, gate and up rounded to bf16 first and silu(gate) after,
+// as separate bf16 operations round them.
+//
+// Grid (column tiles, an upper bound of row tiles): block y finds its
+// expert in tiles; blocks past the last tile return. Block: 4 warps of
+// 32 x 32 of a 64 x 64 tile, mma.m16n8k16 over 32-wide steps of K (K a
+// multiple of 8), MOE_STAGES steps loading (cp.async) while one computes.
+// With glu a tile's weight rows interleave gate and up of 32 columns, so
+// each thread's pair of accumulators is a gate and its up.
+extern "C" __global__ void __launch_bounds__(128) moe_gemm(bf16 *out, const bf16 *a, const int *order, int k,
+                                                           const bf16 *w, const int *offsets, const int *tiles, int E,
+                                                           int N, int K, int glu) {
+	__shared__ __align__(16) bf16 As[MOE_STAGES][MOE_BM][MOE_BK + 8];
+	__shared__ __align__(16) bf16 Bs[MOE_STAGES][MOE_BN][MOE_BK + 8];
+	DEP();
+	const int y = blockIdx.y;
+	if (y >= tiles[E]) return;
+	int lo = 0, hi = E; // the expert e with tiles[e] <= y < tiles[e + 1]
+	while (hi - lo > 1) {
+		const int mid = (lo + hi) / 2;
+		if (tiles[mid] <= y) lo = mid;
+		else hi = mid;
+	}
+	const int e = lo;
+	const int r0 = offsets[e] + (y - tiles[e]) * MOE_BM, rend = offsets[e + 1];
+	const bf16 *we = w + (long long)e * N * K;
+	const int half = N / 2;
+	const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+	const int wm = warp >> 1, wn = warp & 1;
+	// Each thread loads two 16-byte pieces of A and two of B a step: row
+	// tid / 4 and tid / 4 + 32, k 8 (tid % 4).
+	const int lr = tid >> 2, lk = 8 * (tid & 3);
+	const bf16 *arow[2];
+	const bf16 *brow[2];
+	for (int i = 0; i < 2; i++) {
+		const int r = r0 + lr + 32 * i;
+		arow[i] = nullptr;
+		if (r < rend) arow[i] = order ? a + (long long)(order[r] / k) * K : a + (long long)r * K;
+		const int c = lr + 32 * i; // a weight row of the tile
+		long long n;
+		if (glu) {
+			const int col = blockIdx.x * (MOE_BN / 2) + (c >> 1);
+			n = col < half ? (c & 1 ? half + col : col) : -1;
+		} else {
+			n = blockIdx.x * MOE_BN + c;
+			if (n >= N) n = -1;
+		}
+		brow[i] = n >= 0 ? we + n * K : nullptr;
+	}
+	float acc[2][4][4];
+#pragma unroll
+	for (int i = 0; i < 2; i++)
+#pragma unroll
+		for (int j = 0; j < 4; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+	const int steps = (K + MOE_BK - 1) / MOE_BK;
+	auto load = [&](int stage, int k0) {
+		const bool in = k0 + lk < K;
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			const bool av = in && arow[i], bv = in && brow[i];
+			cp_async16(smem_u32(&As[stage][lr + 32 * i][lk]), av ? arow[i] + k0 + lk : w, av);
+			cp_async16(smem_u32(&Bs[stage][lr + 32 * i][lk]), bv ? brow[i] + k0 + lk : w, bv);
+		}
+	};
+#pragma unroll
+	for (int s = 0; s < MOE_STAGES - 1; s++) {
+		if (s < steps) load(s, s * MOE_BK);
+		cp_async_commit(); // empty groups keep the count uniform
+	}
+	for (int step = 0; step < steps; step++) {
+		cp_async_wait<MOE_STAGES - 2>();
+		__syncthreads(); // the step's tiles are in, and every warp is done with the stage refilled next
+		const int next = step + MOE_STAGES - 1;
+		if (next < steps) load(next % MOE_STAGES, next * MOE_BK);
+		cp_async_commit();
+		const int st = step % MOE_STAGES;
+#pragma unroll
+		for (int kk = 0; kk < MOE_BK; kk += 16) {
+			unsigned af[2][4], bfr[4][2];
+#pragma unroll
+			for (int i = 0; i < 2; i++) {
+				const int r = 32 * wm + 16 * i + g;
+				af[i][0] = *(const unsigned *)&As[st][r][kk + 2 * q];
+				af[i][1] = *(const unsigned *)&As[st][r + 8][kk + 2 * q];
+				af[i][2] = *(const unsigned *)&As[st][r][kk + 2 * q + 8];
+				af[i][3] = *(const unsigned *)&As[st][r + 8][kk + 2 * q + 8];
+			}
+#pragma unroll
+			for (int j = 0; j < 4; j++) {
+				const int n = 32 * wn + 8 * j + g;
+				bfr[j][0] = *(const unsigned *)&Bs[st][n][kk + 2 * q];
+				bfr[j][1] = *(const unsigned *)&Bs[st][n][kk + 2 * q + 8];
+			}
+#pragma unroll
+			for (int i = 0; i < 2; i++)
+#pragma unroll
+				for (int j = 0; j < 4; j++)
+					mma16816(acc[i][j], af[i][0], af[i][1], af[i][2], af[i][3], bfr[j][0], bfr[j][1]);
+		}
+	}
+	cp_async_wait<0>();
+	// acc[i][j]: rows 32 wm + 16 i + g (+8 for c2, c3), tile columns
+	// 32 wn + 8 j + 2q, +1.
+#pragma unroll
+	for (int i = 0; i < 2; i++)
+#pragma unroll
+		for (int h = 0; h < 2; h++) {
+			const int r = r0 + 32 * wm + 16 * i + g + 8 * h;
+			if (r >= rend) continue;
+#pragma unroll
+			for (int j = 0; j < 4; j++) {
+				const float c0 = acc[i][j][2 * h], c1 = acc[i][j][2 * h + 1];
+				const int tc = 32 * wn + 8 * j + 2 * q; // even: a gate, with its up next
+				if (glu) {
+					const int col = blockIdx.x * (MOE_BN / 2) + (tc >> 1);
+					if (col >= half) continue;
+					const float gt = rbf(c0), up = rbf(c1);
+					out[(long long)r * half + col] = f2bf(rbf(gt / (1.f + expf(-gt))) * up);
+				} else {
+					const int col = blockIdx.x * MOE_BN + tc;
+					if (col + 1 < N && (N & 1) == 0) {
+						*(unsigned *)(out + (long long)r * N + col) = (unsigned)f2bf(c0) | ((unsigned)f2bf(c1) << 16);
+					} else {
+						if (col < N) out[(long long)r * N + col] = f2bf(c0);
+						if (col + 1 < N) out[(long long)r * N + col + 1] = f2bf(c1);
+					}
+				}
+			}
+		}
+}
+
+// moe_combine: out[t] = sum over token t's k choices, in ascending expert
+// order, of weight * y[inv[pair]] (y [P, H], the experts' results in
+// sorted order). A bf16 out rounds each term and each partial sum, as
+// transformers' index_add_ into a bf16 tensor does; a float32 out (a
+// tensor-parallel partial sum) keeps them in float.
+extern "C" __global__ void moe_combine(void *out, int out_f32, const bf16 *y, const int *inv, const int *ids,
+                                       const float *weights, int k, int H) {
+	__shared__ int pos[16];
+	__shared__ float wt[16];
+	const long long t = blockIdx.x;
+	DEP();
+	if (threadIdx.x == 0) {
+		int e[16];
+		for (int j = 0; j < k; j++) {
+			e[j] = ids[t * k + j], pos[j] = inv[t * k + j], wt[j] = weights[t * k + j];
+			for (int i = j; i > 0 && e[i] < e[i - 1]; i--) { // insertion: ascending expert
+				int te = e[i];
+				e[i] = e[i - 1], e[i - 1] = te;
+				int tp = pos[i];
+				pos[i] = pos[i - 1], pos[i - 1] = tp;
+				float tw = wt[i];
+				wt[i] = wt[i - 1], wt[i - 1] = tw;
+			}
+		}
+	}
+	__syncthreads();
+	for (int h = threadIdx.x; h < H; h += blockDim.x) {
+		float acc = 0.f;
+		for (int j = 0; j < k; j++) {
+			const float term = wt[j] * bf2f(y[(long long)pos[j] * H + h]);
+			acc = out_f32 ? acc + term : rbf(acc + rbf(term));
+		}
+		if (out_f32) ((float *)out)[t * H + h] = acc;
+		else ((bf16 *)out)[t * H + h] = f2bf(acc);
+	}
+}

@@ -1,0 +1,87 @@
+package cuda
+
+import (
+	"fmt"
+
+	"ebb/device"
+)
+
+// Mixture-of-experts layers (moe.cu): routing, pairs grouped by expert,
+// the experts' products over their own rows, and the weighted sum.
+
+var _ device.MoE = (*Device)(nil)
+
+const (
+	moeMaxExperts = 256 // moe_route keeps 8 logits a lane
+	moeMaxTopK    = 16  // moe_combine's shared arrays
+	moeBM, moeBN  = 64, 64
+)
+
+// MoERoute implements device.MoE.
+func (d *Device) MoERoute(ids, weights, logits device.Tensor, norm bool) {
+	t, e, k := logits.Dim(0), logits.Dim(-1), ids.Dim(-1)
+	if d.err != nil {
+		return
+	}
+	if logits.DType != device.BF16 || ids.Numel() != t*k || weights.Numel() != t*k || weights.DType != device.F32 ||
+		e > moeMaxExperts || k > moeMaxTopK || k > e {
+		d.fail(fmt.Errorf("moe route: logits %v, ids %v, weights %v (at most %d experts, %d chosen)", logits, ids, weights, moeMaxExperts, moeMaxTopK))
+		return
+	}
+	d.launch("moe_route", D1((t+7)/8), D1(256), 0, P(ids.Ptr), P(weights.Ptr), P(logits.Ptr), I(t), I(e), I(k), I(boolInt(norm)))
+}
+
+// moeWork is where MoEExperts keeps its pairs and intermediate rows in
+// the scratch it is given.
+type moeWork struct{ order, inv, offsets, tiles, act, y uintptr }
+
+func moeLayout(base uintptr, t, k, experts, inter, hidden int) (moeWork, int64) {
+	p := int64(t * k)
+	at := int64(0)
+	next := func(bytes int64) uintptr {
+		off := base + uintptr(at)
+		at += (bytes + 255) &^ 255
+		return off
+	}
+	w := moeWork{
+		order: next(4 * p), inv: next(4 * p), offsets: next(4 * int64(experts+1)), tiles: next(4 * int64(experts+1)),
+		act: next(2 * p * int64(inter)), y: next(2 * p * int64(hidden)),
+	}
+	return w, at + 256
+}
+
+// MoEWorkBytes implements device.MoE.
+func (d *Device) MoEWorkBytes(t, k, experts, inter, hidden int) int64 {
+	_, n := moeLayout(0, t, k, experts, inter, hidden)
+	return n
+}
+
+// MoEExperts implements device.MoE.
+func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tensor) {
+	if d.err != nil {
+		return
+	}
+	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
+	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
+	if out.Numel() != t*h || ids.Numel() != t*k || weights.Numel() != t*k || gateUp.Dim(2) != h ||
+		down.Dim(0) != e || down.Dim(1) != h || down.Dim(2) != inter || x.DType != device.BF16 ||
+		gateUp.DType != device.BF16 || down.DType != device.BF16 || h%8 != 0 || inter%8 != 0 || k > moeMaxTopK ||
+		e > moeMaxExperts || work.Bytes() < d.MoEWorkBytes(t, k, e, inter, h) {
+		d.fail(fmt.Errorf("moe experts: out %v, x %v, ids %v, weights %v, gate_up %v, down %v, work %v", out, x, ids, weights, gateUp, down, work))
+		return
+	}
+	if t == 0 {
+		return
+	}
+	w, _ := moeLayout(work.Ptr, t, k, e, inter, h)
+	p := t * k
+	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e))
+	// Row tiles: at most one partial tile per expert that has rows.
+	rowTiles := (p+moeBM-1)/moeBM + min(e, p)
+	d.launch("moe_gemm", Dim3{X: uint32((inter + moeBN/2 - 1) / (moeBN / 2)), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
+		P(w.act), P(x.Ptr), P(w.order), I(k), P(gateUp.Ptr), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
+	d.launch("moe_gemm", Dim3{X: uint32((h + moeBN - 1) / moeBN), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
+		P(w.y), P(w.act), P(0), I(k), P(down.Ptr), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
+	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
+		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
+}
