@@ -9,6 +9,7 @@
 // moe_combine adds each token's k results in ascending expert order,
 // rounded as transformers' index_add_ rounds them.
 #define MOE_MAX_EXPERTS 512 // moe_sort's shared counts
+#define MOE_SORT_CHUNK 4096 // pairs moe_sort's placing warp reads from shared memory at a time
 #define MOE_BM 64           // moe_gemm: rows of a tile
 #define MOE_BN 64           // output columns of a tile (32 with glu)
 #define MOE_BK 32
@@ -89,19 +90,28 @@ extern "C" __global__ void moe_sort(int *order, int *inv, int *offsets, int *til
 		offsets[E] = at, tiles[E] = tile;
 	}
 	__syncthreads();
-	if (threadIdx.x >= 32) return;
 	// One warp places the pairs 32 at a time: peers with the same expert
 	// take consecutive places in lane order, after those placed before.
-	const int lane = threadIdx.x;
-	for (int p0 = 0; p0 < P; p0 += 32) {
-		const int p = p0 + lane;
-		const int e = p < P ? min(max(ids[p], 0), E - 1) : -1;
-		const unsigned peers = __match_any_sync(0xffffffffu, e);
-		const int at = p < P ? base[e] + __popc(peers & ((1u << lane) - 1)) : 0;
-		if (p < P) order[at] = p, inv[p] = at;
-		__syncwarp();
-		if (p < P && lane == __ffs(peers) - 1) base[e] += __popc(peers);
-		__syncwarp();
+	// The block stages the experts in shared memory first, so that the
+	// serial loop waits on no global load.
+	__shared__ short chunk[MOE_SORT_CHUNK];
+	const int lane = threadIdx.x & 31;
+	for (int c0 = 0; c0 < P; c0 += MOE_SORT_CHUNK) {
+		const int n = min(MOE_SORT_CHUNK, P - c0);
+		__syncthreads();
+		for (int i = threadIdx.x; i < n; i += blockDim.x) chunk[i] = (short)min(max(ids[c0 + i], 0), E - 1);
+		__syncthreads();
+		if (threadIdx.x >= 32) continue;
+		for (int p0 = 0; p0 < n; p0 += 32) {
+			const int i = p0 + lane, p = c0 + i;
+			const int e = i < n ? chunk[i] : -1;
+			const unsigned peers = __match_any_sync(0xffffffffu, e);
+			const int at = i < n ? base[e] + __popc(peers & ((1u << lane) - 1)) : 0;
+			if (i < n) order[at] = p, inv[p] = at;
+			__syncwarp();
+			if (i < n && lane == __ffs(peers) - 1) base[e] += __popc(peers);
+			__syncwarp();
+		}
 	}
 }
 
@@ -158,6 +168,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(bf16 *out, const bf16
 		}
 		brow[i] = n >= 0 ? we + n * K : nullptr;
 	}
+	const bool live[2] = {r0 + 32 * wm < rend, r0 + 32 * wm + 16 < rend};
 	float acc[2][4][4];
 #pragma unroll
 	for (int i = 0; i < 2; i++)
@@ -203,10 +214,12 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(bf16 *out, const bf16
 				bfr[j][1] = *(const unsigned *)&Bs[st][n][kk + 2 * q + 8];
 			}
 #pragma unroll
-			for (int i = 0; i < 2; i++)
+			for (int i = 0; i < 2; i++) {
+				if (!live[i]) continue; // rows past the expert's: a decode tile is mostly empty
 #pragma unroll
 				for (int j = 0; j < 4; j++)
 					mma16816(acc[i][j], af[i][0], af[i][1], af[i][2], af[i][3], bfr[j][0], bfr[j][1]);
+			}
 		}
 	}
 	cp_async_wait<0>();
