@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -589,7 +590,9 @@ func throughputSeries(results []requestResult, duration float64) []XY {
 // bandwidthFloor is the throughput if the workload's unavoidable reads ran
 // at the GPUs' peak: every output token's step reads the KV of its prompt
 // and of the tokens before it, and each decode step reads the weights once
-// (as many steps as the longest output, with every request in one batch).
+// (as many steps as the longest output, with every request in one batch;
+// a mixture-of-experts step reads the experts its batch's tokens pick,
+// more of them the more requests are still running).
 // Under data parallelism the requests go to engines as ebb's router sends
 // them (the least unfinished tokenizermanager.RequestWork, in order) and
 // the floor is the slowest engine's; tensor parallelism splits an engine's
@@ -598,11 +601,11 @@ func throughputSeries(results []requestResult, duration float64) []XY {
 func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, peak float64, tp, dp int) {
 	tp, dp = max(tp, 1), max(dp, 1)
 	kvPerToken := float64(2 * mc.Layers * mc.KVHeads * mc.HeadDim * 2)
-	weights := float64(mc.DecodeWeightBytes())
 	type engineLoad struct {
-		work  int64
-		steps int
-		kv    float64
+		work    int64
+		steps   int
+		kv      float64
+		outputs []int // each sequence's output length
 	}
 	engines := make([]engineLoad, dp)
 	total := 0
@@ -612,6 +615,9 @@ func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, p
 		engines[e].work += int64(n) * tokenizermanager.RequestWork(len(r.Prompt), r.OutputLen)
 		engines[e].kv += float64(n) * (in*out + out*(out-1)/2) * kvPerToken
 		engines[e].steps = max(engines[e].steps, r.OutputLen)
+		for range n {
+			engines[e].outputs = append(engines[e].outputs, r.OutputLen)
+		}
 		total += n * r.OutputLen
 	}
 	// What one GPU of an engine reads of its KV and of its weights.
@@ -619,9 +625,10 @@ func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, p
 	slowest := 0.0
 	rep.KVReadBytes, rep.WeightReadBytes, rep.GPUs = 0, 0, tp*dp
 	for _, e := range engines {
+		weights := stepWeightBytes(mc, e.outputs)
 		rep.KVReadBytes += e.kv
-		rep.WeightReadBytes += float64(e.steps) * weights
-		slowest = max(slowest, e.kv*kvShare+float64(e.steps)*weights/float64(tp))
+		rep.WeightReadBytes += weights
+		slowest = max(slowest, e.kv*kvShare+weights/float64(tp))
 	}
 	if peak <= 0 || slowest == 0 {
 		return
@@ -631,4 +638,20 @@ func (rep *ServingReport) bandwidthFloor(mc *model.Config, reqs []workRequest, p
 	if rep.OutputTokPerS > 0 {
 		rep.FractionOfFloor = rep.OutputTokPerS / rep.FloorTokPerS
 	}
+}
+
+// stepWeightBytes is what the decode steps of sequences with these output
+// lengths, all in one batch, read of the weights: step s runs those with
+// more than s tokens to go.
+func stepWeightBytes(mc *model.Config, outputs []int) float64 {
+	sorted := slices.Clone(outputs)
+	slices.Sort(sorted)
+	total, done := 0.0, 0
+	for s := 0; len(sorted) > 0 && s < sorted[len(sorted)-1]; s++ {
+		for done < len(sorted) && sorted[done] <= s {
+			done++
+		}
+		total += float64(mc.DecodeWeightBytesAt(len(sorted) - done))
+	}
+	return total
 }

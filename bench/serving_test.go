@@ -405,3 +405,30 @@ func TestCheckAfterRun(t *testing.T) {
 		}
 	}
 }
+
+// TestStepWeightBytes: a dense model's decode steps each read its weights
+// once; a mixture-of-experts step reads more of its experts the more
+// sequences it runs, and the floor follows the batch as it drains.
+func TestStepWeightBytes(t *testing.T) {
+	dense := &model.Config{Hidden: 64, Intermediate: 128, Layers: 2, Heads: 4, KVHeads: 2, HeadDim: 16, Vocab: 100}
+	if got, want := stepWeightBytes(dense, []int{5, 10, 10}), 10*float64(dense.DecodeWeightBytes()); got != want {
+		t.Fatalf("dense: %v bytes, want %v", got, want)
+	}
+	moe := *dense
+	moe.MoE = &model.MoEConfig{Experts: 128, TopK: 8, Intermediate: 32, SparseStep: 1}
+	one, all := float64(moe.DecodeWeightBytesAt(1)), float64(moe.DecodeWeightBytesAt(256))
+	if got := stepWeightBytes(&moe, []int{3}); got != 3*one {
+		t.Fatalf("one sequence: %v bytes, want %v", got, 3*one)
+	}
+	outputs := make([]int, 256)
+	for i := range outputs {
+		outputs[i] = 4
+	}
+	outputs[0] = 6 // runs two steps alone at the end
+	if got, want := stepWeightBytes(&moe, outputs), 4*all+2*one; math.Abs(got-want) > 1 {
+		t.Fatalf("256 sequences: %v bytes, want %v", got, want)
+	}
+	if all < 10*one {
+		t.Fatalf("a step of 256 reads %v bytes, one of 1 %v: most experts should be read", all, one)
+	}
+}
