@@ -1,14 +1,17 @@
 package model
 
 import (
+	"encoding/binary"
 	"fmt"
 	"hash/fnv"
 	"math"
+	"math/rand/v2"
 	"runtime"
 	"strings"
 	"sync"
 
 	"ebb/device"
+	"ebb/safetensors"
 )
 
 // LoadDummy fills the weights with random values from the config alone
@@ -64,25 +67,17 @@ func dummyValues(n int, dt device.DType, seed uint64, scale float64) []byte {
 		go func() {
 			defer wg.Done()
 			for b := range work {
-				state := seed ^ (uint64(b)+1)*0x9e3779b97f4a7c15
+				rng := rand.New(rand.NewPCG(seed, uint64(b)))
 				for i := b * block; i < min(n, (b+1)*block); i++ {
 					v := float32(1)
 					if scale >= 0 {
-						state += 0x9e3779b97f4a7c15
-						z := state
-						z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
-						z = (z ^ (z >> 27)) * 0x94d049bb133111eb
-						z ^= z >> 31
-						v = float32((float64(z>>11)/(1<<53)*2 - 1) * scale)
+						v = float32((rng.Float64()*2 - 1) * scale)
 					}
-					bits := math.Float32bits(v)
 					if size == 2 {
-						// bf16, rounded to nearest even (no NaNs arise here)
-						bits += 0x7fff + (bits>>16)&1
-						out[2*i], out[2*i+1] = byte(bits>>16), byte(bits>>24)
-						continue
+						binary.LittleEndian.PutUint16(out[2*i:], safetensors.BF16Bits(v))
+					} else {
+						binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(v))
 					}
-					out[4*i], out[4*i+1], out[4*i+2], out[4*i+3] = byte(bits), byte(bits>>8), byte(bits>>16), byte(bits>>24)
 				}
 			}
 		}()

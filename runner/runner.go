@@ -279,7 +279,10 @@ func resolved(seqs []SeqStep, prev []SeqResult) []SeqStep {
 func (r *Runner) eager(seqs []SeqStep) ([]SeqResult, error) {
 	h := &r.host
 	h.pack(seqs, r.limits.MaxTopK)
-	wsBytes := r.Model.ScratchBytes(h.numTokens, h.numRows) + h.bytes() + routedBytes(r.Model.Config, h.numTokens)
+	wsBytes := r.Model.ScratchBytes(h.numTokens, h.numRows) + h.bytes()
+	if r.routed != nil {
+		wsBytes += routedBytes(r.Model.Config, h.numTokens)
+	}
 	ws, err := r.dev.Alloc(memory.Workspace, device.F32, int((wsBytes+3)/4))
 	if err != nil {
 		return nil, fmt.Errorf("step workspace: %w", err)
