@@ -132,6 +132,9 @@ func TestPrepareDecode(t *testing.T) {
 		{"d64-g3-no-norm", 6, 2, 64, false, []int{90, 400, 7}},
 		{"d256-g1", 4, 4, 256, true, []int{300, 33}},
 		{"d32-g8", 16, 2, 32, true, []int{129, 5, 1000}},
+		{"qwen3-30b-a3b-g8", 32, 4, 128, true, []int{700, 1, 65, 16, 17, 3000}},
+		{"qwen3-8b-g4-ragged", 32, 8, 128, true, raggedContexts(80)},
+		{"g3-no-norm", 12, 4, 128, false, []int{90, 400, 7}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -318,6 +321,12 @@ func TestAttention(t *testing.T) {
 		{"decode-default-model-g3-d64", 6, 2, 64, []int{1, 1, 1}, []int{1, 200, 4000}},
 		{"decode-tiny-d32", 4, 2, 32, []int{1, 1}, []int{3, 129}},
 		{"decode-g4-d128-long", 32, 8, 128, []int{1, 1}, []int{4096, 777}},
+		// attention_gqa.cu: 3 to 8 query heads a kv head at 128 dims.
+		{"decode-gqa-g8", 32, 4, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
+		{"decode-gqa-g8-long", 32, 4, 128, []int{1}, []int{32000}},
+		{"decode-gqa-g3-ragged", 12, 4, 128, repeat(1, 80), raggedContexts(80)},
+		{"decode-gqa-g5-many", 40, 8, 128, repeat(1, 200), repeat(130, 200)},
+		{"mixed-gqa-g8", 32, 4, 128, []int{1, 1, 70, 1}, []int{2000, 3, 70, 64}},
 		{"decode-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
 		{"decode-b1-long", 16, 8, 128, []int{1}, []int{24000}}, // up to 128 splits (EBB_DECODE_SPLITS)
 		// Contexts of very different lengths: long ones take more than one

@@ -104,7 +104,7 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 		return res, err
 	}
 	res.MedianUs, res.MinUs = us[len(us)/2], us[0]
-	res.Kernel = attentionKernelName(s)
+	res.Kernel = d.attentionKernelName(s)
 	res.Bytes = 2*int64(slots)*int64(s.KVHeads*s.Dim)*2 + int64(tokens)*int64(2*s.QHeads+2*s.KVHeads)*int64(s.Dim)*2
 	res.GBPerS = float64(res.Bytes) / res.MedianUs / 1e3
 	pairs := 0.0
@@ -218,10 +218,10 @@ func benchSlots(ctx []int, layout string) ([]int32, error) {
 	return idx, nil
 }
 
-func attentionKernelName(s AttentionBenchSpec) string {
+func (d *Device) attentionKernelName(s AttentionBenchSpec) string {
 	g := s.QHeads / s.KVHeads
 	if s.QLen == 1 {
-		if name, ok := decodeVecKernel(g, s.Dim); ok {
+		if name, _, ok := d.decodeVecKernel(g, s.Dim); ok {
 			return name
 		}
 		if name, ok := decodeKernel(g, s.Dim); ok {

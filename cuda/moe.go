@@ -15,6 +15,9 @@ const (
 	moeMaxExperts = 256 // moe_route keeps 8 logits a lane
 	moeMaxTopK    = 16  // moe_combine's shared arrays
 	moeBM, moeBN  = 64, 64
+	// moeGemvTokens: steps of up to this many tokens run the pair gemv
+	// (moe_gemv_glu, moe_down_combine) rather than moe_gemm.
+	moeGemvTokens = 8
 )
 
 // MoERoute implements device.MoE.
@@ -75,6 +78,18 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 	}
 	w, _ := moeLayout(work.Ptr, t, k, e, inter, h)
 	p := t * k
+	if !d.det && t <= d.moeGemvTokens {
+		// A few tokens: a gemv per (token, choice) pair, and the down
+		// products summed as they are formed. Deterministic inference
+		// keeps moe_gemm, whose rows have the same bits at any batch size.
+		wpo := d.gemvWarps(inter*p, h)
+		d.launch("moe_gemv_glu", Dim3{X: uint32((inter + 8/wpo - 1) / (8 / wpo)), Y: uint32(p), Z: 1}, D1(256), 0,
+			P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo))
+		d.launch("moe_down_combine", Dim3{X: uint32((h + 7) / 8), Y: uint32(t), Z: 1}, D1(256), 0, P(out.Ptr),
+			I(boolInt(out.DType == device.F32)), P(w.act), P(ids.Ptr), P(weights.Ptr), I(k), P(down.Ptr), I(e), I(h),
+			I(inter))
+		return
+	}
 	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e))
 	// Row tiles: at most one partial tile per expert that has rows.
 	rowTiles := (p+moeBM-1)/moeBM + min(e, p)

@@ -44,6 +44,60 @@ struct DecodeRaw {
 	float eps;
 };
 
+// DecodeRawStep is what a decode kernel preparing its own queries and
+// newest K and V (RAW) reads before the wait, being step inputs: the
+// rotation at the token's position and the norm weights at a lane's dims
+// c8 of the 16-byte layout, and the newest position's slot.
+struct DecodeRawStep {
+	float cs[8], sn[8];
+	uint4 qwa, qwb, kwa, kwb;
+	long long new_slot;
+
+	template <int D>
+	__device__ __forceinline__ void load(const DecodeRaw &raw, long long row, int c8) {
+		const long long p = raw.pos[row];
+		load8f(raw.cos_t + p * (D / 2) + c8, cs);
+		load8f(raw.sin_t + p * (D / 2) + c8, sn);
+		qwa = qwb = kwa = kwb = make_uint4(0, 0, 0, 0);
+		if (raw.qnorm) {
+			qwa = *(const uint4 *)(raw.qnorm + c8);
+			qwb = *(const uint4 *)(raw.qnorm + D / 2 + c8);
+			kwa = *(const uint4 *)(raw.knorm + c8);
+			kwb = *(const uint4 *)(raw.knorm + D / 2 + c8);
+		}
+		new_slot = raw.slots[row];
+	}
+};
+
+// DecodeSplit is how a decode kernel cuts a sequence of kvlen positions:
+// used splits of per positions (attn_decode_vec and attn_decode_gqa alike).
+struct DecodeSplit {
+	int per, used;
+};
+
+__device__ __forceinline__ DecodeSplit decode_split(const int *kvptr, int kvlen, int hk, int splits, int units,
+                                                    int units_max, int min_split) {
+	// Splits of at least min_split positions; where a sequence's fair
+	// share of the batch's work (over units blocks) is longer, it gets as
+	// many splits as it holds shares (a remainder of three quarters counts
+	// as one): equal contexts keep the splits they had, and a long one among
+	// short ones is cut, so that no block runs far past the rest. Long
+	// contexts raise the units towards units_max, a block for about every
+	// DV_UNIT positions: a batch of more pairs than the GPU holds four
+	// blocks an SM of, one block a pair, left SMs with four or five blocks
+	// and few warps (H100, 71 x 8192 positions: 68% of HBM bandwidth).
+	int per = max(min_split, (kvlen + splits - 1) / splits);
+	int used = max(1, (kvlen + per - 1) / per);
+	const long long total = (long long)(kvptr[gridDim.y] - kvptr[0]) * hk;
+	const long long work = min((long long)units_max, max((long long)units, total / DV_UNIT));
+	const long long share = (total + work - 1) / work;
+	if (share > per) {
+		used = (int)min((long long)splits, max(1LL, (kvlen + share / 4) / share));
+		per = (kvlen + used - 1) / used;
+	}
+	return DecodeSplit{per, used};
+}
+
 // merge_splits is one output element of a (sequence, kv head) from its
 // used splits (at most DV_FEW_SPLITS): load(j, m, l, o) gives split j's
 // maximum, sum and partial output, all requested before any is used. It
@@ -77,225 +131,39 @@ __device__ __forceinline__ float merge_splits(int used, Load load) {
 	return acc * inv;
 }
 
-template <int D, int MG, bool RAW>
-__device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
-                                                     const int *kvptr, const int *kvidx, float *part_o,
-                                                     float *part_ml, int *counters, int hq, int hk, int splits,
-                                                     int units, int units_max, int min_split, float scale,
-                                                     DecodeRaw raw) {
-	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
-	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
-	__shared__ float sh_o[GROUPS][MG][D];
-	__shared__ int sh_last;
-	// The kv heads of a sequence are adjacent in launch order, so a batch
-	// whose decodes come longest first (as the scheduler orders them) starts
-	// its longest blocks first and ends on short ones.
-	const int g = blockIdx.x, s = blockIdx.y, sp = blockIdx.z;
-	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-	const int sub = lane % LPR, grp = warp * RPW + lane / LPR;
-	// The indices and every cached position but the newest were written
-	// before this step's first kernel (the newest comes from the kernel
-	// before this one): they are read, and the first rows of K and V
-	// requested, before dep_wait, while the previous kernel finishes.
-	const long long row = qptr[s];
-	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
-	// Splits of at least min_split positions; where a sequence's fair
-	// share of the batch's work (over units blocks) is longer, it gets as
-	// many splits as it holds shares (a remainder of three quarters counts
-	// as one): equal contexts keep the splits they had, and a long one among
-	// short ones is cut, so that no block runs far past the rest. Long
-	// contexts raise the units towards units_max, a block for about every
-	// DV_UNIT positions: a batch of more pairs than the GPU holds four
-	// blocks an SM of, one block a pair, left SMs with four or five blocks
-	// and few warps (H100, 71 x 8192 positions: 68% of HBM bandwidth).
-	int per = max(min_split, (kvlen + splits - 1) / splits);
-	int used = max(1, (kvlen + per - 1) / per);
-	const long long total = (long long)(kvptr[gridDim.y] - kvptr[0]) * hk;
-	const long long work = min((long long)units_max, max((long long)units, total / DV_UNIT));
-	const long long share = (total + work - 1) / work;
-	if (share > per) {
-		used = (int)min((long long)splits, max(1LL, (kvlen + share / 4) / share));
-		per = (kvlen + used - 1) / used;
-	}
-	if (sp >= used) {
-		DEP();
-		return;
-	}
-	const int c0 = sp * per, c1 = min(kvlen, c0 + per);
-	const long long stride = (long long)(hq + 2 * hk) * D;
-	const float qs = scale * LOG2E;
-	// The loop bound is the same for a whole warp (its row groups differ by
-	// lane), as the shuffles need every lane. Loads run one step ahead of
-	// the arithmetic, so each warp keeps two steps of rows in flight.
-	constexpr int STEP = GROUPS * DV_UNROLL;
-	const int lrow = lane / LPR;
-	uint4 kr[DV_UNROLL], vr[DV_UNROLL];
-	// Every slot index is requested before any row, so that the rows'
-	// loads wait for one round trip, not one each.
-	auto load = [&](int cb, int lim, uint4 *kd, uint4 *vd) {
-		int slot[DV_UNROLL];
-#pragma unroll
-		for (int u = 0; u < DV_UNROLL; u++) {
-			const int pos = cb + lrow + u * GROUPS;
-			slot[u] = pos < lim ? kvidx[kv0 + pos] : -1;
-		}
-#pragma unroll
-		for (int u = 0; u < DV_UNROLL; u++) {
-			kd[u] = vd[u] = make_uint4(0, 0, 0, 0);
-			if (slot[u] >= 0) {
-				const long long base = ((long long)slot[u] * hk + g) * D + sub * 8;
-				kd[u] = __ldcs((const uint4 *)(kc + base));
-				vd[u] = __ldcs((const uint4 *)(vc + base));
-			}
-		}
-	};
-	load(c0 + warp * RPW, min(c1, kvlen - 1), kr, vr);
-	// RAW: a lane holds dims c8..c8+7 of both halves of a head (the
-	// 16-byte layout, so the two lanes sub and sub ^ HH hold the same) and
-	// keeps the half at its own dims. The position's rotation, the norm
-	// weights and the newest slot are step inputs, read before the wait.
-	constexpr int HH = LPR / 2;
-	const int c8 = 8 * (sub % HH);
-	const bool upper = sub >= HH;
-	float cs[8], sn[8];
-	uint4 qwa, qwb, kwa, kwb;
-	long long new_slot = 0;
-	if (RAW) {
-		const long long p = raw.pos[row];
-		load8f(raw.cos_t + p * (D / 2) + c8, cs);
-		load8f(raw.sin_t + p * (D / 2) + c8, sn);
-		qwa = qwb = kwa = kwb = make_uint4(0, 0, 0, 0);
-		if (raw.qnorm) {
-			qwa = *(const uint4 *)(raw.qnorm + c8);
-			qwb = *(const uint4 *)(raw.qnorm + D / 2 + c8);
-			kwa = *(const uint4 *)(raw.knorm + c8);
-			kwb = *(const uint4 *)(raw.knorm + D / 2 + c8);
-		}
-		new_slot = raw.slots[row];
-	}
-	// prepared returns the lane's 16 bytes of raw head h of the token,
-	// normalised (with weights wa, wb) and rotated; every lane calls it.
-	auto prepared = [&](int h, uint4 wa, uint4 wb) {
-		const bf16 *x = qkv + row * stride + (long long)h * D;
-		uint4 a = *(const uint4 *)(x + c8), b = *(const uint4 *)(x + D / 2 + c8);
-		float inv = 0.f;
-		if (raw.qnorm) {
-			float af[8], bf[8];
-			unpack8(a, af);
-			unpack8(b, bf);
-			inv = head_inv(af, bf, HH, D, raw.eps);
-		}
-		norm_rope8(a, b, raw.qnorm != nullptr, wa, wb, inv, cs, sn);
-		return upper ? b : a;
-	};
-	DEP();
-	if (c1 == kvlen && kvlen > 0) {
-		uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
-		if (RAW) {
-			kn = prepared(hq + g, kwa, kwb);
-			vn = *(const uint4 *)(qkv + row * stride + (long long)(hq + hk + g) * D + sub * 8);
-			if (warp == 0 && lrow == 0) {
-				const long long base = (new_slot * hk + g) * D + sub * 8;
-				*(uint4 *)(kc + base) = kn;
-				*(uint4 *)(vc + base) = vn;
-			}
-		}
-#pragma unroll
-		for (int u = 0; u < DV_UNROLL; u++) {
-			if (c0 + warp * RPW + lrow + u * GROUPS == kvlen - 1) {
-				if (!RAW) {
-					const long long base = ((long long)kvidx[kv0 + kvlen - 1] * hk + g) * D + sub * 8;
-					kn = __ldcs((const uint4 *)(kc + base));
-					vn = __ldcs((const uint4 *)(vc + base));
-				}
-				kr[u] = kn;
-				vr[u] = vn;
-			}
-		}
-		// The loop's later loads may read the newest row from the cache.
-		if (RAW) __syncthreads();
-	}
-	float q[MG][8], o[MG][8], m[MG], l[MG];
-#pragma unroll
-	for (int r = 0; r < MG; r++) {
-		m[r] = -EBB_INF;
-		l[r] = 0.f;
-		uint4 qv = make_uint4(0, 0, 0, 0);
-		if (r < G)
-			qv = RAW ? prepared(g * G + r, qwa, qwb)
-			         : *(const uint4 *)(qkv + row * stride + (long long)(g * G + r) * D + sub * 8);
-		unsigned qu[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-		for (int e = 0; e < 4; e++) {
-			q[r][2 * e] = __uint_as_float(qu[e] << 16) * qs;
-			q[r][2 * e + 1] = __uint_as_float(qu[e] & 0xffff0000u) * qs;
-		}
-#pragma unroll
-		for (int e = 0; e < 8; e++) o[r][e] = 0.f;
-	}
-	for (int cb = c0 + warp * RPW; cb < c1; cb += STEP) {
-		uint4 kn[DV_UNROLL], vn[DV_UNROLL];
-		load(cb + STEP, c1, kn, vn);
-#pragma unroll
-		for (int u = 0; u < DV_UNROLL; u++) {
-			const bool valid = cb + lrow + u * GROUPS < c1;
-			float k[8], v[8];
-			unsigned ku[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w}, vu[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
-#pragma unroll
-			for (int e = 0; e < 4; e++) {
-				k[2 * e] = __uint_as_float(ku[e] << 16);
-				k[2 * e + 1] = __uint_as_float(ku[e] & 0xffff0000u);
-				v[2 * e] = __uint_as_float(vu[e] << 16);
-				v[2 * e + 1] = __uint_as_float(vu[e] & 0xffff0000u);
-			}
-#pragma unroll
-			for (int r = 0; r < MG; r++) {
-				float dot = 0.f;
-#pragma unroll
-				for (int e = 0; e < 8; e++) dot += q[r][e] * k[e];
-#pragma unroll
-				for (int off = LPR / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-				if (valid && r < G) {
-					const float mn = fmaxf(m[r], dot);
-					const float a = ex2_ftz(m[r] - mn), p = ex2_ftz(dot - mn);
-					l[r] = l[r] * a + p;
-#pragma unroll
-					for (int e = 0; e < 8; e++) o[r][e] = o[r][e] * a + p * v[e];
-					m[r] = mn;
-				}
-			}
-		}
-#pragma unroll
-		for (int u = 0; u < DV_UNROLL; u++) {
-			kr[u] = kn[u];
-			vr[u] = vn[u];
-		}
-	}
-#pragma unroll
-	for (int r = 0; r < MG; r++) {
-		if (sub == 0) {
-			sh_m[grp][r] = m[r];
-			sh_l[grp][r] = l[r];
-		}
-#pragma unroll
-		for (int e = 0; e < 8; e++) sh_o[grp][r][sub * 8 + e] = o[r][e];
-	}
-	__syncthreads();
+// decode_block_store merges a block's groups (each a running max m, sum l
+// and output o per query head, in shared memory as [groups][MG] and
+// [groups][MG][D]) and leaves the split's partials, or the answer for a
+// sequence of one split, for query heads rh0..rh0+G-1.
+template <int D, int MG>
+__device__ __forceinline__ void decode_block_store(bf16 *out, float *part_o, float *part_ml, const float *m,
+                                                   const float *l, const float *o, int groups, long long rh0, int G,
+                                                   int splits, int sp, int used) {
 	for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
 		const int r = idx / D, dd = idx % D;
 		float M = -EBB_INF;
-		for (int w = 0; w < GROUPS; w++)
-			if (sh_l[w][r] > 0.f) M = fmaxf(M, sh_m[w][r]);
+		for (int w = 0; w < groups; w++)
+			if (l[w * MG + r] > 0.f) M = fmaxf(M, m[w * MG + r]);
 		float L = 0.f, acc = 0.f;
-		for (int w = 0; w < GROUPS; w++) {
-			if (sh_l[w][r] > 0.f) {
-				const float f = exp2f(sh_m[w][r] - M);
-				L += sh_l[w][r] * f;
-				acc += sh_o[w][r][dd] * f;
+		for (int w = 0; w < groups; w++) {
+			if (l[w * MG + r] > 0.f) {
+				const float f = exp2f(m[w * MG + r] - M);
+				L += l[w * MG + r] * f;
+				acc += o[(w * MG + r) * D + dd] * f;
 			}
 		}
-		split_store(out, part_o, part_ml, row * hq + g * G + r, splits, sp, used, D, dd, M, L, acc);
+		split_store(out, part_o, part_ml, rh0 + r, splits, sp, used, D, dd, M, L, acc);
 	}
+}
+
+// decode_merge: after every split of a (sequence, kv head) has left its
+// partials (split_store), the last block to finish merges them into the
+// output. Every thread of the block calls it.
+template <int D, int MG>
+__device__ __forceinline__ void decode_merge(bf16 *out, const float *part_o, const float *part_ml, int *counters,
+                                             long long row, int hq, int hk, int s, int g, int splits, int used) {
+	__shared__ int sh_last;
+	const int G = hq / hk;
 	if (used == 1 || !split_elect_last(&counters[s * hk + g], used, &sh_last)) return;
 	if (used <= DV_FEW_SPLITS) {
 		// Few splits: each thread requests all it needs at once, from two
@@ -383,6 +251,184 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 		}
 	}
 	if (threadIdx.x == 0) counters[s * hk + g] = 0;
+}
+
+template <int D, int MG, bool RAW>
+__device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
+                                                     const int *kvptr, const int *kvidx, float *part_o,
+                                                     float *part_ml, int *counters, int hq, int hk, int splits,
+                                                     int units, int units_max, int min_split, float scale,
+                                                     DecodeRaw raw) {
+	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
+	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
+	__shared__ float sh_o[GROUPS][MG][D];
+	// The kv heads of a sequence are adjacent in launch order, so a batch
+	// whose decodes come longest first (as the scheduler orders them) starts
+	// its longest blocks first and ends on short ones.
+	const int g = blockIdx.x, s = blockIdx.y, sp = blockIdx.z;
+	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const int sub = lane % LPR, grp = warp * RPW + lane / LPR;
+	// The indices and every cached position but the newest were written
+	// before this step's first kernel (the newest comes from the kernel
+	// before this one): they are read, and the first rows of K and V
+	// requested, before dep_wait, while the previous kernel finishes.
+	const long long row = qptr[s];
+	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
+	const DecodeSplit ds = decode_split(kvptr, kvlen, hk, splits, units, units_max, min_split);
+	const int per = ds.per, used = ds.used;
+	if (sp >= used) {
+		DEP();
+		return;
+	}
+	const int c0 = sp * per, c1 = min(kvlen, c0 + per);
+	const long long stride = (long long)(hq + 2 * hk) * D;
+	const float qs = scale * LOG2E;
+	// The loop bound is the same for a whole warp (its row groups differ by
+	// lane), as the shuffles need every lane. Loads run one step ahead of
+	// the arithmetic, so each warp keeps two steps of rows in flight.
+	constexpr int STEP = GROUPS * DV_UNROLL;
+	const int lrow = lane / LPR;
+	uint4 kr[DV_UNROLL], vr[DV_UNROLL];
+	// Every slot index is requested before any row, so that the rows'
+	// loads wait for one round trip, not one each.
+	auto load = [&](int cb, int lim, uint4 *kd, uint4 *vd) {
+		int slot[DV_UNROLL];
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			const int pos = cb + lrow + u * GROUPS;
+			slot[u] = pos < lim ? kvidx[kv0 + pos] : -1;
+		}
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			kd[u] = vd[u] = make_uint4(0, 0, 0, 0);
+			if (slot[u] >= 0) {
+				const long long base = ((long long)slot[u] * hk + g) * D + sub * 8;
+				kd[u] = __ldcs((const uint4 *)(kc + base));
+				vd[u] = __ldcs((const uint4 *)(vc + base));
+			}
+		}
+	};
+	load(c0 + warp * RPW, min(c1, kvlen - 1), kr, vr);
+	// RAW: a lane holds dims c8..c8+7 of both halves of a head (the
+	// 16-byte layout, so the two lanes sub and sub ^ HH hold the same) and
+	// keeps the half at its own dims. The position's rotation, the norm
+	// weights and the newest slot are step inputs, read before the wait.
+	constexpr int HH = LPR / 2;
+	const int c8 = 8 * (sub % HH);
+	const bool upper = sub >= HH;
+	DecodeRawStep rs{};
+	if (RAW) rs.load<D>(raw, row, c8);
+	// prepared returns the lane's 16 bytes of raw head h of the token,
+	// normalised (with weights wa, wb) and rotated; every lane calls it.
+	auto prepared = [&](int h, uint4 wa, uint4 wb) {
+		const bf16 *x = qkv + row * stride + (long long)h * D;
+		uint4 a = *(const uint4 *)(x + c8), b = *(const uint4 *)(x + D / 2 + c8);
+		float inv = 0.f;
+		if (raw.qnorm) {
+			float af[8], bf[8];
+			unpack8(a, af);
+			unpack8(b, bf);
+			inv = head_inv(af, bf, HH, D, raw.eps);
+		}
+		norm_rope8(a, b, raw.qnorm != nullptr, wa, wb, inv, rs.cs, rs.sn);
+		return upper ? b : a;
+	};
+	DEP();
+	if (c1 == kvlen && kvlen > 0) {
+		uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
+		if (RAW) {
+			kn = prepared(hq + g, rs.kwa, rs.kwb);
+			vn = *(const uint4 *)(qkv + row * stride + (long long)(hq + hk + g) * D + sub * 8);
+			if (warp == 0 && lrow == 0) {
+				const long long base = (rs.new_slot * hk + g) * D + sub * 8;
+				*(uint4 *)(kc + base) = kn;
+				*(uint4 *)(vc + base) = vn;
+			}
+		}
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			if (c0 + warp * RPW + lrow + u * GROUPS == kvlen - 1) {
+				if (!RAW) {
+					const long long base = ((long long)kvidx[kv0 + kvlen - 1] * hk + g) * D + sub * 8;
+					kn = __ldcs((const uint4 *)(kc + base));
+					vn = __ldcs((const uint4 *)(vc + base));
+				}
+				kr[u] = kn;
+				vr[u] = vn;
+			}
+		}
+		// The loop's later loads may read the newest row from the cache.
+		if (RAW) __syncthreads();
+	}
+	float q[MG][8], o[MG][8], m[MG], l[MG];
+#pragma unroll
+	for (int r = 0; r < MG; r++) {
+		m[r] = -EBB_INF;
+		l[r] = 0.f;
+		uint4 qv = make_uint4(0, 0, 0, 0);
+		if (r < G)
+			qv = RAW ? prepared(g * G + r, rs.qwa, rs.qwb)
+			         : *(const uint4 *)(qkv + row * stride + (long long)(g * G + r) * D + sub * 8);
+		unsigned qu[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			q[r][2 * e] = __uint_as_float(qu[e] << 16) * qs;
+			q[r][2 * e + 1] = __uint_as_float(qu[e] & 0xffff0000u) * qs;
+		}
+#pragma unroll
+		for (int e = 0; e < 8; e++) o[r][e] = 0.f;
+	}
+	for (int cb = c0 + warp * RPW; cb < c1; cb += STEP) {
+		uint4 kn[DV_UNROLL], vn[DV_UNROLL];
+		load(cb + STEP, c1, kn, vn);
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			const bool valid = cb + lrow + u * GROUPS < c1;
+			float k[8], v[8];
+			unsigned ku[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w}, vu[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				k[2 * e] = __uint_as_float(ku[e] << 16);
+				k[2 * e + 1] = __uint_as_float(ku[e] & 0xffff0000u);
+				v[2 * e] = __uint_as_float(vu[e] << 16);
+				v[2 * e + 1] = __uint_as_float(vu[e] & 0xffff0000u);
+			}
+#pragma unroll
+			for (int r = 0; r < MG; r++) {
+				float dot = 0.f;
+#pragma unroll
+				for (int e = 0; e < 8; e++) dot += q[r][e] * k[e];
+#pragma unroll
+				for (int off = LPR / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+				if (valid && r < G) {
+					const float mn = fmaxf(m[r], dot);
+					const float a = ex2_ftz(m[r] - mn), p = ex2_ftz(dot - mn);
+					l[r] = l[r] * a + p;
+#pragma unroll
+					for (int e = 0; e < 8; e++) o[r][e] = o[r][e] * a + p * v[e];
+					m[r] = mn;
+				}
+			}
+		}
+#pragma unroll
+		for (int u = 0; u < DV_UNROLL; u++) {
+			kr[u] = kn[u];
+			vr[u] = vn[u];
+		}
+	}
+#pragma unroll
+	for (int r = 0; r < MG; r++) {
+		if (sub == 0) {
+			sh_m[grp][r] = m[r];
+			sh_l[grp][r] = l[r];
+		}
+#pragma unroll
+		for (int e = 0; e < 8; e++) sh_o[grp][r][sub * 8 + e] = o[r][e];
+	}
+	__syncthreads();
+	decode_block_store<D, MG>(out, part_o, part_ml, &sh_m[0][0], &sh_l[0][0], &sh_o[0][0][0], GROUPS,
+	                          row * hq + g * G, G, splits, sp, used);
+	decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, g, splits, used);
 }
 
 #define ATTN_DECODE_VEC(D, MG)                                                                                    \

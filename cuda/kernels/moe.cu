@@ -13,6 +13,7 @@
 #define MOE_BM 64           // moe_gemm: rows of a tile
 #define MOE_BN 64           // output columns of a tile (32 with glu)
 #define MOE_BK 32
+#define MOE_MAX_TOPK 16 // moe_down_combine's per-lane arrays (moeMaxTopK)
 #define MOE_STAGES 4 // cp.async steps in flight: a decode step's few rows leave it bound by reading weights
 
 // moe_route: one warp a row of router logits [T, E] (E <= 256): a float
@@ -288,4 +289,87 @@ extern "C" __global__ void moe_combine(void *out, int out_f32, const bf16 *y, co
 		if (out_f32) ((float *)out)[t * H + h] = acc;
 		else ((bf16 *)out)[t * H + h] = f2bf(acc);
 	}
+}
+
+// ---- decode: a few tokens ----------------------------------------------------
+//
+// With a handful of tokens nearly every (token, choice) pair has an expert
+// of its own, and moe_gemm's 64-row tiles hold one row each: the weights
+// stream through a pipeline sized for a full tile (H100, Qwen3-30B-A3B
+// shape, batch 1: 1.5 TB/s). These two kernels take such steps as gemv
+// does a dense layer, with no grouping by expert.
+
+// moe_gemv_glu: act[p] = silu(gate) * up of expert ids[p] for token p / k,
+// blockIdx.y the pair p, as gemv2 with glu computes a dense layer's.
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu(bf16 *act, const bf16 *x, const int *ids, int k,
+                                                               const bf16 *w, int E, int N, int K, int wpo) {
+	dep_wait(); // moe_route picks the weights to read
+	const int p = blockIdx.y, e = min(max(ids[p], 0), E - 1);
+	gemv_impl<1, 2>(act + (long long)p * (N / 2), 0, x + (long long)(p / k) * K, w + (long long)e * N * K, N, K, wpo,
+	                nullptr, nullptr, 0, 0.f, 1);
+}
+
+// moe_down_combine: the down products of a token's k pairs and their
+// weighted sum in one pass, a warp an output column n of token blockIdx.y:
+// each dot product with act [T*k, I] (pair order) rounded to bf16 as
+// moe_gemm's output is, then added in ascending expert order, rounded as
+// moe_combine adds them.
+extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, int out_f32, const bf16 *act,
+                                                                   const int *ids, const float *weights, int k,
+                                                                   const bf16 *w, int E, int H, int I) {
+	DEP();
+	const long long t = blockIdx.y;
+	const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
+	if (n >= H) return;
+	const int mine = lane < k ? min(max(ids[t * k + lane], 0), E - 1) : 0;
+	const float wmine = lane < k ? weights[t * k + lane] : 0.f;
+	int ev[MOE_MAX_TOPK];
+	float wv[MOE_MAX_TOPK], dot[MOE_MAX_TOPK];
+#pragma unroll
+	for (int j = 0; j < MOE_MAX_TOPK; j++) {
+		ev[j] = __shfl_sync(0xffffffffu, mine, j);
+		wv[j] = __shfl_sync(0xffffffffu, wmine, j);
+		dot[j] = 0.f;
+	}
+	const int kv = I / 8;
+	for (int i = lane; i < kv; i += 32) {
+#pragma unroll
+		for (int j = 0; j < MOE_MAX_TOPK; j++) {
+			if (j >= k) break;
+			const uint4 wq = __ldcs((const uint4 *)(w + ((long long)ev[j] * H + n) * I) + i);
+			const uint4 aq = __ldg((const uint4 *)(act + (t * k + j) * I) + i);
+			const unsigned wu[4] = {wq.x, wq.y, wq.z, wq.w}, au[4] = {aq.x, aq.y, aq.z, aq.w};
+#pragma unroll
+			for (int q = 0; q < 4; q++) {
+				dot[j] += __uint_as_float(wu[q] << 16) * __uint_as_float(au[q] << 16);
+				dot[j] += __uint_as_float(wu[q] & 0xffff0000u) * __uint_as_float(au[q] & 0xffff0000u);
+			}
+		}
+	}
+	float acc = 0.f;
+#pragma unroll
+	for (int j = 0; j < MOE_MAX_TOPK; j++)
+		if (j < k) dot[j] = warp_sum(dot[j]);
+	// Pair j's place in ascending expert order (a token's experts differ).
+	int rank[MOE_MAX_TOPK];
+#pragma unroll
+	for (int j = 0; j < MOE_MAX_TOPK; j++) {
+		rank[j] = 0;
+#pragma unroll
+		for (int i = 0; i < MOE_MAX_TOPK; i++)
+			if (i < k && j < k && (ev[i] < ev[j] || (ev[i] == ev[j] && i < j))) rank[j]++;
+	}
+#pragma unroll
+	for (int r = 0; r < MOE_MAX_TOPK; r++) {
+		if (r >= k) break;
+		float y = 0.f, wt = 0.f;
+#pragma unroll
+		for (int j = 0; j < MOE_MAX_TOPK; j++)
+			if (j < k && rank[j] == r) y = dot[j], wt = wv[j];
+		const float term = wt * rbf(y);
+		acc = out_f32 ? acc + term : rbf(acc + rbf(term));
+	}
+	if (lane != 0) return;
+	if (out_f32) ((float *)out)[t * H + n] = acc;
+	else ((bf16 *)out)[t * H + n] = f2bf(acc);
 }

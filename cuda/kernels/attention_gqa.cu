@@ -1,0 +1,235 @@
+// Decode attention on the tensor cores for grouped queries.
+//
+// attn_decode_gqa does what attn_decode_vec does (the same grid, splits,
+// merge and RAW preparation) for 3 to 8 query heads a kv head at head size
+// 128 (Qwen3-8B has 4, Qwen3-30B-A3B 8). There the vector kernel's work a
+// row grows with the heads (for each, a dot product, four shuffles, two
+// exponentials and eight multiply-adds) until it, not the loads, sets the
+// pace: H100, 8 heads, 256 sequences of 2,048 positions, 29% of HBM
+// bandwidth. Here each warp takes chunks of 16 positions and runs
+// S^T = K Q^T and O^T += V^T P^T as mma.m16n8k16, the positions and the head
+// dims as M and the (up to 8) heads as N, so that no row of a tile is
+// padding.
+//
+// K and V come from the cache straight into registers with 16-byte loads,
+// without shared memory. A dot product may take the dims in any order as
+// long as the query takes the same one, so lane (gid, t) holds dims
+// 32q+8t..32q+8t+7 (q = 0..3) of its two positions' keys, each k-step of
+// the product using half of one such run. An output dim may live in any
+// lane, so row m of V^T's tile mt is dim 64(m/8) + 8(m%8) + mt, which leaves
+// each lane two runs of 8 dims of its four positions' values. P^T's
+// fragment is S^T's, transposed in registers (movmatrix).
+#define DG_WARPS 4
+#define DG_CHUNK 16 // positions a warp takes at a time
+#define DG_HEADS 8  // query heads a kv head at most (the N of the products)
+
+__device__ __forceinline__ unsigned movmatrix_t(unsigned x) {
+	unsigned y;
+	asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+	return y;
+}
+
+__device__ __forceinline__ unsigned word_of(uint4 u, int i) { return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w; }
+
+// elem_pair is element e of x (low half) and of y (high half), x and y 8
+// bf16 each.
+__device__ __forceinline__ unsigned elem_pair(uint4 x, uint4 y, int e) {
+	return __byte_perm(word_of(x, e >> 1), word_of(y, e >> 1), (e & 1) ? 0x7632 : 0x5410);
+}
+
+template <bool RAW>
+__device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
+                                                     const int *kvptr, const int *kvidx, float *part_o,
+                                                     float *part_ml, int *counters, int hq, int hk, int splits,
+                                                     int units, int units_max, int min_split, float scale,
+                                                     DecodeRaw raw) {
+	constexpr int D = 128, MG = DG_HEADS;
+	__shared__ float sh_m[DG_WARPS][MG], sh_l[DG_WARPS][MG];
+	__shared__ float sh_o[DG_WARPS][MG][D];
+	__shared__ __align__(16) bf16 sh_q[MG][D];
+	const int g = blockIdx.x, s = blockIdx.y, sp = blockIdx.z;
+	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const int gid = lane >> 2, t = lane & 3;
+	const long long row = qptr[s];
+	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
+	const DecodeSplit ds = decode_split(kvptr, kvlen, hk, splits, units, units_max, min_split);
+	if (sp >= ds.used) {
+		DEP();
+		return;
+	}
+	const int c0 = sp * ds.per, c1 = min(kvlen, c0 + ds.per), newest = kvlen - 1;
+	const long long stride = (long long)(hq + 2 * hk) * D;
+	// A chunk at cb: keys of positions cb+gid and cb+gid+8, values of
+	// cb+2t, cb+2t+1, cb+2t+8 and cb+2t+9, of the positions in [lo, hi)
+	// (the rest zero when zero is set, else left as they were). Every slot
+	// index is requested before any row.
+	auto load = [&](int cb, int lo, int hi, uint4(&kd)[2][4], uint4(&vd)[4][2], bool zero) {
+		int ks[2], vs[4];
+#pragma unroll
+		for (int j = 0; j < 2; j++) {
+			const int pos = cb + gid + 8 * j;
+			ks[j] = pos >= lo && pos < hi ? kvidx[kv0 + pos] : -1;
+		}
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			const int pos = cb + 2 * t + (i & 1) + 8 * (i >> 1);
+			vs[i] = pos >= lo && pos < hi ? kvidx[kv0 + pos] : -1;
+		}
+#pragma unroll
+		for (int j = 0; j < 2; j++)
+#pragma unroll
+			for (int q = 0; q < 4; q++) {
+				if (zero) kd[j][q] = make_uint4(0, 0, 0, 0);
+				if (ks[j] >= 0) kd[j][q] = __ldcs((const uint4 *)(kc + ((long long)ks[j] * hk + g) * D + 32 * q + 8 * t));
+			}
+#pragma unroll
+		for (int i = 0; i < 4; i++)
+#pragma unroll
+			for (int u = 0; u < 2; u++) {
+				if (zero) vd[i][u] = make_uint4(0, 0, 0, 0);
+				if (vs[i] >= 0) vd[i][u] = __ldcs((const uint4 *)(vc + ((long long)vs[i] * hk + g) * D + 64 * u + 8 * gid));
+			}
+	};
+	// The newest position's K and V are this step's: loaded after the wait.
+	const int first = c0 + warp * DG_CHUNK;
+	uint4 kr[2][4], vr[4][2];
+	load(first, 0, min(c1, newest), kr, vr, true);
+	// Query preparation in the 16-byte layout (prepare_qkv16's bits): eight
+	// lanes a head, lane group (warp, lane / 8) taking the block's query
+	// heads, then the newest key.
+	const int hl = lane & 7, slot = warp * 4 + (lane >> 3), c8 = 8 * hl;
+	DecodeRawStep rs{};
+	if (RAW) rs.load<D>(raw, row, c8);
+	DEP();
+	const bool holds_newest = c1 == kvlen && kvlen > 0;
+	const bf16 *x = qkv + row * stride;
+	if (RAW) {
+		// Every lane prepares a head (head_inv shuffles over the warp).
+		const bool key = slot >= G;
+		uint4 a = *(const uint4 *)(x + (key ? hq + g : g * G + slot) * D + c8);
+		uint4 b = *(const uint4 *)(x + (key ? hq + g : g * G + slot) * D + D / 2 + c8);
+		float inv = 0.f;
+		if (raw.qnorm) {
+			float af[8], bf[8];
+			unpack8(a, af);
+			unpack8(b, bf);
+			inv = head_inv(af, bf, 8, D, raw.eps);
+		}
+		norm_rope8(a, b, raw.qnorm != nullptr, key ? rs.kwa : rs.qwa, key ? rs.kwb : rs.qwb, inv, rs.cs, rs.sn);
+		if (!key) {
+			*(uint4 *)&sh_q[slot][c8] = a;
+			*(uint4 *)&sh_q[slot][D / 2 + c8] = b;
+		} else if (slot == G && holds_newest) {
+			const long long base = (rs.new_slot * hk + g) * D;
+			const bf16 *v = x + (long long)(hq + hk + g) * D;
+			*(uint4 *)(kc + base + c8) = a;
+			*(uint4 *)(kc + base + D / 2 + c8) = b;
+			*(uint4 *)(vc + base + c8) = *(const uint4 *)(v + c8);
+			*(uint4 *)(vc + base + D / 2 + c8) = *(const uint4 *)(v + D / 2 + c8);
+		}
+	} else if (slot < G) {
+		const bf16 *qh = x + (long long)(g * G + slot) * D;
+		*(uint4 *)&sh_q[slot][c8] = *(const uint4 *)(qh + c8);
+		*(uint4 *)&sh_q[slot][D / 2 + c8] = *(const uint4 *)(qh + D / 2 + c8);
+	}
+	if (slot >= G && slot < MG) {
+		*(uint4 *)&sh_q[slot][c8] = make_uint4(0, 0, 0, 0);
+		*(uint4 *)&sh_q[slot][D / 2 + c8] = make_uint4(0, 0, 0, 0);
+	}
+	__syncthreads(); // the queries, and the newest K and V, for the whole block
+	if (holds_newest && newest >= first && newest < first + DG_CHUNK) load(first, newest, newest + 1, kr, vr, false);
+	uint4 qf[4];
+#pragma unroll
+	for (int q = 0; q < 4; q++) qf[q] = *(const uint4 *)&sh_q[gid][32 * q + 8 * t];
+	const float qs = scale * LOG2E;
+	float o[8][4];
+#pragma unroll
+	for (int mt = 0; mt < 8; mt++) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+	// This lane's heads are 2t and 2t+1: running maxima (uniform over the
+	// lanes of a t) and partial sums (this lane's positions only).
+	float m0 = -EBB_INF, m1 = -EBB_INF, l0 = 0.f, l1 = 0.f;
+	for (int cb = first; cb < c1; cb += DG_WARPS * DG_CHUNK) {
+		uint4 kn[2][4], vn[4][2];
+		load(cb + DG_WARPS * DG_CHUNK, 0, c1, kn, vn, true);
+		float sc[4] = {0.f, 0.f, 0.f, 0.f}; // S^T: [position gid, +8][heads 2t, 2t+1]
+#pragma unroll
+		for (int q = 0; q < 4; q++) {
+#pragma unroll
+			for (int h = 0; h < 2; h++) {
+				const unsigned a[4] = {h ? kr[0][q].z : kr[0][q].x, h ? kr[1][q].z : kr[1][q].x,
+				                       h ? kr[0][q].w : kr[0][q].y, h ? kr[1][q].w : kr[1][q].y};
+				mma_bf16(sc, a, h ? qf[q].z : qf[q].x, h ? qf[q].w : qf[q].y);
+			}
+		}
+		const bool in0 = cb + gid < c1, in1 = cb + gid + 8 < c1;
+		const float s0 = in0 ? sc[0] * qs : -EBB_INF, s1 = in0 ? sc[1] * qs : -EBB_INF;
+		const float s2 = in1 ? sc[2] * qs : -EBB_INF, s3 = in1 ? sc[3] * qs : -EBB_INF;
+		float x0 = fmaxf(s0, s2), x1 = fmaxf(s1, s3);
+#pragma unroll
+		for (int off = 4; off < 32; off <<= 1) {
+			x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+			x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+		}
+		// Position cb is in the split, so both maxima are finite.
+		const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+		const float a0 = ex2_ftz(m0 - n0), a1 = ex2_ftz(m1 - n1);
+		const float p0 = ex2_ftz(s0 - n0), p1 = ex2_ftz(s1 - n1), p2 = ex2_ftz(s2 - n0), p3 = ex2_ftz(s3 - n1);
+		l0 = l0 * a0 + (p0 + p2);
+		l1 = l1 * a1 + (p1 + p3);
+		m0 = n0, m1 = n1;
+		const unsigned b0 = movmatrix_t(pack_bf16x2(p0, p1)), b1 = movmatrix_t(pack_bf16x2(p2, p3));
+#pragma unroll
+		for (int mt = 0; mt < 8; mt++) {
+			o[mt][0] *= a0, o[mt][1] *= a1, o[mt][2] *= a0, o[mt][3] *= a1;
+			const unsigned a[4] = {elem_pair(vr[0][0], vr[1][0], mt), elem_pair(vr[0][1], vr[1][1], mt),
+			                       elem_pair(vr[2][0], vr[3][0], mt), elem_pair(vr[2][1], vr[3][1], mt)};
+			mma_bf16(o[mt], a, b0, b1);
+		}
+#pragma unroll
+		for (int j = 0; j < 2; j++)
+#pragma unroll
+			for (int q = 0; q < 4; q++) kr[j][q] = kn[j][q];
+#pragma unroll
+		for (int i = 0; i < 4; i++)
+#pragma unroll
+			for (int u = 0; u < 2; u++) vr[i][u] = vn[i][u];
+	}
+#pragma unroll
+	for (int off = 4; off < 32; off <<= 1) {
+		l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+		l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+	}
+	if (gid == 0) {
+		sh_m[warp][2 * t] = m0, sh_m[warp][2 * t + 1] = m1;
+		sh_l[warp][2 * t] = l0, sh_l[warp][2 * t + 1] = l1;
+	}
+#pragma unroll
+	for (int mt = 0; mt < 8; mt++) {
+		sh_o[warp][2 * t][8 * gid + mt] = o[mt][0];
+		sh_o[warp][2 * t + 1][8 * gid + mt] = o[mt][1];
+		sh_o[warp][2 * t][64 + 8 * gid + mt] = o[mt][2];
+		sh_o[warp][2 * t + 1][64 + 8 * gid + mt] = o[mt][3];
+	}
+	__syncthreads();
+	decode_block_store<D, MG>(out, part_o, part_ml, &sh_m[0][0], &sh_l[0][0], &sh_o[0][0][0], DG_WARPS, row * hq + g * G,
+	                          G, splits, sp, ds.used);
+	decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, g, splits, ds.used);
+}
+
+extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
+    attn_decode_gqa_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
+                         const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
+                         int splits, int units, int units_max, int min_split, float scale) {
+	attn_decode_gqa_impl<false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
+	                            units_max, min_split, scale, DecodeRaw{});
+}
+
+extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
+    attn_decode_gqa_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
+                             const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
+                             int splits, int units, int units_max, int min_split, float scale, const bf16 *qnorm,
+                             const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,
+                             const float *sin_t, float eps) {
+	attn_decode_gqa_impl<true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
+	                           units_max, min_split, scale, DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
+}
