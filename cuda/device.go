@@ -48,6 +48,7 @@ type Device struct {
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 	noGQADecode   bool           // grouped queries decode on the vector kernel (EBB_DECODE_GQA=0)
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
+	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	// det: deterministic inference (deterministic.go), with attn_det's
@@ -128,7 +129,7 @@ var kernelNames = []string{
 	"gemv_m1", "gemv2_m1", "gemv_fused_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128",
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128",
-	"moe_route", "moe_sort", "moe_gemm", "moe_combine", "moe_gemv_glu", "moe_down_combine",
+	"moe_route", "moe_sort", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_gemv_glu", "moe_down_combine",
 	"allreduce_f32", "allreduce_f32_v4", "allreduce_add_rmsnorm", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
 
@@ -200,6 +201,9 @@ func (d *Device) init() error {
 	d.moeGemvTokens = moeGemvTokens
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
 		d.moeGemvTokens = n
+	}
+	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_TILE_ROWS")); err == nil && (n == 16 || n == 64) {
+		d.moeTileRows = n
 	}
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {

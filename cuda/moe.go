@@ -14,7 +14,11 @@ var _ device.MoE = (*Device)(nil)
 const (
 	moeMaxExperts = 256 // moe_route keeps 8 logits a lane
 	moeMaxTopK    = 16  // moe_combine's shared arrays
-	moeBM, moeBN  = 64, 64
+	moeBN         = 64  // MOE_BN
+	// moeSmallTileRows: where the experts average at most this many rows,
+	// moe_gemm_r16's 16-row tiles take them (moe_gemm's 64-row tiles
+	// otherwise).
+	moeSmallTileRows = 16
 	// moeGemvTokens: steps of up to this many tokens run the pair gemv
 	// (moe_gemv_glu, moe_down_combine) rather than moe_gemm.
 	moeGemvTokens = 8
@@ -90,13 +94,27 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 			I(inter))
 		return
 	}
-	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e))
+	gemm, bm := d.moeTiles(p, e)
+	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bm))
 	// Row tiles: at most one partial tile per expert that has rows.
-	rowTiles := (p+moeBM-1)/moeBM + min(e, p)
-	d.launch("moe_gemm", Dim3{X: uint32((inter + moeBN/2 - 1) / (moeBN / 2)), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
+	rowTiles := (p+bm-1)/bm + min(e, p)
+	d.launch(gemm, Dim3{X: uint32((inter + moeBN/2 - 1) / (moeBN / 2)), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
 		P(w.act), P(x.Ptr), P(w.order), I(k), P(gateUp.Ptr), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
-	d.launch("moe_gemm", Dim3{X: uint32((h + moeBN - 1) / moeBN), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
+	d.launch(gemm, Dim3{X: uint32((h + moeBN - 1) / moeBN), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
 		P(w.y), P(w.act), P(0), I(k), P(down.Ptr), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
 	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
 		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
+}
+
+// moeTiles picks the grouped product and its tile height for p pairs over
+// e experts (EBB_MOE_TILE_ROWS=16 or 64 forces one, for A/B runs).
+func (d *Device) moeTiles(p, e int) (kernel string, rows int) {
+	small := p <= moeSmallTileRows*e
+	if d.moeTileRows != 0 {
+		small = d.moeTileRows == 16
+	}
+	if small {
+		return "moe_gemm_r16", 16
+	}
+	return "moe_gemm", 64
 }

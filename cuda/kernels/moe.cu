@@ -10,9 +10,7 @@
 // rounded as transformers' index_add_ rounds them.
 #define MOE_MAX_EXPERTS 512 // moe_sort's shared counts
 #define MOE_SORT_CHUNK 4096 // pairs moe_sort's placing warp reads from shared memory at a time
-#define MOE_BM 64           // moe_gemm: rows of a tile
-#define MOE_BN 64           // output columns of a tile (32 with glu)
-#define MOE_BK 32
+#define MOE_BN 64           // moe_gemm: output columns of a tile (32 with glu)
 #define MOE_MAX_TOPK 16 // moe_down_combine's per-lane arrays (moeMaxTopK)
 #define MOE_STAGES 4 // cp.async steps in flight: a decode step's few rows leave it bound by reading weights
 
@@ -71,9 +69,10 @@ extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logit
 // moe_sort (one block of 1024 threads) lists the P = T*k pairs grouped by
 // expert: order[i] is the pair at sorted position i (pairs of one expert
 // in pair order), inv[pair] its position, offsets[e] the first position of
-// expert e (offsets[E] = P) and tiles[e] the first of its MOE_BM-row
-// tiles (tiles[E] = all of them).
-extern "C" __global__ void moe_sort(int *order, int *inv, int *offsets, int *tiles, const int *ids, int P, int E) {
+// expert e (offsets[E] = P) and tiles[e] the first of its bm-row tiles
+// (tiles[E] = all of them).
+extern "C" __global__ void moe_sort(int *order, int *inv, int *offsets, int *tiles, const int *ids, int P, int E,
+                                    int bm) {
 	__shared__ int count[MOE_MAX_EXPERTS];
 	__shared__ int base[MOE_MAX_EXPERTS];
 	DEP();
@@ -86,7 +85,7 @@ extern "C" __global__ void moe_sort(int *order, int *inv, int *offsets, int *til
 		for (int e = 0; e < E; e++) {
 			base[e] = at, offsets[e] = at, tiles[e] = tile;
 			at += count[e];
-			tile += (count[e] + MOE_BM - 1) / MOE_BM;
+			tile += (count[e] + bm - 1) / bm;
 		}
 		offsets[E] = at, tiles[E] = tile;
 	}
@@ -124,16 +123,26 @@ extern "C" __global__ void moe_sort(int *order, int *inv, int *offsets, int *til
 // as separate bf16 operations round them.
 //
 // Grid (column tiles, an upper bound of row tiles): block y finds its
-// expert in tiles; blocks past the last tile return. Block: 4 warps of
-// 32 x 32 of a 64 x 64 tile, mma.m16n8k16 over 32-wide steps of K (K a
-// multiple of 8), MOE_STAGES steps loading (cp.async) while one computes.
-// With glu a tile's weight rows interleave gate and up of 32 columns, so
-// each thread's pair of accumulators is a gate and its up.
-extern "C" __global__ void __launch_bounds__(128) moe_gemm(bf16 *out, const bf16 *a, const int *order, int k,
-                                                           const bf16 *w, const int *offsets, const int *tiles, int E,
-                                                           int N, int K, int glu) {
-	__shared__ __align__(16) bf16 As[MOE_STAGES][MOE_BM][MOE_BK + 8];
-	__shared__ __align__(16) bf16 Bs[MOE_STAGES][MOE_BN][MOE_BK + 8];
+// expert in tiles (cut by moe_sort into tiles of BM rows); blocks past the
+// last tile return. Block: 4 warps over a BM x 64 tile (MI 16-row
+// fragments each), mma.m16n8k16 over BK-wide steps of K (K a multiple of
+// 8), MOE_STAGES steps loading (cp.async) while one computes. With glu a
+// tile's weight rows interleave gate and up of 32 columns, so each
+// thread's pair of accumulators is a gate and its up.
+//
+// Two shapes: 64 x 64 tiles with 32-wide steps for prefill, where an
+// expert has hundreds of rows; 16 x 64 tiles with 64-wide steps where it
+// has a few (a decode batch of 64 tokens gives each of 128 experts about
+// four), so that the stages carry twice the weights and no empty rows. A
+// row's products add the same 16-wide steps of K in the same order in
+// both, so a row has the same bits whichever tile takes it.
+template <int BM, int BK, int MI>
+__device__ __forceinline__ void moe_gemm_impl(bf16 *out, const bf16 *a, const int *order, int k, const bf16 *w,
+                                              const int *offsets, const int *tiles, int E, int N, int K, int glu) {
+	constexpr int WM = BM / (16 * MI), WN = 4 / WM, WCOLS = MOE_BN / WN, NJ = WCOLS / 8;
+	constexpr int CPR = BK / 8, RSTEP = 128 / CPR, AI = BM / RSTEP, BI = MOE_BN / RSTEP;
+	__shared__ __align__(16) bf16 As[MOE_STAGES][BM][BK + 8];
+	__shared__ __align__(16) bf16 Bs[MOE_STAGES][MOE_BN][BK + 8];
 	DEP();
 	const int y = blockIdx.y;
 	if (y >= tiles[E]) return;
@@ -144,21 +153,25 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(bf16 *out, const bf16
 		else hi = mid;
 	}
 	const int e = lo;
-	const int r0 = offsets[e] + (y - tiles[e]) * MOE_BM, rend = offsets[e + 1];
+	const int r0 = offsets[e] + (y - tiles[e]) * BM, rend = offsets[e + 1];
 	const bf16 *we = w + (long long)e * N * K;
 	const int half = N / 2;
 	const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-	const int wm = warp >> 1, wn = warp & 1;
-	// Each thread loads two 16-byte pieces of A and two of B a step: row
-	// tid / 4 and tid / 4 + 32, k 8 (tid % 4).
-	const int lr = tid >> 2, lk = 8 * (tid & 3);
-	const bf16 *arow[2];
-	const bf16 *brow[2];
-	for (int i = 0; i < 2; i++) {
-		const int r = r0 + lr + 32 * i;
+	const int wm = warp / WN, wn = warp % WN;
+	// Each thread loads AI 16-byte pieces of A and BI of B a step: rows
+	// tid / CPR + RSTEP i, k 8 (tid % CPR).
+	const int lr = tid / CPR, lk = 8 * (tid % CPR);
+	const bf16 *arow[AI > 0 ? AI : 1];
+	const bf16 *brow[BI];
+#pragma unroll
+	for (int i = 0; i < AI; i++) {
+		const int r = r0 + lr + RSTEP * i;
 		arow[i] = nullptr;
 		if (r < rend) arow[i] = order ? a + (long long)(order[r] / k) * K : a + (long long)r * K;
-		const int c = lr + 32 * i; // a weight row of the tile
+	}
+#pragma unroll
+	for (int i = 0; i < BI; i++) {
+		const int c = lr + RSTEP * i; // a weight row of the tile
 		long long n;
 		if (glu) {
 			const int col = blockIdx.x * (MOE_BN / 2) + (c >> 1);
@@ -169,73 +182,79 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(bf16 *out, const bf16
 		}
 		brow[i] = n >= 0 ? we + n * K : nullptr;
 	}
-	const bool live[2] = {r0 + 32 * wm < rend, r0 + 32 * wm + 16 < rend};
-	float acc[2][4][4];
+	bool live[MI];
 #pragma unroll
-	for (int i = 0; i < 2; i++)
+	for (int i = 0; i < MI; i++) live[i] = r0 + 16 * MI * wm + 16 * i < rend;
+	float acc[MI][NJ][4];
 #pragma unroll
-		for (int j = 0; j < 4; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-	const int steps = (K + MOE_BK - 1) / MOE_BK;
+	for (int i = 0; i < MI; i++)
+#pragma unroll
+		for (int j = 0; j < NJ; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+	const int steps = (K + BK - 1) / BK;
 	auto load = [&](int stage, int k0) {
 		const bool in = k0 + lk < K;
 #pragma unroll
-		for (int i = 0; i < 2; i++) {
-			const bool av = in && arow[i], bv = in && brow[i];
-			cp_async16(smem_u32(&As[stage][lr + 32 * i][lk]), av ? arow[i] + k0 + lk : w, av);
-			cp_async16(smem_u32(&Bs[stage][lr + 32 * i][lk]), bv ? brow[i] + k0 + lk : w, bv);
+		for (int i = 0; i < AI; i++) {
+			const bool av = in && arow[i];
+			cp_async16(smem_u32(&As[stage][lr + RSTEP * i][lk]), av ? arow[i] + k0 + lk : w, av);
+		}
+#pragma unroll
+		for (int i = 0; i < BI; i++) {
+			const bool bv = in && brow[i];
+			cp_async16(smem_u32(&Bs[stage][lr + RSTEP * i][lk]), bv ? brow[i] + k0 + lk : w, bv);
 		}
 	};
 #pragma unroll
 	for (int s = 0; s < MOE_STAGES - 1; s++) {
-		if (s < steps) load(s, s * MOE_BK);
+		if (s < steps) load(s, s * BK);
 		cp_async_commit(); // empty groups keep the count uniform
 	}
 	for (int step = 0; step < steps; step++) {
 		cp_async_wait<MOE_STAGES - 2>();
 		__syncthreads(); // the step's tiles are in, and every warp is done with the stage refilled next
 		const int next = step + MOE_STAGES - 1;
-		if (next < steps) load(next % MOE_STAGES, next * MOE_BK);
+		if (next < steps) load(next % MOE_STAGES, next * BK);
 		cp_async_commit();
 		const int st = step % MOE_STAGES;
 #pragma unroll
-		for (int kk = 0; kk < MOE_BK; kk += 16) {
-			unsigned af[2][4], bfr[4][2];
+		for (int kk = 0; kk < BK; kk += 16) {
+			unsigned af[MI][4], bfr[NJ][2];
 #pragma unroll
-			for (int i = 0; i < 2; i++) {
-				const int r = 32 * wm + 16 * i + g;
+			for (int i = 0; i < MI; i++) {
+				const int r = 16 * MI * wm + 16 * i + g;
 				af[i][0] = *(const unsigned *)&As[st][r][kk + 2 * q];
 				af[i][1] = *(const unsigned *)&As[st][r + 8][kk + 2 * q];
 				af[i][2] = *(const unsigned *)&As[st][r][kk + 2 * q + 8];
 				af[i][3] = *(const unsigned *)&As[st][r + 8][kk + 2 * q + 8];
 			}
 #pragma unroll
-			for (int j = 0; j < 4; j++) {
-				const int n = 32 * wn + 8 * j + g;
+			for (int j = 0; j < NJ; j++) {
+				const int n = WCOLS * wn + 8 * j + g;
 				bfr[j][0] = *(const unsigned *)&Bs[st][n][kk + 2 * q];
 				bfr[j][1] = *(const unsigned *)&Bs[st][n][kk + 2 * q + 8];
 			}
 #pragma unroll
-			for (int i = 0; i < 2; i++) {
+			for (int i = 0; i < MI; i++) {
 				if (!live[i]) continue; // rows past the expert's: a decode tile is mostly empty
 #pragma unroll
-				for (int j = 0; j < 4; j++)
+				for (int j = 0; j < NJ; j++)
 					mma16816(acc[i][j], af[i][0], af[i][1], af[i][2], af[i][3], bfr[j][0], bfr[j][1]);
 			}
 		}
 	}
 	cp_async_wait<0>();
-	// acc[i][j]: rows 32 wm + 16 i + g (+8 for c2, c3), tile columns
-	// 32 wn + 8 j + 2q, +1.
+	// acc[i][j]: rows 16 MI wm + 16 i + g (+8 for c2, c3), tile columns
+	// WCOLS wn + 8 j + 2q, +1.
 #pragma unroll
-	for (int i = 0; i < 2; i++)
+	for (int i = 0; i < MI; i++)
 #pragma unroll
 		for (int h = 0; h < 2; h++) {
-			const int r = r0 + 32 * wm + 16 * i + g + 8 * h;
+			const int r = r0 + 16 * MI * wm + 16 * i + g + 8 * h;
 			if (r >= rend) continue;
 #pragma unroll
-			for (int j = 0; j < 4; j++) {
+			for (int j = 0; j < NJ; j++) {
 				const float c0 = acc[i][j][2 * h], c1 = acc[i][j][2 * h + 1];
-				const int tc = 32 * wn + 8 * j + 2 * q; // even: a gate, with its up next
+				const int tc = WCOLS * wn + 8 * j + 2 * q; // even: a gate, with its up next
 				if (glu) {
 					const int col = blockIdx.x * (MOE_BN / 2) + (tc >> 1);
 					if (col >= half) continue;
@@ -253,6 +272,15 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(bf16 *out, const bf16
 			}
 		}
 }
+
+#define MOE_GEMM(NAME, BM, BK, MI)                                                                                   \
+	extern "C" __global__ void __launch_bounds__(128)                                                                \
+	    NAME(bf16 *out, const bf16 *a, const int *order, int k, const bf16 *w, const int *offsets, const int *tiles, \
+	         int E, int N, int K, int glu) {                                                                         \
+		moe_gemm_impl<BM, BK, MI>(out, a, order, k, w, offsets, tiles, E, N, K, glu);                               \
+	}
+MOE_GEMM(moe_gemm, 64, 32, 2)
+MOE_GEMM(moe_gemm_r16, 16, 64, 1)
 
 // moe_combine: out[t] = sum over token t's k choices, in ascending expert
 // order, of weight * y[inv[pair]] (y [P, H], the experts' results in
