@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"slices"
 	"strings"
@@ -372,6 +373,46 @@ func TestDecodeVecWaves(t *testing.T) {
 	for _, c := range []struct{ pairs, want int }{{8, 4}, {264, 4}, {265, 8}, {512, 8}, {528, 8}, {529, 4}, {2048, 4}} {
 		if got := decodeVecWaves(c.pairs, 132); got != c.want {
 			t.Errorf("decodeVecWaves(%d, 132) = %d, want %d", c.pairs, got, c.want)
+		}
+	}
+}
+
+// TestDecodeKernelChoice (no GPU): 3 to 8 query heads a kv head at 128
+// dims take the tensor-core kernel (a loaded kernel) unless EBB_DECODE_GQA=0;
+// every other head count up to 8 takes the vector kernel whose register
+// tiles hold it (the power of two above), plain and raw alike; more than 8
+// take none.
+func TestDecodeKernelChoice(t *testing.T) {
+	loaded := map[string]bool{}
+	for _, n := range kernelNames {
+		loaded[n] = true
+	}
+	for _, noGQA := range []bool{false, true} {
+		d := &Device{noGQADecode: noGQA}
+		for _, dim := range []int{32, 64, 128, 256} {
+			for g := 1; g <= 16; g++ {
+				name, raw, ok := d.decodeVecKernel(g, dim)
+				if g > 8 {
+					if ok {
+						t.Errorf("%d heads a kv head, %d dims: %q, want none", g, dim, name)
+					}
+					continue
+				}
+				if !noGQA && dim == 128 && g >= 3 {
+					if name != "attn_decode_gqa_d128" || raw != "attn_decode_gqa_raw_d128" || !loaded[name] || !loaded[raw] {
+						t.Errorf("%d heads, %d dims: %q / %q, want the loaded tensor-core kernels", g, dim, name, raw)
+					}
+					continue
+				}
+				mg := 1
+				for mg < g {
+					mg *= 2
+				}
+				want := fmt.Sprintf("attn_decode_vec_d%d_g%d", dim, mg)
+				if !ok || name != want || raw != strings.Replace(want, "vec_", "vec_raw_", 1) {
+					t.Errorf("%d heads, %d dims, EBB_DECODE_GQA=0 %v: %q / %q, want %q", g, dim, noGQA, name, raw, want)
+				}
+			}
 		}
 	}
 }

@@ -127,3 +127,33 @@ func TestMoEExperts(t *testing.T) {
 		p.gpu.Free(memory.Workspace, work)
 	}
 }
+
+// TestMoETileChoice (no GPU): 16-row tiles where the experts average 16
+// rows or fewer, 64-row tiles above, EBB_MOE_TILE_ROWS forcing either; both
+// kernels are loaded.
+func TestMoETileChoice(t *testing.T) {
+	loaded := map[string]bool{}
+	for _, n := range kernelNames {
+		loaded[n] = true
+	}
+	for _, c := range []struct {
+		pairs, experts, forced int
+		kernel                 string
+		rows                   int
+	}{
+		{8, 128, 0, "moe_gemm_r16", 16},
+		{2048, 128, 0, "moe_gemm_r16", 16}, // batch 256, top 8 of 128
+		{2049, 128, 0, "moe_gemm", 64},
+		{65536, 128, 0, "moe_gemm", 64}, // an 8,192-token prefill chunk
+		{1200, 16, 0, "moe_gemm", 64},
+		{1200, 16, 16, "moe_gemm_r16", 16},
+		{8, 128, 64, "moe_gemm", 64},
+	} {
+		d := &Device{moeTileRows: c.forced}
+		kernel, rows := d.moeTiles(c.pairs, c.experts)
+		if kernel != c.kernel || rows != c.rows || !loaded[kernel] {
+			t.Errorf("%d pairs over %d experts (forced %d): %s with %d rows, want %s with %d (loaded: %v)",
+				c.pairs, c.experts, c.forced, kernel, rows, c.kernel, c.rows, loaded[kernel])
+		}
+	}
+}
