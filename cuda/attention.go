@@ -23,7 +23,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	if meta.MaxQLen > 1 && meta.Decodes > 0 && meta.Decodes < meta.NumSeqs {
 		// A mixed step: the prefill kernel would give each decode a whole
 		// tile of queries; the decodes go to the decode kernel instead.
-		if _, _, ok := d.decodeVecKernel(g, dim); ok {
+		if _, _, ok := d.splitDecodeKernel(g, dim); ok {
 			dec, pre := meta, meta
 			dec.NumSeqs, dec.MaxQLen = meta.Decodes, 1
 			pre.NumSeqs, pre.Decodes = meta.NumSeqs-meta.Decodes, 0
@@ -35,7 +35,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 		}
 	}
 	if meta.MaxQLen == 1 && !meta.Sparse {
-		if name, _, ok := d.decodeVecKernel(g, dim); ok {
+		if name, _, ok := d.splitDecodeKernel(g, dim); ok {
 			waves, splits := d.decodeVecGrid(meta.NumSeqs * hk)
 			d.attnDecode(name, waves, splits, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
 			return
@@ -99,14 +99,14 @@ func decodeVecMinSplit(splits int) int {
 	return 64
 }
 
-// decodeVecKernel picks the split decode kernel for g query heads a kv
+// splitDecodeKernel picks the split decode kernel for g query heads a kv
 // head and the head size: attention_gqa.cu's tensor-core kernel for 3 to 8
 // heads of 128 dims (unless EBB_DECODE_GQA=0, for A/B runs), where the
 // vector kernel's work a row grows with the heads until it outweighs the
 // loads; attention_fast.cu's vector kernel for head sizes of 32 to 256
 // lanes' worth of 16-byte loads and up to 8 heads. raw is the kernel that
 // also prepares the step's queries and newest K and V.
-func (d *Device) decodeVecKernel(g, dim int) (name, raw string, ok bool) {
+func (d *Device) splitDecodeKernel(g, dim int) (name, raw string, ok bool) {
 	if dim == 128 && g >= 3 && g <= 8 && !d.noGQADecode {
 		return "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", true
 	}
@@ -142,7 +142,7 @@ func (d *Device) PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, k
 		return false
 	}
 	pre, decodes := meta, 0
-	if _, _, ok := d.decodeVecKernel(hq/hk, dim); ok && meta.Decodes > 0 {
+	if _, _, ok := d.splitDecodeKernel(hq/hk, dim); ok && meta.Decodes > 0 {
 		// As Attention splits a mixed step: the decodes, their queries
 		// prepared, to the decode kernel.
 		decodes = meta.Decodes
@@ -174,7 +174,7 @@ type decodeRaw struct {
 // attn_decode_vec takes the step (EBB_DECODE_PREPARE=separate leaves it
 // to prepare_qkv, for A/B runs).
 func (d *Device) prepareDecode(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int, raw *decodeRaw) bool {
-	_, name, ok := d.decodeVecKernel(hq/hk, dim)
+	_, name, ok := d.splitDecodeKernel(hq/hk, dim)
 	if !ok || meta.Sparse || !d.rawDecode || dim%16 != 0 || raw.positions.Numel() != meta.NumSeqs {
 		return false
 	}

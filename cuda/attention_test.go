@@ -391,7 +391,7 @@ func TestDecodeKernelChoice(t *testing.T) {
 		d := &Device{noGQADecode: noGQA}
 		for _, dim := range []int{32, 64, 128, 256} {
 			for g := 1; g <= 16; g++ {
-				name, raw, ok := d.decodeVecKernel(g, dim)
+				name, raw, ok := d.splitDecodeKernel(g, dim)
 				if g > 8 {
 					if ok {
 						t.Errorf("%d heads a kv head, %d dims: %q, want none", g, dim, name)
