@@ -59,12 +59,17 @@ def init_weights(model, hidden):
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
 
 
-def make_model(path, ebb, seed, shape="0.6b"):
+def make_model(path, ebb, seed, shape="0.6b", config_only=False):
     if os.path.exists(os.path.join(path, "tokenizer.json")):  # written last
         return
     cfg = Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960,
                       rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643,
                       eos_token_id=151645, attention_bias=False, hidden_act="silu", **SHAPES[shape])
+    if config_only:  # served with --load-format dummy
+        cfg.architectures, cfg.torch_dtype = ["Qwen3ForCausalLM"], "bfloat16"
+        cfg.save_pretrained(path)
+        tokenizer_files(ebb, path)
+        return
     torch.manual_seed(seed)
     torch.set_default_dtype(torch.bfloat16)  # an 8B model in float32 would be 32 GB
     with torch.device("cuda"):
@@ -74,6 +79,11 @@ def make_model(path, ebb, seed, shape="0.6b"):
     model.save_pretrained(path, safe_serialization=True)
     del model
     torch.cuda.empty_cache()
+    tokenizer_files(ebb, path)
+
+
+def tokenizer_files(ebb, path):
+    """Qwen3's tokenizer files, from an `ebb tiny-model` directory."""
     with tempfile.TemporaryDirectory() as d:
         subprocess.run([ebb, "tiny-model", d, "--arch", "qwen3"], check=True, stdout=subprocess.DEVNULL)
         for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -125,9 +135,11 @@ def main():
     ap.add_argument("--out", default="qwen3_06b_report.json")
     ap.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
     ap.add_argument("--make-only", action="store_true", help="write the model directory and stop")
+    ap.add_argument("--config-only", action="store_true",
+                    help="write config.json and the tokenizer only (serve with --load-format dummy), and stop")
     args = ap.parse_args()
-    make_model(args.dir, args.ebb, args.seed, args.shape)
-    if args.make_only:
+    make_model(args.dir, args.ebb, args.seed, args.shape, args.config_only)
+    if args.make_only or args.config_only:
         return
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(0, 150000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]

@@ -29,14 +29,12 @@ import base64
 import json
 import os
 import random
-import shutil
 import struct
 import subprocess
-import tempfile
 
 import torch
 
-from qwen3_06b import init_weights
+from qwen3_06b import init_weights, tokenizer_files
 
 SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
              num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
@@ -46,13 +44,6 @@ SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num
              eos_token_id=151645, torch_dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"],
              model_type="qwen3_moe", output_router_logits=False, router_aux_loss_coef=0.001)
 
-
-
-def tokenizer_files(ebb, path):
-    with tempfile.TemporaryDirectory() as d:
-        subprocess.run([ebb, "tiny-model", d, "--arch", "qwen3"], check=True, stdout=subprocess.DEVNULL)
-        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            shutil.copy(os.path.join(d, f), os.path.join(path, f))
 
 
 def make_model(path, ebb, layers, config_only, seed):
