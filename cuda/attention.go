@@ -36,7 +36,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	}
 	if meta.MaxQLen == 1 && !meta.Sparse {
 		if name, _, ok := d.splitDecodeKernel(g, dim); ok {
-			waves, splits := d.decodeVecGrid(meta.NumSeqs * hk)
+			waves, splits := d.decodeVecGrid(meta.NumSeqs*hk, d.gqaDecode(g, dim))
 			d.attnDecode(name, waves, splits, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
 			return
 		}
@@ -79,8 +79,21 @@ const decodeVecMaxSplits = 128
 // to hold them. Batch 1 of Qwen3-0.6B, H100, ms a decode step: 32k
 // positions 2.51 with 32 splits, 2.20 with 64, 2.42 with 128 (whose merge
 // the last block does alone); 4k positions 1.17 / 1.20 / 1.19.
-func (d *Device) decodeVecGrid(pairs int) (waves, splits int) {
+//
+// attn_decode_gqa (gqa) runs two blocks an SM, not four, and a block's
+// fixed cost (its queries, the merge of its warps, a split's partials and
+// the last block's merge) is most of its time at short contexts, so it
+// does not take the vector kernel's eight waves where the pairs fill half
+// to all of one: that cut 64 sequences of 132 positions in two splits each
+// for nothing. EBB_GQA_WAVES sets its waves for A/B runs.
+func (d *Device) decodeVecGrid(pairs int, gqa bool) (waves, splits int) {
 	waves, splits = decodeVecWaves(pairs, d.ctx.SMs), 64
+	if gqa {
+		waves = 4
+		if d.gqaWaves > 0 {
+			waves = d.gqaWaves
+		}
+	}
 	if d.decodeSplits > 0 {
 		splits = d.decodeSplits
 		waves = max(waves, (splits*pairs+d.ctx.SMs-1)/d.ctx.SMs)
@@ -107,7 +120,7 @@ func decodeVecMinSplit(splits int) int {
 // lanes' worth of 16-byte loads and up to 8 heads. raw is the kernel that
 // also prepares the step's queries and newest K and V.
 func (d *Device) splitDecodeKernel(g, dim int) (name, raw string, ok bool) {
-	if dim == 128 && g >= 3 && g <= 8 && !d.noGQADecode {
+	if d.gqaDecode(g, dim) {
 		return "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", true
 	}
 	mg := 1
@@ -118,6 +131,12 @@ func (d *Device) splitDecodeKernel(g, dim int) (name, raw string, ok bool) {
 		return "", "", false
 	}
 	return fmt.Sprintf("attn_decode_vec_d%d_g%d", dim, mg), fmt.Sprintf("attn_decode_vec_raw_d%d_g%d", dim, mg), true
+}
+
+// gqaDecode says whether g query heads a kv head of dim take
+// attn_decode_gqa.
+func (d *Device) gqaDecode(g, dim int) bool {
+	return dim == 128 && g >= 3 && g <= 8 && !d.noGQADecode
 }
 
 // PrepareAttention implements device.AttentionPreparer. A decode step's
@@ -178,7 +197,7 @@ func (d *Device) prepareDecode(out, qkv, kc, vc device.Tensor, meta device.AttnM
 	if !ok || meta.Sparse || !d.rawDecode || dim%16 != 0 || raw.positions.Numel() != meta.NumSeqs {
 		return false
 	}
-	waves, splits := d.decodeVecGrid(meta.NumSeqs * hk)
+	waves, splits := d.decodeVecGrid(meta.NumSeqs*hk, d.gqaDecode(hq/hk, dim))
 	d.attnDecode(name, waves, splits, true,
 		out, qkv, kc, vc, meta, scale, hq, hk, dim, raw)
 	return true

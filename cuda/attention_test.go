@@ -377,6 +377,34 @@ func TestDecodeVecWaves(t *testing.T) {
 	}
 }
 
+// TestDecodeGrid (no GPU): attn_decode_gqa keeps four waves where the
+// vector kernel takes eight (pairs filling half to all of one wave),
+// EBB_GQA_WAVES sets its waves alone, and EBB_DECODE_SPLITS adds the waves
+// its splits need to both.
+func TestDecodeGrid(t *testing.T) {
+	for _, c := range []struct {
+		name                     string
+		pairs                    int
+		gqa                      bool
+		gqaWaves, decodeSplits   int
+		wantWaves, wantMaxSplits int
+	}{
+		{"vector, short batch", 64, false, 0, 0, 4, 64},
+		{"vector, half to one wave", 512, false, 0, 0, 8, 64},
+		{"gqa, half to one wave", 512, true, 0, 0, 4, 64},
+		{"gqa, large batch", 2048, true, 0, 0, 4, 64},
+		{"gqa, EBB_GQA_WAVES", 512, true, 8, 0, 8, 64},
+		{"vector ignores EBB_GQA_WAVES", 64, false, 2, 0, 4, 64},
+		{"gqa, EBB_DECODE_SPLITS", 512, true, 0, 4, 16, 4},
+	} {
+		d := &Device{ctx: &Context{SMs: 132}, gqaWaves: c.gqaWaves, decodeSplits: c.decodeSplits}
+		waves, splits := d.decodeVecGrid(c.pairs, c.gqa)
+		if waves != c.wantWaves || splits != c.wantMaxSplits {
+			t.Errorf("%s: %d waves, %d splits; want %d, %d", c.name, waves, splits, c.wantWaves, c.wantMaxSplits)
+		}
+	}
+}
+
 // TestDecodeKernelChoice (no GPU): 3 to 8 query heads a kv head at 128
 // dims take the tensor-core kernel (a loaded kernel) unless EBB_DECODE_GQA=0;
 // every other head count up to 8 takes the vector kernel whose register

@@ -47,6 +47,7 @@ type Device struct {
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 	noGQADecode   bool           // grouped queries decode on the vector kernel (EBB_DECODE_GQA=0)
+	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
@@ -198,6 +199,9 @@ func (d *Device) init() error {
 	d.foldTC, d.foldWG = fold != "0" && fold != "wg", fold != "0" && fold != "tc"
 	d.rawDecode = os.Getenv("EBB_DECODE_PREPARE") != "separate"
 	d.noGQADecode = os.Getenv("EBB_DECODE_GQA") == "0"
+	if n, err := strconv.Atoi(os.Getenv("EBB_GQA_WAVES")); err == nil && n > 0 {
+		d.gqaWaves = n
+	}
 	d.moeGemvTokens = moeGemvTokens
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
 		d.moeGemvTokens = n

@@ -133,26 +133,40 @@ __device__ __forceinline__ float merge_splits(int used, Load load) {
 
 // decode_block_store merges a block's groups (each a running max m, sum l
 // and output o per query head, in shared memory as [groups][MG] and
-// [groups][MG][D]) and leaves the split's partials, or the answer for a
-// sequence of one split, for query heads rh0..rh0+G-1.
-template <int D, int MG>
-__device__ __forceinline__ void decode_block_store(bf16 *out, float *part_o, float *part_ml, const float *m,
-                                                   const float *l, const float *o, int groups, long long rh0, int G,
-                                                   int splits, int sp, int used) {
-	for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-		const int r = idx / D, dd = idx % D;
+// [groups][MG] rows of OS floats) and leaves the split's partials, or the
+// answer for a sequence of one split, for query heads rh0..rh0+G-1. A
+// row's group weights are worked out once, in place of its maxima in m
+// (the caller has synchronised the block): worked out again for every
+// element, they were most of the tensor-core kernel's epilogue at short
+// contexts. The sums run over the groups in the same order as before, so
+// the bits are the same.
+template <int D, int MG, int OS = D>
+__device__ __forceinline__ void decode_block_store(bf16 *out, float *part_o, float *part_ml, float *m, const float *l,
+                                                   const float *o, int groups, long long rh0, int G, int splits,
+                                                   int sp, int used) {
+	__shared__ float sh_M[MG], sh_L[MG];
+	if (threadIdx.x < G) {
+		const int r = threadIdx.x;
 		float M = -EBB_INF;
 		for (int w = 0; w < groups; w++)
 			if (l[w * MG + r] > 0.f) M = fmaxf(M, m[w * MG + r]);
-		float L = 0.f, acc = 0.f;
+		float L = 0.f;
 		for (int w = 0; w < groups; w++) {
 			if (l[w * MG + r] > 0.f) {
 				const float f = exp2f(m[w * MG + r] - M);
 				L += l[w * MG + r] * f;
-				acc += o[(w * MG + r) * D + dd] * f;
+				m[w * MG + r] = f;
 			}
 		}
-		split_store(out, part_o, part_ml, rh0 + r, splits, sp, used, D, dd, M, L, acc);
+		sh_M[r] = M, sh_L[r] = L;
+	}
+	__syncthreads();
+	for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+		const int r = idx / D, dd = idx % D;
+		float acc = 0.f;
+		for (int w = 0; w < groups; w++)
+			if (l[w * MG + r] > 0.f) acc += o[(w * MG + r) * OS + dd] * m[w * MG + r];
+		split_store(out, part_o, part_ml, rh0 + r, splits, sp, used, D, dd, sh_M[r], sh_L[r], acc);
 	}
 }
 

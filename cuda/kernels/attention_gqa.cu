@@ -45,7 +45,10 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
                                                      DecodeRaw raw) {
 	constexpr int D = 128, MG = DG_HEADS;
 	__shared__ float sh_m[DG_WARPS][MG], sh_l[DG_WARPS][MG];
-	__shared__ float sh_o[DG_WARPS][MG][D];
+	// Rows of D + 1: the stores of a warp's outputs (lanes 2t, 8 gid apart)
+	// met in four banks, an 8-way conflict; now in 2-way.
+	constexpr int OS = D + 1;
+	__shared__ float sh_o[DG_WARPS][MG][OS];
 	__shared__ __align__(16) bf16 sh_q[MG][D];
 	const int g = blockIdx.x, s = blockIdx.y, sp = blockIdx.z;
 	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -211,7 +214,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 		sh_o[warp][2 * t + 1][64 + 8 * gid + mt] = o[mt][3];
 	}
 	__syncthreads();
-	decode_block_store<D, MG>(out, part_o, part_ml, &sh_m[0][0], &sh_l[0][0], &sh_o[0][0][0], DG_WARPS, row * hq + g * G,
+	decode_block_store<D, MG, OS>(out, part_o, part_ml, &sh_m[0][0], &sh_l[0][0], &sh_o[0][0][0], DG_WARPS, row * hq + g * G,
 	                          G, splits, sp, ds.used);
 	decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, g, splits, ds.used);
 }
