@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -48,6 +49,7 @@ type Device struct {
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 	noGQADecode   bool           // grouped queries decode on the vector kernel (EBB_DECODE_GQA=0)
 	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
+	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
@@ -201,6 +203,10 @@ func (d *Device) init() error {
 	d.noGQADecode = os.Getenv("EBB_DECODE_GQA") == "0"
 	if n, err := strconv.Atoi(os.Getenv("EBB_GQA_WAVES")); err == nil && n > 0 {
 		d.gqaWaves = n
+	}
+	if d.skipKernels = skipList(os.Getenv("EBB_SKIP_KERNELS")); d.skipKernels != nil {
+		fmt.Fprintf(os.Stderr, "ebb: EBB_SKIP_KERNELS=%s: these kernels are not launched and every output is wrong (for timing only)\n",
+			os.Getenv("EBB_SKIP_KERNELS"))
 	}
 	d.moeGemvTokens = moeGemvTokens
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
@@ -379,10 +385,36 @@ func (d *Device) launch(name string, grid, block Dim3, shmem int, args ...uint64
 	if d.err != nil || grid.X == 0 || grid.Y == 0 || grid.Z == 0 {
 		return // an empty grid has nothing to do (a step with no logit rows)
 	}
+	if d.skipKernels[name] {
+		return
+	}
 	if k := d.kernel(name); k != nil {
 		d.fail(d.ctx.LaunchKernel(k, grid, block, shmem, args...))
 	}
 }
+
+// skipList parses EBB_SKIP_KERNELS, comma-separated kernel names that
+// launch leaves out. It is for timing only, and every output after the
+// first skipped kernel is wrong: what a kernel costs inside a decode step's
+// CUDA graph is the step's time with it minus without it. ncu times each
+// kernel alone, which overstates the small ones and cannot show what the
+// step hides (decode attention at batch 1 costs 10-12 us a layer alone and
+// nothing in the step).
+func skipList(env string) kernelSet {
+	var m kernelSet
+	for _, name := range strings.Split(env, ",") {
+		if name = strings.TrimSpace(name); name != "" {
+			if m == nil {
+				m = kernelSet{}
+			}
+			m[name] = true
+		}
+	}
+	return m
+}
+
+// kernelSet is a set of kernel names.
+type kernelSet map[string]bool
 
 // kernel looks up one of kernelNames. Names are built from shapes
 // (gemv_m1, matmul_tc_t2, ...): one that is not loaded is a bug to report

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -373,4 +374,26 @@ func (p *pair) refill(b both, scale float32) both {
 		p.t.Fatal(err)
 	}
 	return b
+}
+
+// TestSkipList: EBB_SKIP_KERNELS names kernels for launch to leave out.
+func TestSkipList(t *testing.T) {
+	for _, c := range []struct {
+		env  string
+		want kernelSet
+	}{
+		{"", nil},
+		{" , ", nil},
+		{"moe_route", kernelSet{"moe_route": true}},
+		{"moe_route, gemv_m1,", kernelSet{"moe_route": true, "gemv_m1": true}},
+	} {
+		if got := skipList(c.env); !maps.Equal(got, c.want) || (got == nil) != (c.want == nil) {
+			t.Errorf("skipList(%q) = %v, want %v", c.env, got, c.want)
+		}
+	}
+	d := &Device{ctx: &Context{SMs: 132}, k: map[string]*Kernel{}, skipKernels: kernelSet{"gemv_m1": true}}
+	d.launch("gemv_m1", D1(1), D1(256), 0) // not loaded, but skipped: no error
+	if d.err != nil {
+		t.Fatalf("skipped kernel: %v", d.err)
+	}
 }

@@ -20,7 +20,7 @@ func TestMatMul(t *testing.T) {
 			t.Fatalf("64 rows on %s run %s, not matmul_wg_n64", p.gpu.mod.Arch, got)
 		}
 	}
-	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072},
+	for _, s := range []struct{ m, k, n int }{{1, 256, 300}, {1, 1024, 301}, {1, 2048, 1001}, {1, 4096, 6144}, {1, 3072, 301}, {2, 2048, 1024}, {3, 1024, 4096}, {1, 1024, 6145}, {4, 256, 8000}, {8, 3072, 1024}, {37, 256, 300}, {128, 1024, 3072},
 		// matmul_tc (2 to 16 rows): one and two tiles, K splits, ragged
 		// N; a K that is no multiple of 32 goes to cuBLAS.
 		{5, 1024, 301}, {16, 2048, 1024}, {12, 256, 40}, {9, 12288, 512}, {13, 1000, 64}, {64, 3072, 1024}, {200, 2048, 1000},
@@ -242,7 +242,7 @@ func TestMatMulAddThenRMSNormMatMul(t *testing.T) {
 // matmul_wg's) then SiLUMul, which they must equal bit for bit.
 func TestMatMulSiLU(t *testing.T) {
 	p := newPair(t)
-	for _, s := range []struct{ m, k, inter int }{{1, 1024, 3072}, {1, 4096, 6144}, {1, 256, 501},
+	for _, s := range []struct{ m, k, inter int }{{1, 1024, 3072}, {1, 4096, 6144}, {1, 256, 501}, {1, 2048, 501},
 		{2, 1024, 3072}, {8, 4096, 6144}, {13, 256, 501}, {24, 1024, 3072}, {19, 2048, 100},
 		{25, 1024, 3072}, {64, 1024, 3072}, {128, 2048, 104}, {100, 1024, 3072}, {20, 4096, 6144}, {12, 4096, 6144}} {
 		x := p.random(device.BF16, 1, s.m, s.k)

@@ -14,6 +14,7 @@ var _ device.MoE = (*Device)(nil)
 const (
 	moeMaxExperts = 256 // moe_route keeps 8 logits a lane
 	moeMaxTopK    = 16  // moe_combine's shared arrays
+	moeDownCols   = 4   // output columns a moe_down_combine block takes (MOE_DOWN_COLS)
 	moeBN         = 64  // MOE_BN
 	// moeSmallTileRows: where the experts average at most this many rows,
 	// moe_gemm_r16's 16-row tiles take them (moe_gemm's 64-row tiles
@@ -89,7 +90,7 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		wpo := d.gemvWarps(inter*p, h)
 		d.launch("moe_gemv_glu", Dim3{X: uint32((inter + 8/wpo - 1) / (8 / wpo)), Y: uint32(p), Z: 1}, D1(256), 0,
 			P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo))
-		d.launch("moe_down_combine", Dim3{X: uint32((h + 7) / 8), Y: uint32(t), Z: 1}, D1(256), 0, P(out.Ptr),
+		d.launch("moe_down_combine", Dim3{X: uint32((h + moeDownCols - 1) / moeDownCols), Y: uint32(t), Z: 1}, D1(256), 0, P(out.Ptr),
 			I(boolInt(out.DType == device.F32)), P(w.act), P(ids.Ptr), P(weights.Ptr), I(k), P(down.Ptr), I(e), I(h),
 			I(inter))
 		return

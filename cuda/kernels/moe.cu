@@ -337,67 +337,92 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu(bf16 *act, const 
 	                nullptr, nullptr, 0, 0.f, 1);
 }
 
+// Output columns of one token that a moe_down_combine block takes.
+#define MOE_DOWN_COLS 4
+
 // moe_down_combine: the down products of a token's k pairs and their
-// weighted sum in one pass, a warp an output column n of token blockIdx.y:
-// each dot product with act [T*k, I] (pair order) rounded to bf16 as
-// moe_gemm's output is, then added in ascending expert order, rounded as
-// moe_combine adds them.
+// weighted sum in one pass; a block takes MOE_DOWN_COLS output columns
+// from n0 of token blockIdx.y. Its (column, pair) dot products are spread
+// over the eight warps, each striding I with its 32 lanes, so that every
+// thread has the next chunk of each of its products in flight while it
+// multiplies the current one (rather than a warp a column with the k
+// products in series: a 12-layer 30B-A3B shape at batch 1, 1.189 -> 1.151
+// ms a step on the H100). Each dot product with act [T*k, I] (pair order)
+// is rounded to bf16 as moe_gemm's output is, then added in ascending
+// expert order, rounded as moe_combine adds them.
+//
+// ids and weights come from moe_route, which finished before
+// moe_gemv_glu passed its dep_wait and let this kernel launch: they and
+// the weights they pick are read before this kernel waits for
+// moe_gemv_glu's act.
 extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, int out_f32, const bf16 *act,
                                                                    const int *ids, const float *weights, int k,
                                                                    const bf16 *w, int E, int H, int I) {
-	DEP();
+	// Q products a warp in each pass: one pass for top 8 or fewer.
+	constexpr int R = MOE_DOWN_COLS, Q = R;
+	__shared__ float dots[R][MOE_MAX_TOPK];
 	const long long t = blockIdx.y;
-	const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
-	if (n >= H) return;
-	const int mine = lane < k ? min(max(ids[t * k + lane], 0), E - 1) : 0;
-	const float wmine = lane < k ? weights[t * k + lane] : 0.f;
-	int ev[MOE_MAX_TOPK];
-	float wv[MOE_MAX_TOPK], dot[MOE_MAX_TOPK];
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * R, kv = I / 8;
+	for (int q0 = 0; q0 < R * k; q0 += 8 * Q) {
+		const uint4 *wr[Q], *ar[Q];
+		bool ok[Q];
+		uint4 cur[Q];
 #pragma unroll
-	for (int j = 0; j < MOE_MAX_TOPK; j++) {
-		ev[j] = __shfl_sync(0xffffffffu, mine, j);
-		wv[j] = __shfl_sync(0xffffffffu, wmine, j);
-		dot[j] = 0.f;
-	}
-	const int kv = I / 8;
-	for (int i = lane; i < kv; i += 32) {
+		for (int s = 0; s < Q; s++) {
+			const int q = q0 + warp + 8 * s, r = q / k, j = q % k;
+			ok[s] = q < R * k && n0 + r < H;
+			const int e = ok[s] ? min(max(ids[t * k + j], 0), E - 1) : 0;
+			wr[s] = (const uint4 *)(w + ((long long)e * H + (ok[s] ? n0 + r : 0)) * I);
+			ar[s] = (const uint4 *)(act + (t * k + j) * I);
+			cur[s] = ok[s] && lane < kv ? __ldcs(wr[s] + lane) : make_uint4(0, 0, 0, 0);
+		}
+		if (q0 == 0) DEP();
+		float dot[Q];
 #pragma unroll
-		for (int j = 0; j < MOE_MAX_TOPK; j++) {
-			if (j >= k) break;
-			const uint4 wq = __ldcs((const uint4 *)(w + ((long long)ev[j] * H + n) * I) + i);
-			const uint4 aq = __ldg((const uint4 *)(act + (t * k + j) * I) + i);
-			const unsigned wu[4] = {wq.x, wq.y, wq.z, wq.w}, au[4] = {aq.x, aq.y, aq.z, aq.w};
+		for (int s = 0; s < Q; s++) dot[s] = 0.f;
+		for (int i = lane; i < kv; i += 32) {
+			uint4 next[Q];
 #pragma unroll
-			for (int q = 0; q < 4; q++) {
-				dot[j] += __uint_as_float(wu[q] << 16) * __uint_as_float(au[q] << 16);
-				dot[j] += __uint_as_float(wu[q] & 0xffff0000u) * __uint_as_float(au[q] & 0xffff0000u);
+			for (int s = 0; s < Q; s++) next[s] = ok[s] && i + 32 < kv ? __ldcs(wr[s] + i + 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+			for (int s = 0; s < Q; s++) {
+				if (!ok[s]) continue;
+				const uint4 aq = __ldg(ar[s] + i);
+				const unsigned wu[4] = {cur[s].x, cur[s].y, cur[s].z, cur[s].w}, au[4] = {aq.x, aq.y, aq.z, aq.w};
+#pragma unroll
+				for (int e = 0; e < 4; e++) {
+					dot[s] += __uint_as_float(wu[e] << 16) * __uint_as_float(au[e] << 16);
+					dot[s] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(au[e] & 0xffff0000u);
+				}
+				cur[s] = next[s];
 			}
 		}
+#pragma unroll
+		for (int s = 0; s < Q; s++) {
+			const float d = warp_sum(dot[s]);
+			const int q = q0 + warp + 8 * s;
+			if (lane == 0 && ok[s]) dots[q / k][q % k] = d;
+		}
 	}
+	__syncthreads();
+	const int r = threadIdx.x, n = n0 + r;
+	if (r >= R || n >= H) return;
+	// The pairs in ascending expert order (a token's experts differ; the
+	// lower pair first on a tie), each term and partial sum rounded as
+	// moe_combine rounds them.
 	float acc = 0.f;
-#pragma unroll
-	for (int j = 0; j < MOE_MAX_TOPK; j++)
-		if (j < k) dot[j] = warp_sum(dot[j]);
-	// Pair j's place in ascending expert order (a token's experts differ).
-	int rank[MOE_MAX_TOPK];
-#pragma unroll
-	for (int j = 0; j < MOE_MAX_TOPK; j++) {
-		rank[j] = 0;
-#pragma unroll
-		for (int i = 0; i < MOE_MAX_TOPK; i++)
-			if (i < k && j < k && (ev[i] < ev[j] || (ev[i] == ev[j] && i < j))) rank[j]++;
-	}
-#pragma unroll
-	for (int r = 0; r < MOE_MAX_TOPK; r++) {
-		if (r >= k) break;
-		float y = 0.f, wt = 0.f;
-#pragma unroll
-		for (int j = 0; j < MOE_MAX_TOPK; j++)
-			if (j < k && rank[j] == r) y = dot[j], wt = wv[j];
-		const float term = wt * rbf(y);
+	int prev = -1, prev_j = -1;
+	for (int step = 0; step < k; step++) {
+		int best = -1, best_e = 0;
+		for (int j = 0; j < k; j++) {
+			const int e = min(max(ids[t * k + j], 0), E - 1);
+			const bool after = e > prev || (e == prev && j > prev_j);
+			if (after && (best < 0 || e < best_e || (e == best_e && j < best))) best = j, best_e = e;
+		}
+		prev = best_e, prev_j = best;
+		const float term = weights[t * k + best] * rbf(dots[r][best]);
 		acc = out_f32 ? acc + term : rbf(acc + rbf(term));
 	}
-	if (lane != 0) return;
 	if (out_f32) ((float *)out)[t * H + n] = acc;
 	else ((bf16 *)out)[t * H + n] = f2bf(acc);
 }
