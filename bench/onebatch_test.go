@@ -50,12 +50,7 @@ func TestOneBatchParallelLayouts(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds ebb")
 	}
-	exe := filepath.Join(t.TempDir(), "ebb")
-	build := exec.Command("go", "build", "-o", exe, "../cmd/ebb")
-	build.Stderr = os.Stderr
-	if err := build.Run(); err != nil {
-		t.Fatalf("building ebb: %v", err)
-	}
+	exe := buildEBB(t)
 	dir := tinymodel.TestDir(t, "qwen3", nil)
 	run := func(tp, dp int) []OneBatchResult {
 		t.Helper()
@@ -93,4 +88,16 @@ func TestOneBatchParallelLayouts(t *testing.T) {
 		BatchSizes: []int{1}, InputLen: 4, OutputLen: 2, ProfileStep: 0, Executable: exe}); err == nil {
 		t.Error("--profile-step with two engines: no error")
 	}
+}
+
+// buildEBB builds cmd/ebb into the test's temporary directory.
+func buildEBB(t *testing.T) string {
+	t.Helper()
+	exe := filepath.Join(t.TempDir(), "ebb")
+	build := exec.Command("go", "build", "-o", exe, "../cmd/ebb")
+	build.Stderr = os.Stderr
+	if err := build.Run(); err != nil {
+		t.Fatalf("building ebb: %v", err)
+	}
+	return exe
 }

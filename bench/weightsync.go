@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"slices"
@@ -23,7 +24,9 @@ type WeightSyncConfig struct {
 	Path string
 	// NewWeights is the checkpoint the trainer sends (same shapes as the
 	// served model); after the updates, greedy output must equal a fresh
-	// server's on it. Default: the served model's own weights.
+	// server's on it. Default: the served model's own weights. With
+	// Engine.LoadFormat dummy the trainer sends random weights shaped by
+	// its config.json instead, and only the weights it probes are checked.
 	NewWeights  string
 	BucketsMB   []int
 	Format      string // list or flattened
@@ -58,7 +61,9 @@ type WeightSyncReport struct {
 	Path               string             `json:"path"`
 	Format             string             `json:"format"`
 	Buckets            []WeightSyncBucket `json:"buckets"`
-	OutputsMatchFresh  bool               `json:"outputs_match_fresh_server"`
+	WeightsMatchSent   bool               `json:"weights_match_sent"` // the trainer's probe against /get_weights_by_name
+	WeightsMismatch    string             `json:"weights_mismatch,omitempty"`
+	OutputsMatchFresh  *bool              `json:"outputs_match_fresh_server,omitempty"` // nil: not checked (dummy weights)
 	TrainerKilledReply string             `json:"trainer_killed_reply,omitempty"`
 	ServerAfterKill    string             `json:"server_after_kill,omitempty"`
 }
@@ -96,6 +101,7 @@ func WeightSync(cfg WeightSyncConfig) (*WeightSyncReport, error) {
 	defer srv.stop()
 	rep := &WeightSyncReport{Path: cfg.Path, Format: cfg.Format}
 	bar := newProgress(cfg.Progress, len(cfg.BucketsMB), "weight-sync buckets")
+	var probe map[string][]float64
 	for i, mb := range cfg.BucketsMB {
 		b := WeightSyncBucket{BucketMB: mb, Updates: cfg.Repeats}
 		b.ServerRegionsBefore, b.ServerNVMLBeforeBytes, err = serverMemory(srv)
@@ -106,6 +112,7 @@ func WeightSync(cfg WeightSyncConfig) (*WeightSyncReport, error) {
 		if err != nil {
 			return rep, err
 		}
+		probe = tr.Probe
 		b.Bytes, b.UpdatesMs = tr.Bytes, tr.UpdatesMs
 		sorted := slices.Clone(tr.UpdatesMs)
 		slices.Sort(sorted)
@@ -120,9 +127,14 @@ func WeightSync(cfg WeightSyncConfig) (*WeightSyncReport, error) {
 		rep.Buckets = append(rep.Buckets, b)
 		bar.Add(1)
 	}
+	rep.WeightsMismatch = weightsMismatch(srv, probe)
+	rep.WeightsMatchSent = rep.WeightsMismatch == ""
+	if cfg.Engine.LoadFormat == "dummy" {
+		return rep, nil // a fresh server would draw other weights
+	}
 	// The served model now holds NewWeights: compare with a fresh server.
-	probe := [][]int32{{11, 22, 33, 44, 55, 66, 77, 88}, {5, 4, 3, 2, 1}}
-	got, err := greedyEach(srv, probe)
+	prompts := [][]int32{{11, 22, 33, 44, 55, 66, 77, 88}, {5, 4, 3, 2, 1}}
+	got, err := greedyEach(srv, prompts)
 	if err != nil {
 		return rep, err
 	}
@@ -133,12 +145,13 @@ func WeightSync(cfg WeightSyncConfig) (*WeightSyncReport, error) {
 	if err != nil {
 		return rep, err
 	}
-	want, err := greedyEach(ref, probe)
+	want, err := greedyEach(ref, prompts)
 	ref.stop()
 	if err != nil {
 		return rep, err
 	}
-	rep.OutputsMatchFresh = equalIDs(got, want)
+	match := equalIDs(got, want)
+	rep.OutputsMatchFresh = &match
 	if cfg.KillTrainer && cfg.Path == "nccl" {
 		if err := killTrainerMidway(cfg, rep); err != nil {
 			return rep, err
@@ -199,9 +212,35 @@ func serverMemory(srv *serveProc) (regions, nvml int64, err error) {
 }
 
 type trainerReport struct {
-	Bytes           int64     `json:"bytes"`
-	UpdatesMs       []float64 `json:"updates_ms"`
-	TrainerReserved []int64   `json:"trainer_reserved_bytes"`
+	Bytes           int64                `json:"bytes"`
+	UpdatesMs       []float64            `json:"updates_ms"`
+	TrainerReserved []int64              `json:"trainer_reserved_bytes"`
+	Probe           map[string][]float64 `json:"probe"` // a few tensors' first values, as sent
+}
+
+// weightsMismatch compares the values the trainer says it sent with what
+// the server's /get_weights_by_name holds: "" when they are equal, else
+// the first difference (a name the server cannot read counts as one).
+func weightsMismatch(srv *serveProc, probe map[string][]float64) string {
+	if len(probe) == 0 {
+		return "the trainer reported no values to check"
+	}
+	for _, name := range slices.Sorted(maps.Keys(probe)) {
+		sent := probe[name]
+		var got []float64
+		if err := srv.call("POST", "/get_weights_by_name", map[string]any{"name": name, "truncate_size": len(sent)}, &got); err != nil {
+			return err.Error()
+		}
+		if len(got) != len(sent) {
+			return fmt.Sprintf("%s: the server gave %d values for %d sent", name, len(got), len(sent))
+		}
+		for i := range sent {
+			if float32(got[i]) != float32(sent[i]) {
+				return fmt.Sprintf("%s[%d] = %v, sent %v", name, i, got[i], sent[i])
+			}
+		}
+	}
+	return ""
 }
 
 // trainerNCCL asks the trainer's Python where its PyTorch's NCCL library is
@@ -226,6 +265,9 @@ func runWeightTrainer(cfg WeightSyncConfig, url string, mb, port int, kill bool)
 	transport := cfg.Path
 	args := append(fields[1:], "--url", url, "--model", cfg.NewWeights, "--transport", transport, "--format", cfg.Format,
 		"--bucket-mb", strconv.Itoa(mb), "--repeat", strconv.Itoa(cfg.Repeats), "--master-port", strconv.Itoa(port))
+	if cfg.Engine.LoadFormat == "dummy" {
+		args = append(args, "--dummy")
+	}
 	if kill {
 		// One tensor at a time, so that it can die between two of them.
 		args = append(args, "--kill-after", "3", "--repeat", "1", "--format", "list")

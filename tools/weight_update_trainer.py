@@ -18,9 +18,15 @@ import):
   --format local      [(name, LocalSerializedTensor([per-rank pickles]))], verl's form
 
 The weights come from a safetensors checkpoint (--model) and are sent in
-buckets of --bucket-mb. With --repeat N the update runs N times; the report
-(JSON on stdout, or --report) has the time of each update and, for ipc, the
-trainer's reserved CUDA memory after torch.cuda.ipc_collect().
+buckets of --bucket-mb. With --dummy they are random instead, made where
+they are sent from (the GPU for ipc and nccl), with the names and shapes
+that transformers gives the model of --model's config.json (transformers
+is imported for this only): a server on --load-format dummy can then take
+a model too large for the disk. With --repeat N the update runs N times;
+the report (JSON on stdout, or --report) has the time of each update, for
+ipc the trainer's reserved CUDA memory after torch.cuda.ipc_collect(), and
+under "probe" the first 64 values of a few tensors, for checking against
+the server's /get_weights_by_name.
 """
 import argparse
 import base64
@@ -117,6 +123,32 @@ def read_safetensors(path):
             t = torch.frombuffer(raw, dtype=torch.uint8).view(DTYPES[info["dtype"]]).reshape(info["shape"])
             out[name] = t
     return out
+
+
+def dummy_weights(path, device, seed=0):
+    """Random weights named and shaped as transformers' model of path's
+    config.json (built on the meta device, so it holds no memory), scaled
+    like an initialised model's, in the config's dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    dtype = getattr(torch, str(getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or "bfloat16").replace("torch.", ""))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():  # tied weights once, as trainers send them
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        out[name] = t.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else t.fill_(1.0)
+    return out
+
+
+def probe(weights, n=64):
+    """The first n values of a few tensors (the first, the last, and the
+    first of the experts' where there are experts), flattened as
+    /get_weights_by_name returns them."""
+    names = list(weights)
+    picks = [names[0], names[-1]] + [k for k in names if ".mlp.experts." in k][:1]
+    return {k: weights[k].flatten()[:n].float().tolist() for k in dict.fromkeys(picks)}
 
 
 def buckets(named, bucket_bytes):
@@ -251,7 +283,8 @@ def shm_refcounts(named):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
-    ap.add_argument("--model", required=True, help="safetensors directory whose weights are sent")
+    ap.add_argument("--model", required=True, help="safetensors directory whose weights are sent (with --dummy: its config.json)")
+    ap.add_argument("--dummy", action="store_true", help="send random weights shaped by --model's config.json")
     ap.add_argument("--transport", choices=["ipc", "shm", "nccl"], required=True)
     ap.add_argument("--format", choices=["list", "flattened", "local"], default="list")
     ap.add_argument("--bucket-mb", type=int, default=512)
@@ -262,11 +295,15 @@ def main():
     ap.add_argument("--kill-after", type=int, default=None, help="nccl: die after this many tensors of the first bucket")
     ap.add_argument("--report", default="")
     args = ap.parse_args()
-    weights = read_safetensors(args.model)
+    if args.dummy:
+        weights = dummy_weights(args.model, "cpu" if args.transport == "shm" else "cuda")
+    else:
+        weights = read_safetensors(args.model)
     if args.dtype:
         weights = {k: v.to(getattr(torch, args.dtype)) for k, v in weights.items()}
     report = {"transport": args.transport, "format": args.format, "bucket_mb": args.bucket_mb,
-              "bytes": sum(t.numel() * t.element_size() for t in weights.values()), "updates_ms": []}
+              "bytes": sum(t.numel() * t.element_size() for t in weights.values()), "updates_ms": [],
+              "probe": probe(weights)}
     if args.transport == "shm":
         torch.multiprocessing.set_sharing_strategy("file_system")
         named = [(k, v.contiguous().share_memory_()) for k, v in weights.items()]

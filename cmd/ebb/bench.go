@@ -332,7 +332,12 @@ func printWeightSync(rep *bench.WeightSyncReport) {
 			float64(b.ServerRegionsBefore)/(1<<20), float64(b.ServerRegionsAfter)/(1<<20),
 			float64(b.TrainerReservedFirst)/(1<<20), float64(b.TrainerReservedLast)/(1<<20))
 	}
-	fmt.Printf("outputs equal a fresh server on the new weights: %v\n", rep.OutputsMatchFresh)
+	fmt.Printf("weights read back equal those sent: %v %s\n", rep.WeightsMatchSent, rep.WeightsMismatch)
+	if rep.OutputsMatchFresh != nil {
+		fmt.Printf("outputs equal a fresh server on the new weights: %v\n", *rep.OutputsMatchFresh)
+	} else {
+		fmt.Println("outputs not compared with a fresh server: dummy weights")
+	}
 	if rep.TrainerKilledReply != "" {
 		fmt.Printf("trainer killed mid-broadcast: %s\nserver: %s\n", firstLine(rep.TrainerKilledReply), rep.ServerAfterKill)
 	}
