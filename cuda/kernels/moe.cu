@@ -282,6 +282,21 @@ __device__ __forceinline__ void moe_gemm_impl(bf16 *out, const bf16 *a, const in
 MOE_GEMM(moe_gemm, 64, 32, 2)
 MOE_GEMM(moe_gemm_r16, 16, 64, 1)
 
+// moe_pair_order lists a token's k pairs (ids_row, k <= MOE_MAX_TOPK) in
+// ascending expert order, the lower pair first among equal experts: the
+// order in which moe_combine and moe_down_combine add their terms.
+__device__ __forceinline__ void moe_pair_order(int order[], const int *ids_row, int k) {
+	int e[MOE_MAX_TOPK];
+	for (int j = 0; j < k; j++) {
+		e[j] = ids_row[j], order[j] = j;
+		for (int i = j; i > 0 && e[i] < e[i - 1]; i--) { // insertion
+			const int te = e[i], to = order[i];
+			e[i] = e[i - 1], order[i] = order[i - 1];
+			e[i - 1] = te, order[i - 1] = to;
+		}
+	}
+}
+
 // moe_combine: out[t] = sum over token t's k choices, in ascending expert
 // order, of weight * y[inv[pair]] (y [P, H], the experts' results in
 // sorted order). A bf16 out rounds each term and each partial sum, as
@@ -289,23 +304,14 @@ MOE_GEMM(moe_gemm_r16, 16, 64, 1)
 // tensor-parallel partial sum) keeps them in float.
 extern "C" __global__ void moe_combine(void *out, int out_f32, const bf16 *y, const int *inv, const int *ids,
                                        const float *weights, int k, int H) {
-	__shared__ int pos[16];
-	__shared__ float wt[16];
+	__shared__ int pos[MOE_MAX_TOPK];
+	__shared__ float wt[MOE_MAX_TOPK];
 	const long long t = blockIdx.x;
 	DEP();
 	if (threadIdx.x == 0) {
-		int e[16];
-		for (int j = 0; j < k; j++) {
-			e[j] = ids[t * k + j], pos[j] = inv[t * k + j], wt[j] = weights[t * k + j];
-			for (int i = j; i > 0 && e[i] < e[i - 1]; i--) { // insertion: ascending expert
-				int te = e[i];
-				e[i] = e[i - 1], e[i - 1] = te;
-				int tp = pos[i];
-				pos[i] = pos[i - 1], pos[i - 1] = tp;
-				float tw = wt[i];
-				wt[i] = wt[i - 1], wt[i - 1] = tw;
-			}
-		}
+		int order[MOE_MAX_TOPK];
+		moe_pair_order(order, ids + t * k, k);
+		for (int j = 0; j < k; j++) pos[j] = inv[t * k + order[j]], wt[j] = weights[t * k + order[j]];
 	}
 	__syncthreads();
 	for (int h = threadIdx.x; h < H; h += blockDim.x) {
@@ -358,9 +364,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu(bf16 *act, const 
 extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, int out_f32, const bf16 *act,
                                                                    const int *ids, const float *weights, int k,
                                                                    const bf16 *w, int E, int H, int I) {
-	// Q products a warp in each pass: one pass for top 8 or fewer.
+	// Q products a warp in each pass: the 8 warps take R columns of up to
+	// top 8 in one pass.
 	constexpr int R = MOE_DOWN_COLS, Q = R;
 	__shared__ float dots[R][MOE_MAX_TOPK];
+	__shared__ int order[MOE_MAX_TOPK];
 	const long long t = blockIdx.y;
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * R, kv = I / 8;
 	for (int q0 = 0; q0 < R * k; q0 += 8 * Q) {
@@ -404,23 +412,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, in
 			if (lane == 0 && ok[s]) dots[q / k][q % k] = d;
 		}
 	}
+	if (threadIdx.x == 0) moe_pair_order(order, ids + t * k, k);
 	__syncthreads();
 	const int r = threadIdx.x, n = n0 + r;
 	if (r >= R || n >= H) return;
-	// The pairs in ascending expert order (a token's experts differ; the
-	// lower pair first on a tie), each term and partial sum rounded as
-	// moe_combine rounds them.
+	// Each term and partial sum rounded as moe_combine rounds them.
 	float acc = 0.f;
-	int prev = -1, prev_j = -1;
-	for (int step = 0; step < k; step++) {
-		int best = -1, best_e = 0;
-		for (int j = 0; j < k; j++) {
-			const int e = min(max(ids[t * k + j], 0), E - 1);
-			const bool after = e > prev || (e == prev && j > prev_j);
-			if (after && (best < 0 || e < best_e || (e == best_e && j < best))) best = j, best_e = e;
-		}
-		prev = best_e, prev_j = best;
-		const float term = weights[t * k + best] * rbf(dots[r][best]);
+	for (int j = 0; j < k; j++) {
+		const float term = weights[t * k + order[j]] * rbf(dots[r][order[j]]);
 		acc = out_f32 ? acc + term : rbf(acc + rbf(term));
 	}
 	if (out_f32) ((float *)out)[t * H + n] = acc;
