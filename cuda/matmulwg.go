@@ -6,11 +6,17 @@ import (
 )
 
 // matMulWGRows are the batch tiles matmul_wg is built for (BN in
-// matmul_wg.cu): a batch runs the smallest that holds it. Past 128 rows
-// cuBLAS is faster (H100 decode steps, batch 192 3.21 -> 3.31 ms, 256
-// 3.87 -> 4.06 with matmul_wg): its tiles split the batch as well, ours
-// leave a block all of it (the tensor cores' time grows with the rows).
-var matMulWGRows = []int{32, 48, 64, 96, 128}
+// matmul_wg.cu): a batch runs the smallest that holds it. The 256-row tile
+// is for deterministic inference, whose products all run on matmul_wg:
+// with 128-row tiles a batch of 256 read every weight twice.
+var matMulWGRows = []int{32, 48, 64, 96, 128, 256}
+
+// matMulWGMaxRows is the most rows matmul_wg takes outside deterministic
+// inference. Past 128 rows cuBLAS is faster (H100 decode steps, batch 192
+// 3.21 -> 3.31 ms, 256 3.87 -> 4.06 with matmul_wg): its tiles split the
+// batch as well, ours leave a block all of it (the tensor cores' time
+// grows with the rows).
+const matMulWGMaxRows = 128
 
 // matMulWGNormRows is the most rows for which matmul_wg takes part in
 // add_rmsnorm (FOLD in matmul_wg.cu). H100, 0.6B decode steps with o_proj
@@ -67,7 +73,7 @@ func matMulWGShared(bn int) int {
 // not fit at once).
 func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 	tiles := (n + matMulWGTileRows - 1) / matMulWGTileRows
-	return d.wgmma && m > 8 && m <= matMulWGRows[len(matMulWGRows)-1] && k%matMulWGBK == 0 &&
+	return d.wgmma && m > 8 && m <= matMulWGMaxRows && k%matMulWGBK == 0 &&
 		n%16 == 0 && (glu || tiles*matMulWGMaxCluster <= d.ctx.SMs)
 }
 

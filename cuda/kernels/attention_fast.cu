@@ -549,12 +549,14 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
                                                       const float *sin_t, float eps, int raw_q, DetArgs da = {}) {
 	extern __shared__ __align__(16) unsigned char fa_smem[];
 	constexpr int CH = D / 8; // 16-byte chunks per row
-	unsigned char *qs = fa_smem;
-	unsigned char *ks = qs + FA_BM * D * 2; // [FA_BN][D]
-	unsigned char *vs = ks + FA_BN * D * 2;
 	// DET decode (heads mode, hm): blockIdx.x is the worker, blockIdx.y the
-	// kv head, and the tile's rows are its G query heads of the one query.
+	// kv head, and the tile's rows are its G query heads of the one query,
+	// so only 16 query rows are kept (detShared): more blocks fit an SM.
 	const bool hm = DET && da.workers > 0;
+	const int qrows = hm ? 16 : FA_BM;
+	unsigned char *qs = fa_smem;
+	unsigned char *ks = qs + qrows * D * 2; // [FA_BN][D]
+	unsigned char *vs = ks + FA_BN * D * 2;
 	const int s = blockIdx.z, G = hq / hk, g = hm ? blockIdx.y : blockIdx.y / G, h = hm ? g * G : blockIdx.y;
 	const int qbase = qptr[s], qlen = qptr[s + 1] - qbase;
 	int workers = hm ? da.workers : 0;
@@ -577,12 +579,15 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		if (blockIdx.x != 0) return;
 		workers = 0;
 	}
+	// A lone worker merges its splits in registers, as a prefill does, with
+	// the same operations: no partials, fence or counter.
+	if (workers == 1) workers = 0;
 	const int w = workers > 0 ? blockIdx.x : 0, wstride = workers > 0 ? workers : 1;
 	const int mysplits = w < nsp ? (nsp - 1 - w) / wstride + 1 : 0;
 	const int nit = !DET ? ntiles : workers > 0 ? mysplits * TPS : ntiles;
 	auto tile_of = [&](int it) { return !DET || workers == 0 ? it : (w + (it / TPS) * wstride) * TPS + it % TPS; };
 
-	for (int i = tid; i < FA_BM * CH; i += blockDim.x) {
+	for (int i = tid; i < qrows * CH; i += blockDim.x) {
 		const int r = i / CH, ch = i % CH;
 		const bool valid = hm ? r < G : q0 + r < qlen;
 		const bf16 *src = hm ? qkv + (long long)qbase * stride + (long long)(h + (valid ? r : 0)) * D + ch * 8
@@ -673,9 +678,12 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		__syncwarp();
 	}
 	unsigned qf[D / 16][4];
+	// In heads mode only warp 0 has queries; the others read its rows
+	// rather than past the 16 kept.
+	const int wq = hm ? 0 : w0;
 #pragma unroll
 	for (int kk = 0; kk < D / 16; kk++)
-		ldmatrix_x4(qf[kk], smem_u32(qs + swz<D>(w0 + (lane & 7) + 8 * ((lane >> 3) & 1), kk * 16 + 8 * (lane >> 4))));
+		ldmatrix_x4(qf[kk], smem_u32(qs + swz<D>(wq + (lane & 7) + 8 * ((lane >> 3) & 1), kk * 16 + 8 * (lane >> 4))));
 	cp_async_wait<0>();
 	__syncthreads();
 
