@@ -47,7 +47,7 @@ func (d *Device) EnableDeterministic() error {
 		return errors.New("deterministic inference needs an sm_90 GPU (H100, H200): its products run on matmul_wg")
 	}
 	for _, dim := range []int{64, 128} {
-		if err := d.k[fmt.Sprintf("attn_det_d%d", dim)].SetMaxDynamicShared(detShared(dim, false)); err != nil {
+		if err := d.k[fmt.Sprintf("attn_det_d%d", dim)].SetMaxDynamicShared(max(detShared(dim, false), detShared(dim, true))); err != nil {
 			return err
 		}
 	}
@@ -123,15 +123,17 @@ func (d *Device) launchDet(name string, grid Dim3, workers int, out, qkv, kc, vc
 
 // detShared is attn_det's shared memory: its query rows (a decode block's
 // 16, the query heads of one kv head; a prefill tile's 64) and a K and a V
-// tile of 64 positions. H100, 0.6B decode steps: 16 rows rather than 64,
-// batch 64 2.41 -> 2.29 ms, 256 5.47 -> 5.20; a second K/V stage had cost
-// more (as much shared memory as 64 rows) than its overlap saved.
+// tile of 64 positions, and for a decode block what its warps pass each
+// other (hm_tile: row maxima, probabilities as floats and as mma
+// fragments). H100, 0.6B decode steps: 16 rows rather than 64, batch 64
+// 2.41 -> 2.29 ms, 256 5.47 -> 5.20; a second K/V stage had cost more (as
+// much shared memory as 64 rows) than its overlap saved.
 func detShared(dim int, decode bool) int {
-	rows := 64
-	if decode {
-		rows = 16
+	if !decode {
+		return (64 + 2*64) * dim * 2
 	}
-	return (rows + 2*64) * dim * 2
+	const exchange = (4*32*2 + 8*32*4 + 4*32*4) * 4
+	return (16+2*64)*dim*2 + exchange
 }
 
 // detSampleParts is how many slices sample_scan_det cuts a row of v

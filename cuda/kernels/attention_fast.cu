@@ -776,6 +776,127 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 		}
 	};
 
+	// hm_tile: a decode tile shared by the block's four warps. Warp wp takes
+	// the scores of positions 16 wp.. (sacc's n-blocks 2 wp, 2 wp + 1) and
+	// output columns 8 HN wp.. (o[0..HN) here); the row maxima and the
+	// probabilities pass through shared memory, and every warp adds the row
+	// sums in one warp's order. Each score, sum and output element sees the
+	// operations it sees in a prefill's warp, in the same order: the bits
+	// are prefill's.
+	constexpr int HN = D / 32;
+	float *hmx = (float *)(vs + FA_BN * D * 2); // [4 warps][32 lanes][2 rows]
+	float *hp = hmx + 4 * 32 * 2;               // [FA_BN / 8 n-blocks][32][4]
+	unsigned *hpa = (unsigned *)(hp + (FA_BN / 8) * 32 * 4); // [FA_BN / 16][32][4]
+	const int wp = warp;
+	auto hm_tile = [&](int tile, int k0) {
+		const unsigned char *kt = ks, *vt = vs;
+		float sa[2][4] = {};
+#pragma unroll
+		for (int kk = 0; kk < D / 16; kk++) {
+			unsigned b[4];
+			ldmatrix_x4(b, smem_u32(kt + swz<D>(wp * 16 + (lane & 7) + 8 * (lane >> 4), kk * 16 + 8 * ((lane >> 3) & 1))));
+			mma_bf16(sa[0], qf[kk], b[0], b[1]);
+			mma_bf16(sa[1], qf[kk], b[2], b[3]);
+		}
+		float mx[2] = {-EBB_INF, -EBB_INF};
+#pragma unroll
+		for (int j = 0; j < 2; j++) {
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const int kpos = k0 + (2 * wp + j) * 8 + ti * 2 + (e & 1);
+				if (kpos > qpos0 || kpos >= kvlen) sa[j][e] = -EBB_INF;
+				mx[e >> 1] = fmaxf(mx[e >> 1], sa[j][e]);
+			}
+		}
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
+			mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
+			hmx[(wp * 32 + lane) * 2 + i] = mx[i];
+		}
+		__syncthreads();
+		float alpha[2], muse[2];
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			float m = hmx[lane * 2 + i];
+#pragma unroll
+			for (int v = 1; v < 4; v++) m = fmaxf(m, hmx[(v * 32 + lane) * 2 + i]);
+			const float mn = fmaxf(mrow[i], m * sl2);
+			muse[i] = mn == -EBB_INF ? 0.f : mn;
+			alpha[i] = ex2_ftz(mrow[i] - muse[i]);
+			mrow[i] = mn;
+			lrow[i] *= alpha[i];
+		}
+		if (tile % TPS != 0) {
+#pragma unroll
+			for (int j = 0; j < HN; j++) {
+				o[j][0] *= alpha[0];
+				o[j][1] *= alpha[0];
+				o[j][2] *= alpha[1];
+				o[j][3] *= alpha[1];
+			}
+		}
+#pragma unroll
+		for (int j = 0; j < 2; j++) {
+#pragma unroll
+			for (int e = 0; e < 4; e++) sa[j][e] = ex2_ftz(fmaf(sa[j][e], sl2, -muse[e >> 1]));
+			*(float4 *)(hp + ((2 * wp + j) * 32 + lane) * 4) = make_float4(sa[j][0], sa[j][1], sa[j][2], sa[j][3]);
+		}
+		*(uint4 *)(hpa + (wp * 32 + lane) * 4) = make_uint4(pack_bf16x2(sa[0][0], sa[0][1]), pack_bf16x2(sa[0][2], sa[0][3]),
+		                                                    pack_bf16x2(sa[1][0], sa[1][1]), pack_bf16x2(sa[1][2], sa[1][3]));
+		__syncthreads();
+#pragma unroll
+		for (int n = 0; n < FA_BN / 8; n++) {
+			const float4 p = *(const float4 *)(hp + (n * 32 + lane) * 4);
+			lrow[0] += p.x;
+			lrow[0] += p.y;
+			lrow[1] += p.z;
+			lrow[1] += p.w;
+		}
+#pragma unroll
+		for (int kk = 0; kk < FA_BN / 16; kk++) {
+			const uint4 pv = *(const uint4 *)(hpa + (kk * 32 + lane) * 4);
+			const unsigned pa[4] = {pv.x, pv.y, pv.z, pv.w};
+#pragma unroll
+			for (int jd = 0; jd < HN / 2; jd++) {
+				unsigned b[4];
+				ldmatrix_x4_trans(b, smem_u32(vt + swz<D>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), (wp * (HN / 2) + jd) * 16 + 8 * (lane >> 4))));
+				mma_bf16(o[2 * jd], pa, b[0], b[1]);
+				mma_bf16(o[2 * jd + 1], pa, b[2], b[3]);
+			}
+		}
+	};
+	// hm_split_end is det_split_end for the shared tiles: the warps hold the
+	// same row sums, and each its own output columns.
+	auto hm_split_end = [&](int sp) {
+		float ls[2];
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			ls[i] = lrow[i] + __shfl_xor_sync(0xffffffff, lrow[i], 1);
+			ls[i] += __shfl_xor_sync(0xffffffff, ls[i], 2);
+		}
+#pragma unroll
+		for (int i = 0; i < 2; i++) {
+			const int r = gi + 8 * i;
+			if (!row_ok(r)) continue;
+			if (workers > 0) {
+				const long long prow = (long long)(poff + sp) * hq + h + r;
+#pragma unroll
+				for (int j = 0; j < HN; j++)
+					*(float2 *)(da.part_o + prow * D + (wp * HN + j) * 8 + ti * 2) = make_float2(o[j][2 * i], o[j][2 * i + 1]);
+				if (wp == 0 && ti == 0) *(float2 *)(da.part_ml + prow * 2) = make_float2(mrow[i], ls[i]);
+				continue;
+			}
+			float a, b;
+			det_merge(Mrun[i], Lrun[i], mrow[i], ls[i], a, b);
+#pragma unroll
+			for (int j = 0; j < HN; j++) {
+				orun[j][2 * i] = det_acc(orun[j][2 * i], a, o[j][2 * i], b);
+				orun[j][2 * i + 1] = det_acc(orun[j][2 * i + 1], a, o[j][2 * i + 1], b);
+			}
+		}
+	};
+
 	for (int it = 0; it < nit; it++) {
 		const int tile = tile_of(it);
 		if (it > 0) {
@@ -791,7 +912,9 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 			mrow[0] = mrow[1] = -EBB_INF;
 			lrow[0] = lrow[1] = 0.f;
 		}
-		if (k0 <= wlast) { // else every key of the tile is after the warp's queries
+		if (hm) {
+			if (k0 < kvlen) hm_tile(tile, k0);
+		} else if (k0 <= wlast) { // else every key of the tile is after the warp's queries
 			const unsigned char *kt = ks, *vt = vs;
 			float sacc[FA_BN / 8][4];
 #pragma unroll
@@ -876,7 +999,12 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 			}
 		}
 		if constexpr (DET) {
-			if (tile % TPS == TPS - 1 || it == nit - 1) det_split_end(tile / TPS, it);
+			if (tile % TPS == TPS - 1 || it == nit - 1) {
+				if (hm)
+					hm_split_end(tile / TPS);
+				else
+					det_split_end(tile / TPS, it);
+			}
 		}
 		__syncthreads(); // the next tile overwrites this one
 	}
@@ -884,6 +1012,17 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	if constexpr (DET) {
 		if (workers > 0) {
 			det_decode_merge();
+			return;
+		}
+		if (hm) {
+#pragma unroll
+			for (int j = 0; j < HN; j++) {
+				const int dd = (wp * HN + j) * 8 + ti * 2;
+				if (row_ok(gi))
+					*(unsigned *)(row_out(gi) + dd) = pack_bf16x2(det_out(orun[j][0], Lrun[0]), det_out(orun[j][1], Lrun[0]));
+				if (row_ok(gi + 8))
+					*(unsigned *)(row_out(gi + 8) + dd) = pack_bf16x2(det_out(orun[j][2], Lrun[1]), det_out(orun[j][3], Lrun[1]));
+			}
 			return;
 		}
 #pragma unroll
