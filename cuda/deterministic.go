@@ -38,13 +38,19 @@ const detSplit = 128
 const detPartialBytes = 64 << 20
 
 // EnableDeterministic implements device.Deterministic. It needs matmul_wg
-// (an sm_90a build: Hopper GPUs).
-func (d *Device) EnableDeterministic() error {
+// (an sm_90a build: Hopper GPUs) and a model its kernels take; a zero
+// shape skips that check (kernel tests).
+func (d *Device) EnableDeterministic(m device.ModelShape) error {
 	if d.det {
 		return nil
 	}
 	if !d.wgmma {
 		return errors.New("deterministic inference needs an sm_90 GPU (H100, H200): its products run on matmul_wg")
+	}
+	if m != (device.ModelShape{}) {
+		if err := detShapeError(m); err != nil {
+			return err
+		}
 	}
 	for _, dim := range []int{64, 128} {
 		if err := d.k[fmt.Sprintf("attn_det_d%d", dim)].SetMaxDynamicShared(max(detShared(dim, false), detShared(dim, true))); err != nil {
@@ -64,6 +70,41 @@ func (d *Device) EnableDeterministic() error {
 
 // Deterministic reports whether EnableDeterministic was called.
 func (d *Device) Deterministic() bool { return d.det }
+
+// detShapeError says which of a model's shapes the deterministic kernels
+// do not take, so that the server refuses it at start rather than failing
+// its first step: attn_det's head dims and its 16 query rows a kv head,
+// and matmul_wg's 16-row weight groups and 64-wide steps of K.
+func detShapeError(m device.ModelShape) error {
+	if m.HeadDim != 64 && m.HeadDim != 128 {
+		return fmt.Errorf("head_dim %d is not supported (its attention takes 64 or 128)", m.HeadDim)
+	}
+	if m.KVHeads < 1 || m.Heads%m.KVHeads != 0 || m.Heads/m.KVHeads > 16 {
+		return fmt.Errorf("%d query heads over %d kv heads are not supported (its attention takes up to 16 a kv head)", m.Heads, m.KVHeads)
+	}
+	type product struct {
+		name string
+		n, k int
+	}
+	products := []product{
+		{"qkv_proj", (m.Heads + 2*m.KVHeads) * m.HeadDim, m.Hidden},
+		{"o_proj", m.Hidden, m.Heads * m.HeadDim},
+		{"lm_head", m.Vocab, m.Hidden},
+	}
+	if m.Intermediate > 0 {
+		products = append(products, product{"gate_up_proj", 2 * m.Intermediate, m.Hidden},
+			product{"down_proj", m.Hidden, m.Intermediate})
+	}
+	if m.Experts > 0 {
+		products = append(products, product{"the router", m.Experts, m.Hidden})
+	}
+	for _, p := range products {
+		if p.n%16 != 0 || p.k%matMulWGBK != 0 {
+			return fmt.Errorf("%s is %d x %d (its products take rows in multiples of 16 and K in multiples of %d)", p.name, p.n, p.k, matMulWGBK)
+		}
+	}
+	return nil
+}
 
 // detMatMul is a product on matmul_wg for any m (glu: gate_up with silu).
 func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"testing"
 
 	"ebb/device"
@@ -12,10 +13,43 @@ import (
 // detPair is a pair whose GPU runs deterministic inference's kernels.
 func detPair(t *testing.T) *pair {
 	p := newPair(t)
-	if err := p.gpu.EnableDeterministic(); err != nil {
+	if err := p.gpu.EnableDeterministic(device.ModelShape{}); err != nil {
 		t.Skip(err)
 	}
 	return p
+}
+
+// TestDetShapeError: the models deterministic inference takes, and the
+// reason it gives for those it does not (no GPU needed).
+func TestDetShapeError(t *testing.T) {
+	qwen3 := device.ModelShape{Hidden: 1024, Intermediate: 3072, Heads: 16, KVHeads: 8, HeadDim: 128, Vocab: 151936}
+	with := func(f func(*device.ModelShape)) device.ModelShape { m := qwen3; f(&m); return m }
+	for _, c := range []struct {
+		name  string
+		shape device.ModelShape
+		want  string // empty: accepted
+	}{
+		{"qwen3-0.6b", qwen3, ""},
+		{"qwen3-8b", device.ModelShape{Hidden: 4096, Intermediate: 12288, Heads: 32, KVHeads: 8, HeadDim: 128, Vocab: 151936}, ""},
+		{"qwen3-30b-a3b", device.ModelShape{Hidden: 2048, Intermediate: 6144, Heads: 32, KVHeads: 4, HeadDim: 128, Vocab: 151936, Experts: 128}, ""},
+		{"llama-3.2-1b", device.ModelShape{Hidden: 2048, Intermediate: 8192, Heads: 32, KVHeads: 8, HeadDim: 64, Vocab: 128256}, ""},
+		{"head_dim 80", with(func(m *device.ModelShape) { m.HeadDim = 80 }), "head_dim 80"},
+		{"32 heads a kv head", with(func(m *device.ModelShape) { m.Heads, m.KVHeads = 32, 1 }), "32 query heads over 1 kv heads"},
+		{"uneven heads", with(func(m *device.ModelShape) { m.Heads, m.KVHeads = 12, 8 }), "12 query heads over 8"},
+		{"no kv heads", with(func(m *device.ModelShape) { m.KVHeads = 0 }), "over 0 kv heads"},
+		{"odd vocabulary", with(func(m *device.ModelShape) { m.Vocab = 32001 }), "lm_head is 32001 x 1024"},
+		{"hidden off 64", with(func(m *device.ModelShape) { m.Hidden = 1000 }), "is 4096 x 1000"},
+		{"intermediate off 64", with(func(m *device.ModelShape) { m.Intermediate = 3000 }), "down_proj is 1024 x 3000"},
+		{"router of 60 experts", with(func(m *device.ModelShape) { m.Experts = 60 }), "the router is 60 x 1024"},
+	} {
+		err := detShapeError(c.shape)
+		switch {
+		case c.want == "" && err != nil:
+			t.Errorf("%s: %v, want accepted", c.name, err)
+		case c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)):
+			t.Errorf("%s: %v, want an error naming %q", c.name, err, c.want)
+		}
+	}
 }
 
 // TestDeterministicProductsAreRowInvariant: a row's product has the same

@@ -383,7 +383,16 @@ type AttentionPreparer interface {
 // caching or chunking, and decode and prefill give a token the same
 // logprob (SGLang's --enable-deterministic-inference).
 type Deterministic interface {
-	EnableDeterministic() error
+	// EnableDeterministic turns the batch-invariant kernels on for a model
+	// of this shape, or says why they cannot run it.
+	EnableDeterministic(ModelShape) error
+}
+
+// ModelShape is what a device's kernels need to know of a model before it
+// loads: its widths, heads and vocabulary (whole, not a rank's share).
+type ModelShape struct {
+	Hidden, Intermediate, Heads, KVHeads, HeadDim, Vocab int
+	Experts                                            int // 0 for a dense model
 }
 
 // MoE is implemented by devices that run the sparse MLP of a

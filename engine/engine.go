@@ -123,7 +123,7 @@ func CheckDType(dtype string) error {
 // partial sums of tensor parallelism meet in NCCL, whose algorithm (and so
 // the order of the sum) changes with the message size, so the two are not
 // combined; data parallelism is (each engine computes alone).
-func enableDeterministic(dev device.Device, cfg Config) error {
+func enableDeterministic(dev device.Device, cfg Config, m *model.Config) error {
 	if cfg.TPSize > 1 {
 		return errors.New("--enable-deterministic-inference with --tp-size > 1 is not supported: the ranks' sums meet in NCCL, " +
 			"whose order changes with the batch (use --dp-size for more GPUs)")
@@ -132,7 +132,15 @@ func enableDeterministic(dev device.Device, cfg Config) error {
 	if !ok {
 		return fmt.Errorf("--enable-deterministic-inference: device %s has no batch-invariant kernels", dev.Name())
 	}
-	return det.EnableDeterministic()
+	shape := device.ModelShape{Hidden: m.Hidden, Intermediate: m.Intermediate, Heads: m.Heads, KVHeads: m.KVHeads,
+		HeadDim: m.HeadDim, Vocab: m.Vocab}
+	if m.MoE != nil {
+		shape.Experts = m.MoE.Experts
+	}
+	if err := det.EnableDeterministic(shape); err != nil {
+		return fmt.Errorf("--enable-deterministic-inference: %w", err)
+	}
+	return nil
 }
 
 // Engine is a loaded model ready to schedule.
@@ -183,7 +191,7 @@ func Open(cfg Config) (*Engine, error) {
 	}
 	e.Dev = dev
 	if cfg.EnableDeterministicInference {
-		if err := enableDeterministic(dev, cfg); err != nil {
+		if err := enableDeterministic(dev, cfg, mcfg); err != nil {
 			dev.Close()
 			return nil, err
 		}

@@ -39,7 +39,7 @@ func (d *Device) Name() string { return "cpu" }
 // logsumexp run in one fixed order whatever the step holds (the matmul
 // splits work by output rows, never along K), and a sampled token's
 // logprob and a scored prompt token's come from the same logSumExp.
-func (d *Device) EnableDeterministic() error { return nil }
+func (d *Device) EnableDeterministic(device.ModelShape) error { return nil }
 
 // DType implements device.Device: the CPU computes in float32.
 func (d *Device) DType() device.DType { return device.F32 }
