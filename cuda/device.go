@@ -44,6 +44,7 @@ type Device struct {
 	fences        []*Event       // idle events for Fence
 	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
 	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
+	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)

@@ -1,8 +1,11 @@
 package cuda
 
 import (
+	"cmp"
 	"fmt"
 	"os"
+	"slices"
+	"strconv"
 )
 
 // matMulWGRows are the batch tiles matmul_wg is built for (BN in
@@ -12,10 +15,11 @@ import (
 var matMulWGRows = []int{32, 48, 64, 96, 128, 256}
 
 // matMulWGMaxRows is the most rows matmul_wg takes outside deterministic
-// inference. Past 128 rows cuBLAS is faster (H100 decode steps, batch 192
+// inference (EBB_MATMUL_WG_ROWS=256 raises it, for A/B runs). Past 128
+// rows cuBLAS was faster with 128-row tiles (H100 decode steps, batch 192
 // 3.21 -> 3.31 ms, 256 3.87 -> 4.06 with matmul_wg): its tiles split the
 // batch as well, ours leave a block all of it (the tensor cores' time
-// grows with the rows).
+// grows with the rows). The 256-row tile is not yet measured against it.
 const matMulWGMaxRows = 128
 
 // matMulWGNormRows is the most rows for which matmul_wg takes part in
@@ -50,6 +54,9 @@ func (d *Device) initMatMulWG() error {
 			return err
 		}
 	}
+	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_WG_ROWS")); err == nil && slices.Contains(matMulWGRows, n) {
+		d.wgMaxRows = n
+	}
 	d.wgmma = true
 	return nil
 }
@@ -73,7 +80,7 @@ func matMulWGShared(bn int) int {
 // not fit at once).
 func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 	tiles := (n + matMulWGTileRows - 1) / matMulWGTileRows
-	return d.wgmma && m > 8 && m <= matMulWGMaxRows && k%matMulWGBK == 0 &&
+	return d.wgmma && m > 8 && m <= cmp.Or(d.wgMaxRows, matMulWGMaxRows) && k%matMulWGBK == 0 &&
 		n%16 == 0 && (glu || tiles*matMulWGMaxCluster <= d.ctx.SMs)
 }
 
