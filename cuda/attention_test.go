@@ -318,7 +318,7 @@ func TestAttention(t *testing.T) {
 		{"prefill-qwen3", 16, 8, 128, []int{5, 40, 1, 100}, []int{5, 100, 33, 100}},
 		{"prefill-g3-d48", 6, 2, 48, []int{17, 2}, []int{20, 70}},
 		{"prefill-g8-d16", 8, 1, 16, []int{70}, []int{200}},
-		// attention_fast.cu: vectorised decode and tensor-core prefill.
+		// attention_fast.cu and attention_flash.cu: vectorised decode and tensor-core prefill.
 		{"decode-default-model-g3-d64", 6, 2, 64, []int{1, 1, 1}, []int{1, 200, 4000}},
 		{"decode-tiny-d32", 4, 2, 32, []int{1, 1}, []int{3, 129}},
 		{"decode-g4-d128-long", 32, 8, 128, []int{1, 1}, []int{4096, 777}},

@@ -22,13 +22,13 @@ import (
 //     (norms folded into products, cuBLAS's epilogue, gemv) are off: each
 //     rounds where the plain kernels do not.
 //   - Attention: attn_det for prefills and decodes alike (fixed splits of
-//     DET_SPLIT positions merged in order; attention_fast.cu).
+//     DET_SPLIT positions merged in order; attention_flash.cu).
 //   - q/k preparation: prepare_qkv for every step size.
 //   - Sampling and logprobs: sample_scan_det's slices depend on the
 //     vocabulary alone, and a prompt's token logprobs merge them as a
 //     sampled token's do.
 
-// detSplit is DET_SPLIT in attention_fast.cu.
+// detSplit is DET_SPLIT in attention_flash.cu.
 const detSplit = 128
 
 // detPartialBytes holds attn_det's decode partials: (sequences +
