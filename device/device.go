@@ -392,7 +392,7 @@ type Deterministic interface {
 // loads: its widths, heads and vocabulary (whole, not a rank's share).
 type ModelShape struct {
 	Hidden, Intermediate, Heads, KVHeads, HeadDim, Vocab int
-	Experts                                            int // 0 for a dense model
+	Experts                                              int // 0 for a dense model
 }
 
 // MoE is implemented by devices that run the sparse MLP of a
