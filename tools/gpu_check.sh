@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: what CI cannot see, in one command on a GPU machine. Run it
 # before resolving anything that touches cuda/, runner/, model/ or
-# scheduler/. It takes about eight minutes on an H100 and fails (exit 1) on
+# scheduler/. It takes about nine minutes on an H100 and fails (exit 1) on
 # any failed test or request, KV still held when idle, a broken invariant,
 # or GPU memory that grows.
 #
@@ -20,7 +20,9 @@
 # cache of 200k tokens, then through it prompts of 1 to 40,000 tokens, KV
 # demand 1.6x the cache from rollouts that may stop early (so some are
 # retracted), and a soak of GRPO-shaped rollouts (groups of 8, log-normal
-# lengths, the model's own top_k/top_p) for SOAK seconds. Every serving
+# lengths, the model's own top_k/top_p) for SOAK seconds; then the same
+# model served with --enable-deterministic-inference and checked by
+# tools/det_check.py --quick. Every serving
 # step runs `ebb bench serving --check`. Logs go to OUT_DIR; the summary
 # is the last lines printed.
 set -uo pipefail
@@ -50,6 +52,7 @@ note() {
 	case $1 in
 	serving-*) grep -hE '^throughput|^bandwidth floor|retracted|^checks' "$out/$1.log" | sed 's/^/  /' | tr '\n' ';' | sed 's/^/: /' ;;
 	kernels | goldens) grep -cE '^--- PASS' "$out/$1.log" | sed 's/^/: /; s/$/ tests passed/' ;;
+	deterministic) grep -hE '^decode vs prefill' "$out/$1.log" | sed 's/^/: /' ;;
 	esac
 }
 
@@ -63,15 +66,23 @@ step kernels "$bin/cuda.test" -test.v -test.count=1
 step goldens bash -c "cd '$root/engine' && '$bin/engine.test' -test.v -test.count=1 -test.run CUDA"
 step model python3 "$root/tools/qwen3_06b.py" --dir "$model" --ebb ebb --make-only
 
-ebb serve --model "$model" --port "$port" --max-total-tokens 200000 --log-level info >"$out/serve.log" 2>&1 &
-server=$!
+# serve LOG FLAGS...: starts the check's server (a KV cache of 200k
+# tokens) with FLAGS, logging to $out/LOG, and waits for /health.
+serve() {
+	local log=$1
+	shift
+	ebb serve --model "$model" --port "$port" --max-total-tokens 200000 "$@" >"$out/$log" 2>&1 &
+	server=$!
+	for _ in $(seq 300); do
+		curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
+		kill -0 $server 2>/dev/null || return 1
+		sleep 1
+	done
+	return 1
+}
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
-for _ in $(seq 300); do
-	curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-	kill -0 $server 2>/dev/null || break
-	sleep 1
-done
-if ! curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
+
+if ! serve serve.log --log-level info; then
 	summary+=("FAIL serve: the server did not start: $(tail -n 3 "$out/serve.log" | tr '\n' ' ')")
 	status=1
 else
@@ -100,6 +111,18 @@ PY
 		summary+=("FAIL invariants: $(grep -m1 'invariant violated' "$out/serve.log")")
 		status=1
 	fi
+fi
+kill $server 2>/dev/null
+wait $server 2>/dev/null
+
+# Deterministic inference through a server of its own: a request's tokens
+# and logprobs alone and among others, cached, and decode against prefill
+# (tools/det_check.py --quick).
+if serve serve-deterministic.log --enable-deterministic-inference; then
+	step deterministic python3 "$root/tools/det_check.py" --url "http://127.0.0.1:$port" --quick
+else
+	summary+=("FAIL deterministic: the server did not start: $(tail -n 3 "$out/serve-deterministic.log" | tr '\n' ' ')")
+	status=1
 fi
 
 echo "== GPU check ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)), logs in $out"
