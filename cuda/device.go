@@ -430,6 +430,13 @@ func (d *Device) kernel(name string) *Kernel {
 
 func gridFor(n int64) Dim3 { return D1(int(min((n+255)/256, 65535))) }
 
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
 // Fill implements device.Device.
 func (d *Device) Fill(dst device.Tensor, v float32) {
 	n := int64(dst.Numel())
@@ -591,188 +598,6 @@ func (d *Device) ProfilerStart() error { return d.ctx.ProfilerStart() }
 
 // ProfilerStop implements device.Profiler.
 func (d *Device) ProfilerStop() error { return d.ctx.ProfilerStop() }
-
-// Embedding implements device.Device.
-func (d *Device) Embedding(out, table, ids device.Tensor, first, vocab int) {
-	d.launch("embedding", D1(ids.Numel()), D1(128), 0, P(out.Ptr), P(table.Ptr), P(ids.Ptr), I(table.Dim(-1)),
-		I(first), I(table.Dim(0)))
-}
-
-// RMSNorm implements device.Device.
-func (d *Device) RMSNorm(out, x, w device.Tensor, eps float32) {
-	dim := w.Numel()
-	if dim > 8*1024 {
-		d.fail(fmt.Errorf("rmsnorm: dim %d above 8192", dim))
-		return
-	}
-	d.launch("rmsnorm"+normVariant(dim, out, x, w), D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(out.Ptr), P(x.Ptr), P(w.Ptr), I(dim), F(eps))
-}
-
-// AddRMSNorm implements device.Device.
-func (d *Device) AddRMSNorm(residual, x, out, w device.Tensor, eps float32) {
-	dim := w.Numel()
-	if dim > 8*1024 {
-		d.fail(fmt.Errorf("add_rmsnorm: dim %d above 8192", dim))
-		return
-	}
-	name := "add_rmsnorm"
-	if x.DType == device.F32 {
-		name = "add_rmsnorm_f32x"
-	}
-	name += normVariant(dim, residual, x, out, w)
-	d.launch(name, D1(x.Numel()/dim), D1(normThreads(dim)), 0, P(residual.Ptr), P(x.Ptr), P(out.Ptr), P(w.Ptr), I(dim), F(eps))
-}
-
-// normVariant names the 16-byte kernels ("_v8") when every row of dim
-// elements starts 16-byte aligned.
-func normVariant(dim int, ts ...device.Tensor) string {
-	if dim%8 != 0 {
-		return ""
-	}
-	for _, t := range ts {
-		if t.Ptr%16 != 0 {
-			return ""
-		}
-	}
-	return "_v8"
-}
-
-// normThreads gives each thread at most NORM_VPT (8) values of a row.
-func normThreads(dim int) int { return min(1024, max(32, ((dim+7)/8+31)/32*32)) }
-
-func boolInt(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
-}
-
-// PrepareQKV implements device.Device.
-func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) {
-	t := positions.Numel()
-	d.prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots, eps, t, 0, qkv.Dim(1),
-		!d.det && vectorisedQKV(qkv, kCache, vCache, t))
-}
-
-// qkv16Units is QKV16_UNITS in layers.cu: (token, head) units a thread.
-const qkv16Units = 1
-
-// vectorisedQKV reports whether a step of t tokens prepares its q, k and v
-// with prepare_qkv16: a prefill of about a thousand tokens or more.
-func vectorisedQKV(qkv, kCache, vCache device.Tensor, t int) bool {
-	return qkv.Dim(2)%16 == 0 && t*qkv.Dim(1) >= 1<<15 && qkv.Ptr%16 == 0 && kCache.Ptr%16 == 0 && vCache.Ptr%16 == 0
-}
-
-// prepareQKV prepares heads [head0, hend) of the first t tokens, with
-// prepare_qkv16 when vec.
-func (d *Device) prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32, t, head0, hend int, vec bool) {
-	hk, dim := kCache.Dim(1), kCache.Dim(2)
-	hq := qkv.Dim(1) - 2*hk
-	if t == 0 || hend <= head0 {
-		return
-	}
-	hasNorm := 0
-	if qNorm.Valid() {
-		hasNorm = 1
-	}
-	if dim > 256 || dim%4 != 0 {
-		d.fail(fmt.Errorf("prepare_qkv: head_dim %d (a multiple of 4 up to 256)", dim))
-		return
-	}
-	if vec {
-		// (token, head) units of dim/16 lanes, qkv16Units a thread.
-		units, perBlock := t*(hend-head0), qkv16Units*128/(dim/16)
-		d.launch("prepare_qkv16", D1((units+perBlock-1)/perBlock), D1(128), 0,
-			P(qkv.Ptr), P(qNorm.Ptr), P(kNorm.Ptr), P(positions.Ptr), P(cos.Ptr), P(sin.Ptr), P(kCache.Ptr), P(vCache.Ptr),
-			P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm), I(head0), I(hend), I(t))
-		return
-	}
-	d.launch("prepare_qkv", Dim3{uint32(t), uint32((hend - head0 + 3) / 4), 1}, D1(128), 0,
-		P(qkv.Ptr), P(qNorm.Ptr), P(kNorm.Ptr), P(positions.Ptr), P(cos.Ptr), P(sin.Ptr),
-		P(kCache.Ptr), P(vCache.Ptr), P(slots.Ptr), I(hq), I(hk), I(dim), F(eps), I(hasNorm), I(head0), I(hend))
-}
-
-// SiLUMul implements device.Device.
-func (d *Device) SiLUMul(out, gateUp device.Tensor) {
-	total, inter := int64(out.Numel()), out.Dim(-1)
-	if inter%8 == 0 && out.Ptr%16 == 0 && gateUp.Ptr%16 == 0 {
-		d.launch("silu_mul_v8", gridFor(total/8), D1(256), 0, P(out.Ptr), P(gateUp.Ptr), I(inter/8), uint64(total/8))
-		return
-	}
-	d.launch("silu_mul", gridFor(total), D1(256), 0, P(out.Ptr), P(gateUp.Ptr), I(inter), uint64(total))
-}
-
-// GatherRows implements device.Device.
-func (d *Device) GatherRows(out, x, rows device.Tensor) {
-	if rows.Numel() == 0 {
-		return
-	}
-	d.launch("gather_rows", D1(rows.Numel()), D1(256), 0, P(out.Ptr), P(x.Ptr), P(rows.Ptr), I(x.RowSize()))
-}
-
-// ApplyPenalties implements device.Device.
-func (d *Device) ApplyPenalties(logits device.Tensor, a device.PenaltyArgs) {
-	d.launch("apply_penalties", D1(logits.Dim(0)), D1(256), 0, P(logits.Ptr), I(logits.Dim(-1)), P(a.RowPtr.Ptr),
-		P(a.Tokens.Ptr), P(a.Counts.Ptr), P(a.Bias.Ptr), P(a.Repetition.Ptr), P(a.Frequency.Ptr), P(a.Presence.Ptr))
-}
-
-// Sample implements device.Device: a scan of each row in slices spread
-// over the GPU (the row's logsumexp and its greedy or Gumbel winner), then
-// one block per row that merges them and, for filtered rows, finds the
-// threshold and the winner among the kept tokens.
-func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
-	ntop := 0
-	if a.TopIDs.Valid() {
-		ntop = a.TopIDs.Dim(-1)
-	}
-	if ntop > 64 {
-		d.fail(fmt.Errorf("sample: %d top logprobs (limit 64)", ntop))
-		return
-	}
-	var suffix string
-	switch logits.DType {
-	case device.F32:
-		suffix = "f32"
-	case device.BF16:
-		suffix = "bf16"
-	default:
-		d.fail(fmt.Errorf("sample: logits %v", logits))
-		return
-	}
-	rows, v := logits.Dim(0), logits.Dim(-1)
-	var parts int
-	if d.det {
-		var ok bool
-		if parts, ok = d.sampleDet(suffix, logits, a); !ok {
-			return
-		}
-	} else {
-		parts = max(1, min(64, 4*d.ctx.SMs/rows, (v+2047)/2048))
-		for parts > 1 && int64(rows*parts*4*4) > d.samplePart.Bytes() {
-			parts--
-		}
-		d.launch("sample_scan_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
-			P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
-	}
-	d.launch("sample_finish_"+suffix, D1(rows), D1(1024), 0, P(logits.Ptr), I(v), P(a.Temperature.Ptr),
-		P(a.TopP.Ptr), P(a.TopK.Ptr), P(a.MinP.Ptr), P(a.Keys.Ptr), P(a.IDs.Ptr), P(a.Logprobs.Ptr),
-		P(a.TopIDs.Ptr), P(a.TopLogprobs.Ptr), I(ntop), P(d.samplePart.Ptr), I(parts))
-}
-
-// ResolveTokens implements device.Device.
-func (d *Device) ResolveTokens(tokens, src, prev device.Tensor) {
-	n := tokens.Numel()
-	d.launch("resolve_tokens", D1((n+255)/256), D1(256), 0, P(tokens.Ptr), P(src.Ptr), P(prev.Ptr), I(n))
-}
-
-// TokenLogprobs implements device.Device.
-func (d *Device) TokenLogprobs(out, logits, targets device.Tensor) {
-	if d.det {
-		d.tokenLogprobsDet(out, logits, targets)
-		return
-	}
-	d.launch("token_logprobs", D1(logits.Dim(0)), D1(1024), 0, P(out.Ptr), P(logits.Ptr), P(targets.Ptr), I(logits.Dim(-1)))
-}
 
 // CaptureGraph implements device.GraphCapturer.
 func (d *Device) CaptureGraph(record func()) (device.Graph, error) {
