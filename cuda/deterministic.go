@@ -38,8 +38,7 @@ const detSplit = 128
 const detPartialBytes = 64 << 20
 
 // EnableDeterministic implements device.Deterministic. It needs matmul_wg
-// (an sm_90a build: Hopper GPUs) and a model its kernels take; a zero
-// shape skips that check (kernel tests).
+// (an sm_90a build: Hopper GPUs) and a model its kernels take.
 func (d *Device) EnableDeterministic(m device.ModelShape) error {
 	if d.det {
 		return nil
@@ -47,10 +46,8 @@ func (d *Device) EnableDeterministic(m device.ModelShape) error {
 	if !d.wgmma {
 		return errors.New("deterministic inference needs an sm_90 GPU (H100, H200): its products run on matmul_wg")
 	}
-	if m != (device.ModelShape{}) {
-		if err := detShapeError(m); err != nil {
-			return err
-		}
+	if err := detShapeError(m); err != nil {
+		return err
 	}
 	for _, dim := range []int{64, 128} {
 		if err := d.k[fmt.Sprintf("attn_det_d%d", dim)].SetMaxDynamicShared(max(detShared(dim, false), detShared(dim, true))); err != nil {
@@ -76,11 +73,8 @@ func (d *Device) Deterministic() bool { return d.det }
 // its first step: attn_det's head dims and its 16 query rows a kv head,
 // and matmul_wg's 16-row weight groups and 64-wide steps of K.
 func detShapeError(m device.ModelShape) error {
-	if m.HeadDim != 64 && m.HeadDim != 128 {
-		return fmt.Errorf("head_dim %d is not supported (its attention takes 64 or 128)", m.HeadDim)
-	}
-	if m.KVHeads < 1 || m.Heads%m.KVHeads != 0 || m.Heads/m.KVHeads > 16 {
-		return fmt.Errorf("%d query heads over %d kv heads are not supported (its attention takes up to 16 a kv head)", m.Heads, m.KVHeads)
+	if err := detAttentionError(m.Heads, m.KVHeads, m.HeadDim); err != nil {
+		return err
 	}
 	type product struct {
 		name string
@@ -99,16 +93,32 @@ func detShapeError(m device.ModelShape) error {
 		products = append(products, product{"the router", m.Experts, m.Hidden})
 	}
 	for _, p := range products {
-		if p.n%16 != 0 || p.k%matMulWGBK != 0 {
+		if !detProductFits(p.n, p.k) {
 			return fmt.Errorf("%s is %d x %d (its products take rows in multiples of 16 and K in multiples of %d)", p.name, p.n, p.k, matMulWGBK)
 		}
 	}
 	return nil
 }
 
+// detAttentionError says why attn_det cannot take hq query heads over hk
+// kv heads of dim, or nil.
+func detAttentionError(hq, hk, dim int) error {
+	if dim != 64 && dim != 128 {
+		return fmt.Errorf("head_dim %d is not supported (its attention takes 64 or 128)", dim)
+	}
+	if hk < 1 || hq%hk != 0 || hq/hk > 16 {
+		return fmt.Errorf("%d query heads over %d kv heads are not supported (its attention takes up to 16 a kv head)", hq, hk)
+	}
+	return nil
+}
+
+// detProductFits says whether matmul_wg takes an n x k weight: 16-row
+// groups (its tensor map) and 64-wide steps of K.
+func detProductFits(n, k int) bool { return n%16 == 0 && k%matMulWGBK == 0 }
+
 // detMatMul is a product on matmul_wg for any m (glu: gate_up with silu).
 func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
-	if n%16 != 0 || k%matMulWGBK != 0 || x%16 != 0 || w%16 != 0 {
+	if !detProductFits(n, k) || x%16 != 0 || w%16 != 0 {
 		d.fail(fmt.Errorf("deterministic inference: a %d x %d product (its kernel needs rows in multiples of 16 and K of %d)", n, k, matMulWGBK))
 		return
 	}
@@ -119,8 +129,8 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 // meta.Decodes sequences, or all when MaxQLen is 1) with their splits
 // spread over blocks, the other sequences a query tile a block.
 func (d *Device) attnDet(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
-	if dim != 64 && dim != 128 {
-		d.fail(fmt.Errorf("deterministic inference: head_dim %d (its attention takes 64 or 128)", dim))
+	if err := detAttentionError(hq, hk, dim); err != nil {
+		d.fail(fmt.Errorf("deterministic inference: %w", err))
 		return
 	}
 	dec, pre := meta, device.AttnMeta{}
@@ -139,10 +149,6 @@ func (d *Device) attnDet(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, s
 	if b := dec.NumSeqs; b > 0 {
 		if b*hk > matMulCountersAt {
 			d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
-			return
-		}
-		if hq/hk > 16 {
-			d.fail(fmt.Errorf("deterministic inference: %d query heads a kv head (its decode takes 16)", hq/hk))
 			return
 		}
 		// A block takes a (sequence, kv head)'s query heads, as rows of

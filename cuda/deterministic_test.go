@@ -10,10 +10,13 @@ import (
 	"ebb/device"
 )
 
+// detQwen3 is the Qwen3-0.6B shape, which deterministic inference takes.
+var detQwen3 = device.ModelShape{Hidden: 1024, Intermediate: 3072, Heads: 16, KVHeads: 8, HeadDim: 128, Vocab: 151936}
+
 // detPair is a pair whose GPU runs deterministic inference's kernels.
 func detPair(t *testing.T) *pair {
 	p := newPair(t)
-	if err := p.gpu.EnableDeterministic(device.ModelShape{}); err != nil {
+	if err := p.gpu.EnableDeterministic(detQwen3); err != nil {
 		t.Skip(err)
 	}
 	return p
@@ -22,14 +25,13 @@ func detPair(t *testing.T) *pair {
 // TestDetShapeError: the models deterministic inference takes, and the
 // reason it gives for those it does not (no GPU needed).
 func TestDetShapeError(t *testing.T) {
-	qwen3 := device.ModelShape{Hidden: 1024, Intermediate: 3072, Heads: 16, KVHeads: 8, HeadDim: 128, Vocab: 151936}
-	with := func(f func(*device.ModelShape)) device.ModelShape { m := qwen3; f(&m); return m }
+	with := func(f func(*device.ModelShape)) device.ModelShape { m := detQwen3; f(&m); return m }
 	for _, c := range []struct {
 		name  string
 		shape device.ModelShape
 		want  string // empty: accepted
 	}{
-		{"qwen3-0.6b", qwen3, ""},
+		{"qwen3-0.6b", detQwen3, ""},
 		{"qwen3-8b", device.ModelShape{Hidden: 4096, Intermediate: 12288, Heads: 32, KVHeads: 8, HeadDim: 128, Vocab: 151936}, ""},
 		{"qwen3-30b-a3b", device.ModelShape{Hidden: 2048, Intermediate: 6144, Heads: 32, KVHeads: 4, HeadDim: 128, Vocab: 151936, Experts: 128}, ""},
 		{"llama-3.2-1b", device.ModelShape{Hidden: 2048, Intermediate: 8192, Heads: 32, KVHeads: 8, HeadDim: 64, Vocab: 128256}, ""},

@@ -229,9 +229,9 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	// (In heads mode every row is the one query, at kvlen - 1.)
 	const int qpos0 = hm ? kvlen - 1 : kvlen - qlen + q0 + w0 + gi, qpos1 = hm ? qpos0 : qpos0 + 8;
 	// The warp's first and last query positions; a warp past qlen has
-	// nothing to do.
-	const int wfirst = hm ? kvlen - 1 : kvlen - qlen + q0 + w0;
-	const int wlast = hm ? (w0 < G ? wfirst : -1) : q0 + w0 < qlen ? wfirst + 15 : -1;
+	// nothing to do (heads mode shares its tiles: hm_tile).
+	const int wfirst = kvlen - qlen + q0 + w0;
+	const int wlast = q0 + w0 < qlen ? wfirst + 15 : -1;
 	// DET: whether tile row r is a query, and where its output goes.
 	auto row_ok = [&](int r) { return hm ? r < G : q0 + r < qlen; };
 	auto row_out = [&](int r) {
@@ -244,29 +244,20 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 #pragma unroll
 		for (int n = 0; n < D / 8; n++) orun[n][0] = orun[n][1] = orun[n][2] = orun[n][3] = 0.f;
 	}
-	// det_split_end closes split sp: its rows' sums meet across the quad;
-	// prefill merges it into each row it reaches, a decode block leaves it
-	// (row 0) in the partials.
-	auto det_split_end = [&](int sp, int it) {
-		float ls[2];
+	// row_sums: each row's sum of the split, its quad's four lanes added.
+	auto row_sums = [&](float ls[2]) {
 #pragma unroll
 		for (int i = 0; i < 2; i++) {
 			ls[i] = lrow[i] + __shfl_xor_sync(0xffffffff, lrow[i], 1);
 			ls[i] += __shfl_xor_sync(0xffffffff, ls[i], 2);
 		}
-		if (workers > 0) {
-#pragma unroll
-			for (int i = 0; i < 2; i++) {
-				const int r = w0 + gi + 8 * i;
-				if (!row_ok(r)) continue;
-				const long long prow = (long long)(poff + sp) * hq + h + r;
-#pragma unroll
-				for (int n = 0; n < D / 8; n++)
-					*(float2 *)(da.part_o + prow * D + n * 8 + ti * 2) = make_float2(o[n][2 * i], o[n][2 * i + 1]);
-				if (ti == 0) *(float2 *)(da.part_ml + prow * 2) = make_float2(mrow[i], ls[i]);
-			}
-			return;
-		}
+	};
+	// det_split_end closes a prefill tile's split sp: its rows' sums meet
+	// across the quad, and it is merged into each row it reaches (a decode
+	// block's splits close in hm_split_end).
+	auto det_split_end = [&](int sp) {
+		float ls[2];
+		row_sums(ls);
 		const int sfirst = sp * DET_SPLIT;
 #pragma unroll
 		for (int i = 0; i < 2; i++) {
@@ -402,11 +393,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	// same row sums, and each its own output columns.
 	auto hm_split_end = [&](int sp) {
 		float ls[2];
-#pragma unroll
-		for (int i = 0; i < 2; i++) {
-			ls[i] = lrow[i] + __shfl_xor_sync(0xffffffff, lrow[i], 1);
-			ls[i] += __shfl_xor_sync(0xffffffff, ls[i], 2);
-		}
+		row_sums(ls);
 #pragma unroll
 		for (int i = 0; i < 2; i++) {
 			const int r = gi + 8 * i;
@@ -535,7 +522,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 				if (hm)
 					hm_split_end(tile / TPS);
 				else
-					det_split_end(tile / TPS, it);
+					det_split_end(tile / TPS);
 			}
 		}
 		__syncthreads(); // the next tile overwrites this one
