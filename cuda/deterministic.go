@@ -4,6 +4,8 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"os"
+	"strconv"
 
 	"ebb/device"
 	"ebb/memory"
@@ -30,6 +32,11 @@ import (
 
 // detSplit is DET_SPLIT in attention_flash.cu.
 const detSplit = 128
+
+// detLoneSplits: a decode of at most this many splits runs in one block,
+// which merges them in registers; longer ones share their splits among
+// blocks (EBB_DET_LONE_SPLITS sets it; the bits are the same either way).
+const detLoneSplits = 2
 
 // detPartialBytes holds attn_det's decode partials: (sequences +
 // positions / detSplit) x query heads rows of head_dim floats (Qwen3-0.6B,
@@ -60,6 +67,10 @@ func (d *Device) EnableDeterministic(m device.ModelShape) error {
 	}
 	if d.detPartML, err = d.Alloc(memory.CUDAGraph, device.F32, detPartialBytes/4/64); err != nil {
 		return fmt.Errorf("deterministic attention partials: %w", err)
+	}
+	d.detLoneSplits = detLoneSplits
+	if n, err := strconv.Atoi(os.Getenv("EBB_DET_LONE_SPLITS")); err == nil && n >= 0 {
+		d.detLoneSplits = n
 	}
 	d.det = true
 	return nil
@@ -165,7 +176,8 @@ func (d *Device) attnDet(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, s
 func (d *Device) launchDet(name string, grid Dim3, workers int, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int) {
 	d.launch(name, grid, D1(128), detShared(dim, workers > 0), P(out.Ptr), P(qkv.Ptr), P(kc.Ptr), P(vc.Ptr),
 		P(meta.QIndptr.Ptr), P(meta.KVIndptr.Ptr), P(meta.KVIndices.Ptr), I(hq), I(hk), F(scale), I(workers),
-		P(d.detPartO.Ptr), P(d.detPartML.Ptr), P(d.counters.Ptr), I(cmp.Or(d.detPartRows, d.detPartO.Numel()/dim)))
+		P(d.detPartO.Ptr), P(d.detPartML.Ptr), P(d.counters.Ptr), I(cmp.Or(d.detPartRows, d.detPartO.Numel()/dim)),
+		I(d.detLoneSplits))
 }
 
 // detShared is attn_det's shared memory: its query rows (a decode block's

@@ -207,6 +207,16 @@ func TestDeterministicAttention(t *testing.T) {
 			p.gpu.Attention(dec.g, dq.g.Rows(0, len(pos)), kc.g, vc.g, detMeta(p, qlens, kv), scale)
 			got, _ = p.download(dec)
 			same("decode", got, pos)
+			// Every decode's splits shared among blocks, then every decode
+			// in one block.
+			for _, lone := range []int{0, 1 << 20} {
+				was := p.gpu.detLoneSplits
+				p.gpu.detLoneSplits = lone
+				p.gpu.Attention(dec.g, dq.g.Rows(0, len(pos)), kc.g, vc.g, detMeta(p, qlens, kv), scale)
+				p.gpu.detLoneSplits = was
+				got, _ = p.download(dec)
+				same(fmt.Sprintf("decode, lone up to %d splits", lone), got, pos)
+			}
 			mixed := p.random(device.BF16, 0, len(pos)+50, tc.hq, tc.d)
 			p.gpu.Attention(mixed.g, dq.g, kc.g, vc.g, detMeta(p, append(qlens, 50), append(kv, short)), scale)
 			got, _ = p.download(mixed)

@@ -60,6 +60,7 @@ type Device struct {
 	det                 bool
 	detPartO, detPartML device.Tensor
 	detPartRows         int // tests: fewer partial rows, for sequences whose partials do not fit
+	detLoneSplits       int // a decode of at most this many splits is one block's (detLoneSplits)
 }
 
 var (

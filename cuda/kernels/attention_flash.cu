@@ -57,7 +57,8 @@ struct DetArgs {
 	int workers;
 	float *part_o, *part_ml;
 	int *counters;
-	int part_rows; // rows of D floats part_o holds
+	int part_rows;   // rows of D floats part_o holds
+	int lone_splits; // a decode of at most this many splits is one block's
 };
 
 // det_merge folds a split (max m, sum l, in base 2) into a running
@@ -85,6 +86,11 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	// kv head, and the tile's rows are its G query heads of the one query,
 	// so only 16 query rows are kept (detShared): more blocks fit an SM.
 	const bool hm = DET && da.workers > 0;
+	// A decode block waits for the kernel before it (dep_wait) only once it
+	// has requested its first K/V tile, all but the newest row, which that
+	// kernel writes; other blocks wait at once. A block that leaves early
+	// waits first, so that the waits still chain.
+	if (DET && !hm) DEP();
 	const int qrows = hm ? 16 : FA_BM;
 	unsigned char *qs = fa_smem;
 	unsigned char *ks = qs + qrows * D * 2; // [FA_BN][D]
@@ -93,7 +99,10 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int qbase = qptr[s], qlen = qptr[s + 1] - qbase;
 	int workers = hm ? da.workers : 0;
 	const int q0 = hm ? 0 : blockIdx.x * FA_BM;
-	if (q0 >= qlen || (hm && qlen != 1)) return;
+	if (q0 >= qlen || (hm && qlen != 1)) {
+		if (hm) DEP();
+		return;
+	}
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
 	const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 	const long long stride = (long long)(hq + 2 * hk) * D;
@@ -108,7 +117,19 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int poff = s + kv0 / DET_SPLIT; // the sequence's first partial row (over hq)
 	if (hm && (long long)(poff + nsp) * hq > da.part_rows) {
 		// Partials that do not fit: the first worker takes every split.
-		if (blockIdx.x != 0) return;
+		if (blockIdx.x != 0) {
+			DEP();
+			return;
+		}
+		workers = 0;
+	}
+	// A short decode is the first worker's alone: a few more tiles in turn
+	// cost less than the partials' round trip and the merge.
+	if (hm && workers > 1 && nsp <= da.lone_splits) {
+		if (blockIdx.x != 0) {
+			DEP();
+			return;
+		}
 		workers = 0;
 	}
 	// A lone worker merges its splits in registers, as a prefill does, with
@@ -119,14 +140,17 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int nit = !DET ? ntiles : workers > 0 ? mysplits * TPS : ntiles;
 	auto tile_of = [&](int it) { return !DET || workers == 0 ? it : (w + (it / TPS) * wstride) * TPS + it % TPS; };
 
-	for (int i = tid; i < qrows * CH; i += blockDim.x) {
-		const int r = i / CH, ch = i % CH;
-		const bool valid = hm ? r < G : q0 + r < qlen;
-		const bf16 *src = hm ? qkv + (long long)qbase * stride + (long long)(h + (valid ? r : 0)) * D + ch * 8
-		                     : qkv + (long long)(qbase + (valid ? q0 + r : 0)) * stride + (long long)h * D + ch * 8;
-		cp_async16(smem_u32(qs + swz<D>(r, ch * 8)), src, valid);
-	}
-	cp_async_commit();
+	auto load_q = [&]() {
+		for (int i = tid; i < qrows * CH; i += blockDim.x) {
+			const int r = i / CH, ch = i % CH;
+			const bool valid = hm ? r < G : q0 + r < qlen;
+			const bf16 *src = hm ? qkv + (long long)qbase * stride + (long long)(h + (valid ? r : 0)) * D + ch * 8
+			                     : qkv + (long long)(qbase + (valid ? q0 + r : 0)) * stride + (long long)h * D + ch * 8;
+			cp_async16(smem_u32(qs + swz<D>(r, ch * 8)), src, valid);
+		}
+		cp_async_commit();
+	};
+	if (!hm) load_q();
 	// A tile's KV slots: thread t copies rows t / CH + j * (128 / CH), so a
 	// warp's rows are RW consecutive ones per step of 128 / CH; lane l < 16
 	// reads the slot of the warp's l-th row once and the copies take it by
@@ -146,20 +170,40 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	const int crow = tid / CH, cch = tid % CH;
 	const unsigned kdst = smem_u32(ks + swz<D>(crow, cch * 8)), vdst = kdst + (unsigned)(vs - ks);
 	const char *ksrc = (const char *)(kc + g * D + cch * 8), *vsrc = (const char *)(vc + g * D + cch * 8);
-	auto load_kv = [&](int tile, int slot) {
+	// load_kv copies a tile's rows, leaving out position skip (not even
+	// zeroed: load_newest copies it).
+	auto load_kv = [&](int tile, int slot, int skip) {
 		const int k0 = tile * FA_BN;
 #pragma unroll
 		for (int j = 0; j < STEPS; j++) {
 			const unsigned sl = (unsigned)__shfl_sync(0xffffffff, slot, lane / CH + RW * j);
-			const bool valid = k0 + crow + j * (128 / CH) < kend;
+			const int pos = k0 + crow + j * (128 / CH);
 			const unsigned at = j * (128 / CH) * D * 2;
-			cp_async16(kdst + at, ksrc + (size_t)sl * (D * 2), valid);
-			cp_async16(vdst + at, vsrc + (size_t)sl * (D * 2), valid);
+			if (pos == skip) continue;
+			cp_async16(kdst + at, ksrc + (size_t)sl * (D * 2), pos < kend);
+			cp_async16(vdst + at, vsrc + (size_t)sl * (D * 2), pos < kend);
+		}
+		cp_async_commit();
+	};
+	// load_newest copies the newest position's row where it falls in tile.
+	auto load_newest = [&](int tile) {
+		const int r = kvlen - 1 - tile * FA_BN;
+		if (tile >= 0 && r >= 0 && r < FA_BN && r % (128 / CH) == crow) {
+			const unsigned sl = (unsigned)kvidx[kv0 + kvlen - 1] * (unsigned)hk;
+			const unsigned at = r / (128 / CH) * (128 / CH) * D * 2;
+			cp_async16(kdst + at, ksrc + (size_t)sl * (D * 2), true);
+			cp_async16(vdst + at, vsrc + (size_t)sl * (D * 2), true);
 		}
 		cp_async_commit();
 	};
 	int slot = fetch_slot(tile_of(0));
-	if (nit > 0) load_kv(tile_of(0), slot);
+	if (nit > 0) load_kv(tile_of(0), slot, hm ? kvlen - 1 : -1);
+	if (hm) {
+		DEP();
+		load_q();
+		load_newest(nit > 0 ? tile_of(0) : -1);
+		cp_async_wait<0>(); // the waits below then find nothing in flight
+	}
 	const int w0 = warp * 16;
 	// With raw_q each warp prepares its own 16 rows in the 16-byte layout
 	// of prepare_qkv16 (LG = D / 16 lanes a row), RPP rows a pass. A query is at position
@@ -419,7 +463,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	for (int it = 0; it < nit; it++) {
 		const int tile = tile_of(it);
 		if (it > 0) {
-			load_kv(tile, slot);
+			load_kv(tile, slot, -1);
 			cp_async_wait<0>();
 			__syncthreads();
 		}
@@ -588,10 +632,10 @@ ATTN_PREFILL_MMA(128)
 	extern "C" __global__ void __launch_bounds__(128, 3) attn_det_d##D(                                            \
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
 	    const int *kvidx, int hq, int hk, float scale, int workers, float *part_o, float *part_ml, int *counters,  \
-	    int part_rows) {                                                                                           \
-		DEP();                                                                                                     \
+	    int part_rows, int lone_splits) {                                                                          \
 		attn_prefill_mma_impl<D, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale, nullptr, nullptr,       \
-		                               nullptr, 0.f, 0, DetArgs{workers, part_o, part_ml, counters, part_rows});    \
+		                               nullptr, 0.f, 0,                                                             \
+		                               DetArgs{workers, part_o, part_ml, counters, part_rows, lone_splits});        \
 	}
 ATTN_DET(64)
 ATTN_DET(128)
