@@ -4,18 +4,13 @@ import (
 	"strings"
 	"testing"
 
-	"ebb/assets"
 	"ebb/ioschema"
 	"ebb/tokenizer"
 )
 
 func qwen(t *testing.T) *tokenizer.Tokenizer {
 	t.Helper()
-	data, err := assets.TokenizerJSON("qwen3")
-	if err != nil {
-		t.Fatal(err)
-	}
-	tok, err := tokenizer.FromJSON(data)
+	tok, err := tokenizer.Embedded("qwen3")
 	if err != nil {
 		t.Fatal(err)
 	}

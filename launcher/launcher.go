@@ -43,6 +43,12 @@ type Config struct {
 	SkipWarmup  bool   // --skip-server-warmup
 	// LoadBalanceMethod is --load-balance-method (tm.ParseLoadBalanceMethod).
 	LoadBalanceMethod string
+	// AllowAutoTruncate (--allow-auto-truncate) clips prompts and
+	// max_new_tokens to the context instead of refusing them.
+	AllowAutoTruncate bool
+	// MaxRequestBodyBytes caps a generate request's body (0: sized from
+	// the context length).
+	MaxRequestBodyBytes int64
 	// Executable is the ebb binary the children run (default: this one).
 	Executable string
 	// Ready, if set, is called with the HTTP address once serving.
@@ -142,7 +148,9 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	defer func() { stopChildren(children, log) }()
 	m, err := tm.New(tm.Config{ModelDir: cfg.Engine.ModelDir, TokenizerDir: cfg.Engine.TokenizerDir, ModelName: cfg.ModelName,
 		SchedulerEndpoints: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
-		DisableRadixCache: cfg.Engine.DisableRadixCache, LoadBalanceMethod: cfg.LoadBalanceMethod}, log.Named("tokenizer_manager"))
+		DisableRadixCache: cfg.Engine.DisableRadixCache, LoadBalanceMethod: cfg.LoadBalanceMethod,
+		ContextLength: cfg.Engine.ContextLength, AllowAutoTruncate: cfg.AllowAutoTruncate,
+		MaxRequestBodyBytes: cfg.MaxRequestBodyBytes}, log.Named("tokenizer_manager"))
 	if err != nil {
 		return err
 	}
@@ -157,11 +165,12 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	exited := firstExit(children)
 	warmedUp := make(chan error, 1)
 	var failure error
+	httpDone := false
 	for failure == nil && ctx.Err() == nil {
 		select {
 		case <-ctx.Done():
 		case err := <-httpErr:
-			failure = fmt.Errorf("http server: %w", err)
+			failure, httpDone = fmt.Errorf("http server: %w", err), true
 		case err := <-m.Errors():
 			failure = fmt.Errorf("tokenizer manager: %w", err)
 		case failure = <-exited:
@@ -171,6 +180,11 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		}
 	}
 	cancel()
+	if !httpDone {
+		// The requests in flight are answered (503, server shutting down)
+		// before the process exits.
+		<-httpErr
+	}
 	return failure
 }
 

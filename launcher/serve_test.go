@@ -450,6 +450,7 @@ func TestSchedulerCrashStopsServer(t *testing.T) {
 			if tc.role == "scheduler" && int(s.info(t)["scheduler_pid"].(float64)) != pid {
 				t.Fatalf("server_info names scheduler %v, the child is %d", s.info(t)["scheduler_pid"], pid)
 			}
+			inFlight := make(chan int, 1) // the status of the request in flight
 			if tc.hang {
 				if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
 					t.Fatal(err)
@@ -457,9 +458,13 @@ func TestSchedulerCrashStopsServer(t *testing.T) {
 				t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
 				go func() {
 					body := strings.NewReader(`{"text": "hello", "sampling_params": {"max_new_tokens": 4}}`)
-					if resp, err := http.Post(s.url+"/generate", "application/json", body); err == nil {
-						resp.Body.Close()
+					resp, err := http.Post(s.url+"/generate", "application/json", body)
+					if err != nil {
+						inFlight <- 0
+						return
 					}
+					resp.Body.Close()
+					inFlight <- resp.StatusCode
 				}()
 			} else if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 				t.Fatal(err)
@@ -471,6 +476,12 @@ func TestSchedulerCrashStopsServer(t *testing.T) {
 				}
 				if !strings.Contains(s.log.String(), tc.wantIn) {
 					t.Fatalf("log does not say %q:\n%s", tc.wantIn, s.log.String())
+				}
+				// A server fault is a 503, which clients retry, not their 400.
+				if tc.hang {
+					if code := <-inFlight; code != http.StatusServiceUnavailable {
+						t.Errorf("the request in flight got %d, want 503", code)
+					}
 				}
 			case <-time.After(30 * time.Second): // a stopped child takes SIGKILL after 10 s
 				t.Fatalf("ebb serve still running 30 s later\n%s", s.log.String())

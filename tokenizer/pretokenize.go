@@ -18,9 +18,10 @@ const (
 	patternGPT2 = `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
 )
 
-// splitter cuts normalized text into pre-tokens.
+// splitter cuts normalized text into pre-tokens, in order, until emit
+// returns false.
 type splitter interface {
-	split(s string, emit func(piece string))
+	split(s string, emit func(piece string) bool)
 }
 
 func splitterFor(pattern string) (splitter, error) {
@@ -131,10 +132,12 @@ func whitespaceTail(s string, i int, withNewlines bool) int {
 // gpt4Splitter implements patternQwen and patternLlama3.
 type gpt4Splitter struct{ maxDigits int }
 
-func (g gpt4Splitter) split(s string, emit func(string)) {
+func (g gpt4Splitter) split(s string, emit func(string) bool) {
 	for i := 0; i < len(s); {
 		end := g.match(s, i)
-		emit(s[i:end])
+		if !emit(s[i:end]) {
+			return
+		}
 		i = end
 	}
 }
@@ -178,10 +181,12 @@ func (g gpt4Splitter) match(s string, i int) int {
 // gpt2Splitter implements patternGPT2.
 type gpt2Splitter struct{}
 
-func (gpt2Splitter) split(s string, emit func(string)) {
+func (gpt2Splitter) split(s string, emit func(string) bool) {
 	for i := 0; i < len(s); {
 		end := gpt2Match(s, i)
-		emit(s[i:end])
+		if !emit(s[i:end]) {
+			return
+		}
 		i = end
 	}
 }

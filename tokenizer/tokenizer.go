@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/text/unicode/norm"
+
+	"ebb/assets"
 )
 
 // Tokenizer encodes text to token ids and back. It is safe for concurrent use.
@@ -90,6 +92,15 @@ func parseComponent(raw json.RawMessage) (*component, error) {
 		return nil, err
 	}
 	return &c, nil
+}
+
+// Embedded is the tokenizer of an embedded family (assets.Tokenizers).
+func Embedded(family string) (*Tokenizer, error) {
+	data, err := assets.TokenizerJSON(family)
+	if err != nil {
+		return nil, err
+	}
+	return FromJSON(data)
 }
 
 // FromJSON builds a tokenizer from the contents of a tokenizer.json file.
@@ -303,7 +314,7 @@ func (t *Tokenizer) configurePreTokenizer(c *component) error {
 // wholeSplitter keeps the text as one piece (ByteLevel without regex alone).
 type wholeSplitter struct{}
 
-func (wholeSplitter) split(s string, emit func(string)) { emit(s) }
+func (wholeSplitter) split(s string, emit func(string) bool) { emit(s) }
 
 func (t *Tokenizer) configurePostProcessor(c *component) error {
 	if c == nil {
@@ -346,12 +357,25 @@ func (t *Tokenizer) configurePostProcessor(c *component) error {
 // (for example Llama-3's <|begin_of_text|>); special tokens written in the
 // text are always recognised.
 func (t *Tokenizer) Encode(text string, addSpecial bool) []int32 {
+	ids, _ := t.EncodeLimit(text, addSpecial, -1)
+	return ids
+}
+
+// EncodeLimit is Encode that stops once it holds more than limit tokens (a
+// negative limit: none), so that a prompt far past a model's context costs
+// what the context does to refuse. Pre-tokens are encoded whole and
+// independently, so a stopped encoding (complete false) is a prefix of the
+// full one, longer than limit and without the closing special tokens.
+func (t *Tokenizer) EncodeLimit(text string, addSpecial bool, limit int) (ids []int32, complete bool) {
 	text = strings.ToValidUTF8(text, "\uFFFD")
-	var ids []int32
 	if addSpecial {
 		ids = append(ids, t.prefix...)
 	}
+	full := func() bool { return limit >= 0 && len(ids) > limit }
 	for _, seg := range t.rawAdded.split(text) {
+		if full() {
+			return ids, false
+		}
 		if seg.token != nil {
 			ids = append(ids, seg.token.ID)
 			continue
@@ -361,28 +385,37 @@ func (t *Tokenizer) Encode(text string, addSpecial bool) []int32 {
 			s = t.normalize(s)
 		}
 		for _, sub := range t.normalizedAdded.split(s) {
+			if full() {
+				return ids, false
+			}
 			if sub.token != nil {
 				ids = append(ids, sub.token.ID)
 				continue
 			}
-			ids = t.encodeText(sub.text, ids)
+			ids = t.encodeText(sub.text, ids, limit)
 		}
+	}
+	if full() {
+		return ids, false
 	}
 	if addSpecial {
 		ids = append(ids, t.suffix...)
 	}
-	return ids
+	return ids, true
 }
 
-func (t *Tokenizer) encodeText(s string, ids []int32) []int32 {
+// encodeText appends the tokens of s, pre-token by pre-token, until ids
+// holds more than limit (when not negative).
+func (t *Tokenizer) encodeText(s string, ids []int32, limit int) []int32 {
 	if s == "" {
 		return ids
 	}
 	if t.addPrefixSpace && !strings.HasPrefix(s, " ") {
 		s = " " + s
 	}
-	t.split.split(s, func(piece string) {
+	t.split.split(s, func(piece string) bool {
 		ids = t.bpe.encodePiece(t.bl.encode(piece), ids)
+		return limit < 0 || len(ids) <= limit
 	})
 	return ids
 }

@@ -41,7 +41,11 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 			return nil, false, badf("the model has no tokenizer: send input_ids")
 		}
 		for _, t := range in.Text.Items {
-			inputs = append(inputs, m.Tokenizer.Encode(t, true))
+			ids, err := m.encode(t, true)
+			if err != nil {
+				return nil, false, err
+			}
+			inputs = append(inputs, ids)
 			texts = append(texts, t)
 		}
 	} else {
@@ -66,6 +70,9 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 		sp, err := in.SamplingParams.For(i)
 		if err != nil {
 			return nil, false, badRequest{err}
+		}
+		if ids, err = m.fitContext(ids, &sp); err != nil {
+			return nil, false, err
 		}
 		n := sp.Copies()
 		if n < 1 {
@@ -168,7 +175,7 @@ func (m *Manager) dispatch(ctx context.Context, req *ioschema.TokenizedGenerateR
 	select {
 	case e = <-chosen:
 	case <-m.done:
-		return 0, errors.New("server shutting down")
+		return 0, errShuttingDown
 	}
 	select {
 	case m.toSched <- outbound{req, e}:
@@ -285,7 +292,7 @@ func (m *Manager) Generate(ctx context.Context, in *ioschema.GenerateReqInput) (
 	}
 	snaps, err := m.waitAll(ctx, prompts)
 	if err != nil {
-		if ctx.Err() == nil {
+		if ctx.Err() == nil && !IsServerFault(err) {
 			err = badRequest{err}
 		}
 		return nil, err

@@ -31,10 +31,10 @@ func (m *Manager) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/models", m.models)
 	mux.HandleFunc("GET /v1/loads", m.loads)
 	mux.HandleFunc("GET /get_load", m.getLoad)
-	mux.HandleFunc("POST /generate", m.generate)
-	mux.HandleFunc("POST /v1/completions", m.completions)
-	mux.HandleFunc("POST /v1/chat/completions", m.chatCompletions)
-	mux.HandleFunc("POST /abort_request", m.abortRequest)
+	mux.HandleFunc("POST /generate", m.capped(m.maxBody, m.generate))
+	mux.HandleFunc("POST /v1/completions", m.capped(m.maxBody, m.completions))
+	mux.HandleFunc("POST /v1/chat/completions", m.capped(m.maxBody, m.chatCompletions))
+	mux.HandleFunc("POST /abort_request", m.capped(controlBodyLimit, m.abortRequest))
 	for path, newMsg := range map[string]func() ioschema.Message{
 		"/flush_cache":                     func() ioschema.Message { return &ioschema.FlushCacheReqInput{} },
 		"/pause_generation":                func() ioschema.Message { return &ioschema.PauseGenerationReqInput{} },
@@ -50,7 +50,7 @@ func (m *Manager) Handler() http.Handler {
 		"/get_weights_by_name":             func() ioschema.Message { return &ioschema.GetWeightsByNameReqInput{} },
 		"/memory_stats":                    func() ioschema.Message { return &ioschema.GetMemoryStatsReqInput{} },
 	} {
-		h := m.controlHandler(newMsg)
+		h := m.capped(controlBodyLimit, m.controlHandler(newMsg))
 		mux.HandleFunc("POST "+path, h)
 		mux.HandleFunc("GET "+path, h)
 	}
@@ -82,23 +82,41 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 // writeError answers {"error": {"message": ...}}: 400 for the client's
-// errors, 499 when the client went away, 500 otherwise.
+// errors, 413 for a body past the cap, 499 when the client went away, 503
+// for the server's faults (shutting down), 500 otherwise.
 func writeError(w http.ResponseWriter, err error) {
 	status := http.StatusInternalServerError
+	var tooLarge tooLargeError
 	switch {
 	case IsBadRequest(err):
 		status = http.StatusBadRequest
+	case errors.As(err, &tooLarge):
+		status = http.StatusRequestEntityTooLarge
+	case IsServerFault(err):
+		status = http.StatusServiceUnavailable
 	case errors.Is(err, context.Canceled):
 		status = 499
 	}
 	writeJSON(w, status, map[string]any{"error": map[string]any{"message": err.Error(), "code": status}})
 }
 
+// controlBodyLimit caps the bodies of the control endpoints, which carry
+// no prompts.
+const controlBodyLimit = 64 << 20
+
+// capped serves h with the request body capped at limit bytes (413 past it).
+func (m *Manager) capped(limit int64, h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		r.Body = http.MaxBytesReader(w, r.Body, limit)
+		h(w, r)
+	}
+}
+
 // decodeBody reads a JSON body (empty means defaults) into v.
 func decodeBody(r *http.Request, v any) error {
-	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<20))
+	body, err := io.ReadAll(r.Body)
 	if err != nil {
-		return badf("read body: %v", err)
+		return bodyError(err)
 	}
 	if len(body) == 0 {
 		return nil

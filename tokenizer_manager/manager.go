@@ -46,6 +46,14 @@ type Config struct {
 	// LoadBalanceMethod is --load-balance-method (ParseLoadBalanceMethod):
 	// how a generate request that names no engine picks one.
 	LoadBalanceMethod string
+	// ContextLength is --context-length (0: the model's
+	// max_position_embeddings); a prompt and its max_new_tokens must fit
+	// in it unless AllowAutoTruncate (--allow-auto-truncate) clips them.
+	ContextLength     int
+	AllowAutoTruncate bool
+	// MaxRequestBodyBytes caps the body of a generate request (0: 1 KiB a
+	// token of context, at least 16 MiB).
+	MaxRequestBodyBytes int64
 }
 
 // Manager routes requests and outputs. One goroutine (loop) owns the
@@ -58,6 +66,8 @@ type Manager struct {
 	ModelCfg  *model.Config
 	chat      *chatTemplate
 	metrics   *metrics
+	ctxLen    int   // the most tokens a sequence holds
+	maxBody   int64 // the cap on a generate request's body
 
 	zctx    *zmq.Context
 	toSched chan outbound
@@ -111,6 +121,8 @@ func New(cfg Config, log *zap.Logger) (*Manager, error) {
 	if m.ModelCfg, err = model.LoadConfig(cfg.ModelDir); err != nil {
 		return nil, err
 	}
+	m.ctxLen = contextLength(cfg.ContextLength, m.ModelCfg.MaxPositions)
+	m.maxBody = requestBodyLimit(cfg.MaxRequestBodyBytes, m.ctxLen)
 	if m.TokConfig, err = tokenizer.LoadConfig(m.cfg.TokenizerDir); err != nil {
 		return nil, err
 	}
@@ -192,7 +204,7 @@ func (m *Manager) loop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			for _, r := range t.reqs {
-				r.fail(errors.New("server shutting down"))
+				r.fail(errShuttingDown)
 			}
 			close(m.done)
 			return

@@ -290,9 +290,9 @@ func (req *chatRequest) templateTools() ([]any, error) {
 
 // decodeStrict reads a JSON body after checking its parameters.
 func decodeStrict(r *http.Request, v any, accepted map[string]paramRule) error {
-	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<20))
+	body, err := io.ReadAll(r.Body)
 	if err != nil {
-		return badf("read body: %v", err)
+		return bodyError(err)
 	}
 	if err := checkParams(body, accepted); err != nil {
 		return err
@@ -337,8 +337,13 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	if req.MaxCompletionTokens != nil && req.MaxTokens == nil {
 		req.MaxTokens = req.MaxCompletionTokens
 	}
+	ids, err := m.encode(text, false)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
 	in := &ioschema.GenerateReqInput{Stream: req.Stream, RoutedDPRank: req.RoutedDPRank, DataParallelRank: req.DataParallelRank,
-		InputIDs:       ioschema.InputIDBatch{Items: [][]int32{m.Tokenizer.Encode(text, false)}},
+		InputIDs:       ioschema.InputIDBatch{Items: [][]int32{ids}},
 		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{req.params(nil)}}}
 	if req.Rid != "" {
 		in.Rid.Items = []string{req.Rid}

@@ -108,11 +108,16 @@ func addServerFlags(f *pflag.FlagSet, s *serverFlags) {
 	f.BoolVar(&s.enableMetrics, "enable-metrics", false, "accepted: /metrics is always served")
 	f.BoolVar(&s.memorySaver, "enable-memory-saver", false, "accepted: ebb's memory is always releasable by tag")
 	f.BoolVar(&s.trustRemoteCode, "trust-remote-code", false, "accepted: ebb runs no code from the model directory")
+	f.BoolVar(&s.allowAutoTruncate, "allow-auto-truncate", false,
+		"clip a prompt longer than the context (keeping its start) and max_new_tokens to what is left, instead of answering 400")
+	f.Int64Var(&s.maxRequestBodyMB, "max-request-body-mb", 0,
+		"refuse generate requests whose body is larger (413); default: 1 KiB a token of context, at least 16")
 }
 
 type serverFlags struct {
-	apiKey                                                  string
-	skipWarmup, enableMetrics, memorySaver, trustRemoteCode bool
+	apiKey                                                                     string
+	skipWarmup, enableMetrics, memorySaver, trustRemoteCode, allowAutoTruncate bool
+	maxRequestBodyMB                                                           int64
 }
 
 // unknownFlagHelp turns pflag's "unknown flag" into an error that names the

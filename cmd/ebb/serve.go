@@ -52,6 +52,10 @@ func serveCmd() *cobra.Command {
 				return err
 			}
 			cfg.APIKey, cfg.SkipWarmup = sf.apiKey, sf.skipWarmup
+			if sf.maxRequestBodyMB < 0 {
+				return fmt.Errorf("--max-request-body-mb must be positive, got %d", sf.maxRequestBodyMB)
+			}
+			cfg.AllowAutoTruncate, cfg.MaxRequestBodyBytes = sf.allowAutoTruncate, sf.maxRequestBodyMB<<20
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
 			cfg.Ready = func(addr, zmqEndpoint string) {
