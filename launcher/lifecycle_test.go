@@ -105,8 +105,9 @@ func TestRLCallOrdersCPU(t *testing.T) {
 			defer cancel()
 			finished := make(chan string, 1)
 			go func() {
+				// As long as the context allows (tinyContext), so that it is still running.
 				res, _, _ := streamGenerate(ctx, s.url, map[string]any{"input_ids": []int{5, 6, 7},
-					"sampling_params": map[string]any{"max_new_tokens": 100000, "ignore_eos": true}}, 0)
+					"sampling_params": map[string]any{"max_new_tokens": tinyContext - 3, "ignore_eos": true}}, 0)
 				finished <- res.MetaInfo.FinishReason.Type
 			}()
 			waitFor(t, func() bool { return s.info(t)["num_running_reqs"].(float64) == 1 })
