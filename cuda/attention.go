@@ -263,6 +263,9 @@ func decodeKernel(g, dim int) (string, bool) {
 // scheduler orders decodes) launches its longest work first, and cut each
 // sequence by its share of the batch's positions.
 func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int, raw *decodeRaw) {
+	if d.skipKernels[name] {
+		return // EBB_SKIP_KERNELS, as launch does
+	}
 	k, err := d.mod.Func(name)
 	if err != nil {
 		d.fail(err)
