@@ -140,8 +140,8 @@ const char *ebb_nccl_error_string(int code) {
 int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
 	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl,
 	unsigned int cluster_z, void *maps, int nmaps) {
-	void *params[32];
-	if (nmaps + nargs > 32) return 1; // CUDA_ERROR_INVALID_VALUE
+	void *params[48];
+	if (nmaps + nargs > 48) return 1; // CUDA_ERROR_INVALID_VALUE
 	for (int i = 0; i < nmaps; i++) params[i] = (char *)maps + 128 * i;
 	for (int i = 0; i < nargs; i++) params[nmaps + i] = &args[i];
 	if ((pdl || cluster_z > 1) && p_cuLaunchKernelEx) {
