@@ -61,12 +61,18 @@ func TestContextLimits(t *testing.T) {
 	if resp.StatusCode != http.StatusRequestEntityTooLarge {
 		t.Errorf("a 2 MiB body under --max-request-body-mb 1: %d, want 413", resp.StatusCode)
 	}
+	if info := s.info(t); info["allow_auto_truncate"] != false || info["max_request_body_bytes"] != float64(1<<20) {
+		t.Errorf("server_info: allow_auto_truncate %v, max_request_body_bytes %v", info["allow_auto_truncate"], info["max_request_body_bytes"])
+	}
 	var ok genResult
 	if code := s.post(t, "/generate", map[string]any{"input_ids": ids, "sampling_params": map[string]any{"max_new_tokens": 3}}, &ok); code != 200 || ok.MetaInfo.CompletionTokens != 3 {
 		t.Fatalf("after the refusals: %d %+v", code, ok)
 	}
 
 	auto := startServer(t, "--allow-auto-truncate")
+	if info := auto.info(t); info["allow_auto_truncate"] != true || info["max_request_body_bytes"] != float64(16<<20) {
+		t.Errorf("server_info with --allow-auto-truncate: %v, %v", info["allow_auto_truncate"], info["max_request_body_bytes"])
+	}
 	for _, c := range []struct {
 		name             string
 		body             map[string]any

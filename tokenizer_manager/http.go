@@ -201,6 +201,8 @@ func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
 	info.Info["served_model_name"] = m.modelName()
 	info.Info["dp_size"] = m.engines
 	info.Info["load_balance_method"] = m.cfg.LoadBalanceMethod
+	info.Info["allow_auto_truncate"] = m.cfg.AllowAutoTruncate
+	info.Info["max_request_body_bytes"] = m.maxBody
 	if m.cfg.ZMQEndpoint != "" {
 		info.Info["zmq_endpoint"] = m.cfg.ZMQEndpoint
 	}
@@ -210,7 +212,7 @@ func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
 func (m *Manager) models(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []any{map[string]any{
 		"id": m.modelName(), "object": "model", "created": time.Now().Unix(), "owned_by": "ebb", "root": m.modelName(),
-		"max_model_len": m.ModelCfg.MaxPositions,
+		"max_model_len": m.ctxLen,
 	}}})
 }
 
