@@ -6,6 +6,30 @@ import (
 	"testing"
 )
 
+// TestMinTokens: the bound from a text's length alone holds on ordinary,
+// pathological and NFC-composing text.
+func TestMinTokens(t *testing.T) {
+	texts := []string{
+		strings.Repeat(" ", 100_000),
+		strings.Repeat("-", 50_000),
+		strings.Repeat("\u1100\u1161\u11a8", 20_000), // jamo that NFC composes into syllables
+		strings.Repeat("e\u0301", 30_000),
+		strings.Repeat("The quick brown fox. ", 5_000),
+		strings.Repeat("<|im_start|>", 10_000),
+	}
+	for _, family := range []string{"qwen3", "llama3"} {
+		tk := load(t, family)
+		if tk.maxTokenBytes == 0 {
+			t.Fatalf("%s: no longest token", family)
+		}
+		for i, text := range texts {
+			if min, got := tk.MinTokens(text), len(tk.Encode(text, false)); min > got || min == 0 {
+				t.Errorf("%s text %d: bound %d, %d tokens", family, i, min, got)
+			}
+		}
+	}
+}
+
 // TestEncodeLimit: a limited encoding is the full one where it fits, and
 // otherwise a prefix of it just past the limit.
 func TestEncodeLimit(t *testing.T) {

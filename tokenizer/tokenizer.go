@@ -25,6 +25,7 @@ type Tokenizer struct {
 	rawAdded        *addedMatcher // added tokens matched before normalization
 	normalizedAdded *addedMatcher // added tokens matched after it
 	added           map[int32]*AddedToken
+	maxTokenBytes   int // the most text bytes one token stands for (0: unknown)
 	idToToken       []string
 	prefix, suffix  []int32 // special tokens the post-processor adds
 }
@@ -140,7 +141,38 @@ func FromJSON(data []byte) (*Tokenizer, error) {
 	}
 	t.rawAdded = newAddedMatcher(raw)
 	t.normalizedAdded = newAddedMatcher(normalized)
+	t.maxTokenBytes = t.longestToken(f.AddedTokens)
 	return t, nil
+}
+
+// longestToken is the most bytes of text one token stands for, or 0 where
+// an added token strips the whitespace around it (and so stands for more).
+func (t *Tokenizer) longestToken(added []*AddedToken) int {
+	for _, a := range added {
+		if a.LStrip || a.RStrip {
+			return 0
+		}
+	}
+	longest := 0
+	for id := range t.idToToken {
+		longest = max(longest, len(t.AppendTokenBytes(nil, int32(id), false)))
+	}
+	return longest
+}
+
+// MinTokens is a lower bound on the tokens text encodes to, from its length
+// alone: no token stands for more bytes than the longest one, and NFC
+// shrinks text at most threefold (three jamo to one Hangul syllable). It
+// lets a prompt far past a context be refused without reading it.
+func (t *Tokenizer) MinTokens(text string) int {
+	per := t.maxTokenBytes
+	if t.normalize != nil {
+		per *= 3
+	}
+	if per == 0 {
+		return 0
+	}
+	return len(text) / per
 }
 
 func (t *Tokenizer) buildModel(f *fileJSON) error {

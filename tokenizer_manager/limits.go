@@ -55,6 +55,9 @@ func requestBodyLimit(set int64, ctx int) int64 {
 // refused prompt costs no more than the context to tokenize, and one that
 // --allow-auto-truncate clips keeps its first tokens, as fitContext would.
 func (m *Manager) encode(text string, addSpecial bool) ([]int32, error) {
+	if n := m.Tokenizer.MinTokens(text); n >= m.ctxLen && !m.cfg.AllowAutoTruncate {
+		return nil, badf("The input (at least %d tokens) is longer than the model's context length (%d tokens).", n, m.ctxLen)
+	}
 	ids, complete := m.Tokenizer.EncodeLimit(text, addSpecial, m.ctxLen-1)
 	if !complete && !m.cfg.AllowAutoTruncate {
 		return nil, badf("The input (at least %d tokens) is longer than the model's context length (%d tokens).", len(ids), m.ctxLen)

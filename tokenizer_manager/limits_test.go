@@ -85,6 +85,21 @@ func TestEncodeStopsPastTheContext(t *testing.T) {
 	}
 }
 
+// TestEncodeRefusesFromLength: a text whose length alone puts it past the
+// context is refused without being tokenized.
+func TestEncodeRefusesFromLength(t *testing.T) {
+	tok, err := tokenizer.Embedded("qwen3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.Repeat("x", 20<<20)
+	m := &Manager{ctxLen: 40960, log: zap.NewNop(), Tokenizer: tok}
+	want := fmt.Sprintf("The input (at least %d tokens) is longer", tok.MinTokens(text))
+	if _, err := m.encode(text, true); !IsBadRequest(err) || !strings.HasPrefix(err.Error(), want) {
+		t.Errorf("got %v, want %q", err, want)
+	}
+}
+
 func TestErrorStatus(t *testing.T) {
 	for _, c := range []struct {
 		err  error
