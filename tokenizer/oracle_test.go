@@ -21,11 +21,7 @@ func load(t testing.TB, family string) *Tokenizer {
 	if tk, ok := loaded.Load(family); ok {
 		return tk.(*Tokenizer)
 	}
-	data, err := assets.TokenizerJSON(family)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tk, err := FromJSON(data)
+	tk, err := Embedded(family)
 	if err != nil {
 		t.Fatal(err)
 	}

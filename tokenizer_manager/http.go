@@ -31,10 +31,10 @@ func (m *Manager) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/models", m.models)
 	mux.HandleFunc("GET /v1/loads", m.loads)
 	mux.HandleFunc("GET /get_load", m.getLoad)
-	mux.HandleFunc("POST /generate", m.capped(m.maxBody, m.generate))
-	mux.HandleFunc("POST /v1/completions", m.capped(m.maxBody, m.completions))
-	mux.HandleFunc("POST /v1/chat/completions", m.capped(m.maxBody, m.chatCompletions))
-	mux.HandleFunc("POST /abort_request", m.capped(controlBodyLimit, m.abortRequest))
+	mux.HandleFunc("POST /generate", capped(m.maxBody, m.generate))
+	mux.HandleFunc("POST /v1/completions", capped(m.maxBody, m.completions))
+	mux.HandleFunc("POST /v1/chat/completions", capped(m.maxBody, m.chatCompletions))
+	mux.HandleFunc("POST /abort_request", capped(controlBodyLimit, m.abortRequest))
 	for path, newMsg := range map[string]func() ioschema.Message{
 		"/flush_cache":                     func() ioschema.Message { return &ioschema.FlushCacheReqInput{} },
 		"/pause_generation":                func() ioschema.Message { return &ioschema.PauseGenerationReqInput{} },
@@ -50,7 +50,7 @@ func (m *Manager) Handler() http.Handler {
 		"/get_weights_by_name":             func() ioschema.Message { return &ioschema.GetWeightsByNameReqInput{} },
 		"/memory_stats":                    func() ioschema.Message { return &ioschema.GetMemoryStatsReqInput{} },
 	} {
-		h := m.capped(controlBodyLimit, m.controlHandler(newMsg))
+		h := capped(controlBodyLimit, m.controlHandler(newMsg))
 		mux.HandleFunc("POST "+path, h)
 		mux.HandleFunc("GET "+path, h)
 	}
@@ -105,7 +105,7 @@ func writeError(w http.ResponseWriter, err error) {
 const controlBodyLimit = 64 << 20
 
 // capped serves h with the request body capped at limit bytes (413 past it).
-func (m *Manager) capped(limit int64, h http.HandlerFunc) http.HandlerFunc {
+func capped(limit int64, h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		r.Body = http.MaxBytesReader(w, r.Body, limit)
 		h(w, r)
