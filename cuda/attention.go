@@ -301,44 +301,11 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(decodeVecMinSplit(splits)))
 	}
 	args = append(args, F(scale))
-	if balanced {
-		args = append(args, d.nextWeightArgs()...)
-	}
 	if raw != nil {
 		args = append(args, P(raw.qNorm.Ptr), P(raw.kNorm.Ptr), P(raw.positions.Ptr), P(raw.slots.Ptr), P(raw.cos.Ptr),
 			P(raw.sin.Ptr), F(raw.eps))
 	}
 	d.fail(d.ctx.LaunchKernel(k, grid, D1(128), 0, args...))
-}
-
-// weightPrefetchDefault is EBB_WEIGHT_PREFETCH's default: 0 none, 1 the
-// weights a layer reads after its decode attention prefetched into L2 by
-// that attention (WeightsNext in attention_fast.cu), 2 the same with an
-// evict-last hint. Off until an A/B on a GPU shows what it gains: at batch
-// 1 and 32k positions attention reads the cache at 70 % of HBM speed and
-// the rest of the step takes 0.66 ms (docs/gpu-notes.md).
-const weightPrefetchDefault = 0
-
-// weightPrefetchRegions is how many weights a decode attention takes.
-const weightPrefetchRegions = 4
-
-// PrefetchDuringAttention implements device.WeightPrefetcher.
-func (d *Device) PrefetchDuringAttention(ws ...device.Tensor) {
-	d.nextWeights = append(d.nextWeights[:0], ws...)
-}
-
-// nextWeightArgs are the balanced decode kernels' WeightsNext: the
-// weights (address, bytes) and the cache hint, zeros where none.
-func (d *Device) nextWeightArgs() []uint64 {
-	args := make([]uint64, 0, 2*weightPrefetchRegions+1)
-	for i := range weightPrefetchRegions {
-		if d.weightHint == 0 || i >= len(d.nextWeights) || !d.nextWeights[i].Valid() || d.nextWeights[i].Bytes() >= 1<<31 {
-			args = append(args, P(0), I(0))
-			continue
-		}
-		args = append(args, P(d.nextWeights[i].Ptr), I(int(d.nextWeights[i].Bytes())))
-	}
-	return append(args, I(d.weightHint))
 }
 
 const (

@@ -464,30 +464,3 @@ func repeat(v, n int) []int {
 	}
 	return s
 }
-
-// TestNextWeightArgs (no GPU): the balanced decode kernels' WeightsNext
-// names up to four weights, each as (address, bytes), then the hint; off,
-// or for a weight absent or of 2 GiB or more, zeros.
-func TestNextWeightArgs(t *testing.T) {
-	w := func(p uintptr, rows int) device.Tensor {
-		return device.Tensor{Ptr: p, DType: device.BF16, Shape: []int{rows, 1024}}
-	}
-	for _, c := range []struct {
-		name string
-		hint int
-		ws   []device.Tensor
-		want []uint64
-	}{
-		{"off", 0, []device.Tensor{w(0x1000, 4)}, []uint64{0, 0, 0, 0, 0, 0, 0, 0, 0}},
-		{"two and an absent one", 1, []device.Tensor{w(0x1000, 4), {}, w(0x9000, 2)},
-			[]uint64{0x1000, 8192, 0, 0, 0x9000, 4096, 0, 0, 1}},
-		{"more than four, one too large", 2, []device.Tensor{w(0x1000, 1), w(0x2000, 1<<20), w(0x3000, 1), w(0x4000, 1), w(0x5000, 1)},
-			[]uint64{0x1000, 2048, 0, 0, 0x3000, 2048, 0x4000, 2048, 2}},
-	} {
-		d := &Device{weightHint: c.hint}
-		d.PrefetchDuringAttention(c.ws...)
-		if got := d.nextWeightArgs(); !slices.Equal(got, c.want) {
-			t.Errorf("%s: %#x, want %#x", c.name, got, c.want)
-		}
-	}
-}

@@ -32,31 +32,29 @@ type Device struct {
 	nvml      *NVML
 	err       error
 
-	partO, partML device.Tensor   // split-KV attention partials (fixed addresses, for graphs)
-	counters      device.Tensor   // split-KV merge counters, zero between launches
-	samplePart    device.Tensor   // per-slice row reductions for sampling
-	rowSquares    device.Tensor   // MatMulAdd's per-block sums of squares, for RMSNormMatMul
-	pendingNorm   pendingNorm     // what the last MatMulAdd left in rowSquares
-	pinned        []*pinned       // host staging buffers handed out by AllocPinned
-	savedStack    int64           // stack limit to restore on resume (0: not shrunk)
-	prefillShared int             // dynamic shared memory the prefill kernel is allowed
-	mmaShared     map[int]bool    // head sizes whose tensor-core prefill kernel was allowed its shared memory
-	fences        []*Event        // idle events for Fence
-	peers         *peerAllReduce  // the tensor-parallel group's all-reduce, released with cuda_graph
-	wgmma         bool            // matmul_wg runs: the kernels were built for sm_90a
-	wgMaxRows     int             // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
-	foldTC        bool            // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
-	foldWG        bool            // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
-	rawDecode     bool            // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
-	noGQADecode   bool            // grouped queries decode on the vector kernel (EBB_DECODE_GQA=0)
-	gqaWaves      int             // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
-	skipKernels   kernelSet       // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
-	moeGemvTokens int             // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
-	moeTileRows   int             // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
-	tcLarge       bool            // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
-	decodeSplits  int             // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
-	weightHint    int             // how decode attention prefetches the next weights (EBB_WEIGHT_PREFETCH; weightPrefetchDefault)
-	nextWeights   []device.Tensor // the weights the next decode attention may prefetch (PrefetchDuringAttention)
+	partO, partML device.Tensor  // split-KV attention partials (fixed addresses, for graphs)
+	counters      device.Tensor  // split-KV merge counters, zero between launches
+	samplePart    device.Tensor  // per-slice row reductions for sampling
+	rowSquares    device.Tensor  // MatMulAdd's per-block sums of squares, for RMSNormMatMul
+	pendingNorm   pendingNorm    // what the last MatMulAdd left in rowSquares
+	pinned        []*pinned      // host staging buffers handed out by AllocPinned
+	savedStack    int64          // stack limit to restore on resume (0: not shrunk)
+	prefillShared int            // dynamic shared memory the prefill kernel is allowed
+	mmaShared     map[int]bool   // head sizes whose tensor-core prefill kernel was allowed its shared memory
+	fences        []*Event       // idle events for Fence
+	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
+	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
+	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
+	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
+	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
+	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
+	noGQADecode   bool           // grouped queries decode on the vector kernel (EBB_DECODE_GQA=0)
+	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
+	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
+	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
+	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
+	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
+	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
 	det                 bool
@@ -78,7 +76,6 @@ var (
 	_ device.GroupJoiner       = (*Device)(nil)
 	_ device.Fused             = (*Device)(nil)
 	_ device.AttentionPreparer = (*Device)(nil)
-	_ device.WeightPrefetcher  = (*Device)(nil)
 	_ device.Deterministic     = (*Device)(nil)
 )
 
@@ -223,10 +220,6 @@ func (d *Device) init() error {
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)
-	}
-	d.weightHint = weightPrefetchDefault
-	if n, err := strconv.Atoi(os.Getenv("EBB_WEIGHT_PREFETCH")); err == nil && n >= 0 && n <= 2 {
-		d.weightHint = n
 	}
 	if err := d.initMatMulWG(); err != nil {
 		return err

@@ -377,16 +377,6 @@ type AttentionPreparer interface {
 	PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, meta AttnMeta, scale, eps float32) bool
 }
 
-// WeightPrefetcher is implemented by devices whose decode attention can
-// bring the weights its layer reads next into L2 while it streams the KV
-// cache: at a long context and a small batch attention leaves part of the
-// memory bandwidth unused, and the products after it wait on one another.
-type WeightPrefetcher interface {
-	// PrefetchDuringAttention names the weights the next Attention or
-	// PrepareAttention call may prefetch (none: nothing).
-	PrefetchDuringAttention(ws ...Tensor)
-}
-
 // Deterministic is implemented by devices that can compute every row of a
 // step the same way whatever else is in it (batch-invariant kernels), so
 // that a request's tokens and logprobs do not depend on the batch, prefix

@@ -256,7 +256,6 @@ func (m *Model) forward(in Inputs, a activations) {
 	// without one (gate_up with silu) still is, through fusedDev.
 	fusedDev, _ := dev.(device.Fused)
 	preparer, _ := dev.(device.AttentionPreparer)
-	prefetcher, _ := dev.(device.WeightPrefetcher)
 	accumulating, _ := dev.(device.Accumulating)
 	normer, _ := m.Comm.(device.AllReduceNormer)
 	fused := fusedDev
@@ -330,18 +329,6 @@ func (m *Model) forward(in Inputs, a activations) {
 	for i, l := range w.Layers {
 		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
-		if prefetcher != nil {
-			// What the layer reads after its attention, and the next layer's first product.
-			next := device.Tensor{}
-			if i < last {
-				next = w.Layers[i+1].QKV
-			}
-			if l.Sparse() {
-				prefetcher.PrefetchDuringAttention(l.O, next)
-			} else {
-				prefetcher.PrefetchDuringAttention(l.O, l.GateUp, l.Down, next)
-			}
-		}
 		if i == last && in.LogitRows.Numel() == 0 && !capture {
 			// A prefill chunk that completes no sequence: the last layer's
 			// K and V are all that a later step reads.

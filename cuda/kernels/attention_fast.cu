@@ -69,39 +69,6 @@ struct DecodeRawStep {
 	}
 };
 
-// WeightsNext are the weights a layer reads after its decode attention
-// (o_proj, the MLP, the next layer's qkv). At a long context and a small
-// batch attention streams the cache without using all of HBM's bandwidth,
-// and the products after it are latency bound: each block asks L2 for its
-// share of these weights as it starts, so that the products find them
-// there. Only where the cache the launch reads is at least twice the
-// weights (a decision on the device, so that a CUDA graph captured at one
-// context makes it at every context). Prefetching never changes a result.
-struct WeightsNext {
-	const char *p[4];
-	int bytes[4];
-	int hint; // 0 none, 1 plain, 2 evict_last
-};
-
-__device__ __forceinline__ void weights_next_prefetch(const WeightsNext &w, long long cache_bytes) {
-	const long long total = (long long)w.bytes[0] + w.bytes[1] + w.bytes[2] + w.bytes[3];
-	if (threadIdx.x != 0 || w.hint == 0 || total == 0 || cache_bytes < 2 * total) return;
-	const long long blocks = (long long)gridDim.x * gridDim.y * gridDim.z;
-	const long long b = ((long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-	const long long per = ((total + blocks - 1) / blocks + 255) & ~255LL;
-	const long long lo = b * per, hi = min(total, lo + per);
-	long long r0 = 0;
-#pragma unroll
-	for (int r = 0; r < 4; r++) {
-		const long long r1 = r0 + w.bytes[r];
-		for (long long a = max(lo, r0) & ~15LL, e = min(hi, r1); a < e; a += 65536) {
-			const unsigned n = (unsigned)((min(e, a + 65536) - a + 15) & ~15LL);
-			prefetch_l2(w.p[r] + (a - r0), n, w.hint == 2);
-		}
-		r0 = r1;
-	}
-}
-
 // DecodeSplit is how a decode kernel cuts a sequence of kvlen positions:
 // used splits of per positions (attn_decode_vec and attn_decode_gqa alike).
 struct DecodeSplit {
@@ -305,7 +272,7 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
                                                      int units, int units_max, int min_split, float scale,
-                                                     const WeightsNext &wn, DecodeRaw raw) {
+                                                     DecodeRaw raw) {
 	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
 	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
 	__shared__ float sh_o[GROUPS][MG][D];
@@ -321,7 +288,6 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	// requested, before dep_wait, while the previous kernel finishes.
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
-	weights_next_prefetch(wn, (long long)(kvptr[gridDim.y] - kvptr[0]) * hk * D * 4);
 	const DecodeSplit ds = decode_split(kvptr, kvlen, hk, splits, units, units_max, min_split);
 	const int per = ds.per, used = ds.used;
 	if (sp >= used) {
@@ -479,24 +445,21 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, g, splits, used);
 }
 
-// WPARAMS are a balanced decode kernel's WeightsNext, WNEXT the struct.
-#define WPARAMS const char *w0, int wb0, const char *w1, int wb1, const char *w2, int wb2, const char *w3, int wb3, int whint
-#define WNEXT WeightsNext{{w0, w1, w2, w3}, {wb0, wb1, wb2, wb3}, whint}
 #define ATTN_DECODE_VEC(D, MG)                                                                                    \
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_d##D##_g##MG(                      \
 	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
 	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max,  \
-	    int min_split, float scale, WPARAMS) {                                                                    \
+	    int min_split, float scale) {                                                                             \
 		attn_decode_vec_impl<D, MG, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,  \
-		                                   hk, splits, units, units_max, min_split, scale, WNEXT, DecodeRaw{}); \
+		                                   hk, splits, units, units_max, min_split, scale, DecodeRaw{});        \
 	}                                                                                                             \
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_raw_d##D##_g##MG(                  \
 	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
 	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max,  \
-	    int min_split, float scale, WPARAMS, const bf16 *qnorm, const bf16 *knorm, const int *pos,               \
-	    const int *slots, const float *cos_t, const float *sin_t, float eps) {                                    \
+	    int min_split, float scale, const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,                \
+	    const float *sin_t, float eps) {                                                                          \
 		attn_decode_vec_impl<D, MG, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,   \
-		                                  hk, splits, units, units_max, min_split, scale, WNEXT,               \
+		                                  hk, splits, units, units_max, min_split, scale,                      \
 		                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});             \
 	}
 #define ATTN_DECODE_VEC_D(D) ATTN_DECODE_VEC(D, 1) ATTN_DECODE_VEC(D, 2) ATTN_DECODE_VEC(D, 4) ATTN_DECODE_VEC(D, 8)

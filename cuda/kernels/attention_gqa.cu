@@ -42,7 +42,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
                                                      int units, int units_max, int min_split, float scale,
-                                                     const WeightsNext &wn, DecodeRaw raw) {
+                                                     DecodeRaw raw) {
 	constexpr int D = 128, MG = DG_HEADS;
 	__shared__ float sh_m[DG_WARPS][MG], sh_l[DG_WARPS][MG];
 	// Rows of D + 1: the stores of a warp's outputs (lanes 2t, 8 gid apart)
@@ -55,7 +55,6 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	const int gid = lane >> 2, t = lane & 3;
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
-	weights_next_prefetch(wn, (long long)(kvptr[gridDim.y] - kvptr[0]) * hk * D * 4);
 	const DecodeSplit ds = decode_split(kvptr, kvlen, hk, splits, units, units_max, min_split);
 	if (sp >= ds.used) {
 		DEP();
@@ -223,17 +222,17 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
     attn_decode_gqa_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                          const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                         int splits, int units, int units_max, int min_split, float scale, WPARAMS) {
+                         int splits, int units, int units_max, int min_split, float scale) {
 	attn_decode_gqa_impl<false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
-	                            units_max, min_split, scale, WNEXT, DecodeRaw{});
+	                            units_max, min_split, scale, DecodeRaw{});
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
     attn_decode_gqa_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                              const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                             int splits, int units, int units_max, int min_split, float scale, WPARAMS,
-                             const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots,
-                             const float *cos_t, const float *sin_t, float eps) {
+                             int splits, int units, int units_max, int min_split, float scale, const bf16 *qnorm,
+                             const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,
+                             const float *sin_t, float eps) {
 	attn_decode_gqa_impl<true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
-	                           units_max, min_split, scale, WNEXT, DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
+	                           units_max, min_split, scale, DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
 }

@@ -203,23 +203,6 @@ __device__ __forceinline__ void dep_wait() {
 #endif
 }
 
-// prefetch_l2 asks L2 for bytes (a multiple of 16, 16-byte aligned) at p
-// without waiting, on sm_90 in one bulk request (evict_last: with a hint
-// that keeps the lines past streamed ones).
-__device__ __forceinline__ void prefetch_l2(const void *p, unsigned bytes, bool evict_last) {
-#if __CUDA_ARCH__ >= 900
-	if (evict_last) {
-		unsigned long long policy;
-		asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-		asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(policy));
-	} else {
-		asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
-	}
-#else
-	for (unsigned o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + o));
-#endif
-}
-
 __device__ __forceinline__ void dep_launch() {
 #if __CUDA_ARCH__ >= 900
 	asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
