@@ -28,6 +28,11 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 #define DV_UNROLL 4
 #define DV_UNIT 2048 // positions a work unit aims at (attn_decode_vec_impl)
 #define DV_MAX_SPLITS 128 // the most splits attnDecode gives these kernels (decodeVecMaxSplits)
+// DV_MIN_BLOCKS holds the kernels for one or two query heads a kv head to
+// 128 registers, four blocks an SM: left free, the softmax over a step's
+// rows at once took 130 and three blocks, and batch 1 at 32k positions
+// ran 14 % slower instead of 3 % faster (H100, `bench attention`).
+#define DV_MIN_BLOCKS(MG) ((MG) <= 2 ? 4 : 1)
 
 // With RAW the queries and the newest K and V come straight from the qkv
 // projection (raw), and the kernel does what prepare_qkv would have done
@@ -395,32 +400,84 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	for (int cb = c0 + warp * RPW; cb < c1; cb += STEP) {
 		uint4 kn[DV_UNROLL], vn[DV_UNROLL];
 		load(cb + STEP, c1, kn, vn);
+		// One or two heads: the step's DV_UNROLL rows meet the running
+		// softmax at once, one rescale of o and l a head, not one a row (a
+		// row's p and the rescale each cost an ex2, and the rescale eight
+		// multiplies; the kernel issues an instruction every other cycle at
+		// long contexts, so fewer of them is time). More heads keep a row at
+		// a time: the step's dots would add 16 or 32 registers to kernels
+		// already past 128, and that was not measured.
+		if constexpr (MG <= 2) {
+			float dot[MG][DV_UNROLL];
 #pragma unroll
-		for (int u = 0; u < DV_UNROLL; u++) {
-			const bool valid = cb + lrow + u * GROUPS < c1;
-			float k[8], v[8];
-			unsigned ku[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w}, vu[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
+			for (int u = 0; u < DV_UNROLL; u++) {
+				float k[8];
+				unpack8(kr[u], k);
 #pragma unroll
-			for (int e = 0; e < 4; e++) {
-				k[2 * e] = __uint_as_float(ku[e] << 16);
-				k[2 * e + 1] = __uint_as_float(ku[e] & 0xffff0000u);
-				v[2 * e] = __uint_as_float(vu[e] << 16);
-				v[2 * e + 1] = __uint_as_float(vu[e] & 0xffff0000u);
+				for (int r = 0; r < MG; r++) {
+					float d = 0.f;
+#pragma unroll
+					for (int e = 0; e < 8; e++) d += q[r][e] * k[e];
+#pragma unroll
+					for (int off = LPR / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffff, d, off);
+					dot[r][u] = d;
+				}
 			}
+			// Rows past the split's end are left out; the first row of the step
+			// is in it wherever any is.
+			if (cb + lrow < c1) {
 #pragma unroll
-			for (int r = 0; r < MG; r++) {
-				float dot = 0.f;
+				for (int r = 0; r < MG; r++) {
+					if (r >= G) continue;
+					float mn = m[r];
 #pragma unroll
-				for (int e = 0; e < 8; e++) dot += q[r][e] * k[e];
+					for (int u = 0; u < DV_UNROLL; u++)
+						if (cb + lrow + u * GROUPS < c1) mn = fmaxf(mn, dot[r][u]);
+					const float a = ex2_ftz(m[r] - mn);
+					float ps = 0.f;
 #pragma unroll
-				for (int off = LPR / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-				if (valid && r < G) {
-					const float mn = fmaxf(m[r], dot);
-					const float a = ex2_ftz(m[r] - mn), p = ex2_ftz(dot - mn);
-					l[r] = l[r] * a + p;
-#pragma unroll
-					for (int e = 0; e < 8; e++) o[r][e] = o[r][e] * a + p * v[e];
+					for (int u = 0; u < DV_UNROLL; u++) {
+						dot[r][u] = cb + lrow + u * GROUPS < c1 ? ex2_ftz(dot[r][u] - mn) : 0.f; // now the row's p
+						ps += dot[r][u];
+					}
+					l[r] = l[r] * a + ps;
 					m[r] = mn;
+#pragma unroll
+					for (int e = 0; e < 8; e++) o[r][e] *= a;
+				}
+#pragma unroll
+				for (int u = 0; u < DV_UNROLL; u++) {
+					float v[8];
+					unpack8(vr[u], v);
+#pragma unroll
+					for (int r = 0; r < MG; r++)
+						if (r < G)
+#pragma unroll
+							for (int e = 0; e < 8; e++) o[r][e] += dot[r][u] * v[e];
+				}
+			}
+		} else {
+#pragma unroll
+			for (int u = 0; u < DV_UNROLL; u++) {
+				const bool valid = cb + lrow + u * GROUPS < c1;
+				float k[8], v[8];
+				unpack8(kr[u], k);
+				unpack8(vr[u], v);
+#pragma unroll
+				for (int r = 0; r < MG; r++) {
+					float dot = 0.f;
+#pragma unroll
+					for (int e = 0; e < 8; e++) dot += q[r][e] * k[e];
+#pragma unroll
+					for (int off = LPR / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+					if (valid && r < G) {
+						const float mn = fmaxf(m[r], dot);
+						const float a = ex2_ftz(m[r] - mn), p = ex2_ftz(dot - mn);
+						l[r] = l[r] * a + p;
+#pragma unroll
+						for (int e = 0; e < 8; e++) o[r][e] = o[r][e] * a + p * v[e];
+						m[r] = mn;
+					}
 				}
 			}
 		}
@@ -446,21 +503,21 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 }
 
 #define ATTN_DECODE_VEC(D, MG)                                                                                    \
-	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_d##D##_g##MG(                      \
-	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
-	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max,  \
+	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32, DV_MIN_BLOCKS(MG)) attn_decode_vec_d##D##_g##MG(  \
+	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,      \
+	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max, \
 	    int min_split, float scale) {                                                                             \
-		attn_decode_vec_impl<D, MG, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,  \
-		                                   hk, splits, units, units_max, min_split, scale, DecodeRaw{});        \
+		attn_decode_vec_impl<D, MG, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,   \
+		                                   hk, splits, units, units_max, min_split, scale, DecodeRaw{});          \
 	}                                                                                                             \
-	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32) attn_decode_vec_raw_d##D##_g##MG(                  \
-	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,       \
-	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max,  \
-	    int min_split, float scale, const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,                \
+	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32, DV_MIN_BLOCKS(MG)) attn_decode_vec_raw_d##D##_g##MG( \
+	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,      \
+	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max, \
+	    int min_split, float scale, const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots, const float *cos_t, \
 	    const float *sin_t, float eps) {                                                                          \
-		attn_decode_vec_impl<D, MG, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,   \
-		                                  hk, splits, units, units_max, min_split, scale,                      \
-		                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});             \
+		attn_decode_vec_impl<D, MG, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,    \
+		                                  hk, splits, units, units_max, min_split, scale,                         \
+		                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});                \
 	}
 #define ATTN_DECODE_VEC_D(D) ATTN_DECODE_VEC(D, 1) ATTN_DECODE_VEC(D, 2) ATTN_DECODE_VEC(D, 4) ATTN_DECODE_VEC(D, 8)
 ATTN_DECODE_VEC_D(32)
