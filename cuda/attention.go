@@ -114,11 +114,11 @@ func decodeVecMinSplit(splits int) int {
 
 // splitDecodeKernel picks the split decode kernel for g query heads a kv
 // head and the head size: attention_gqa.cu's tensor-core kernel for 3 to 8
-// heads of 128 dims (unless EBB_DECODE_GQA=0, for A/B runs), where the
-// vector kernel's work a row grows with the heads until it outweighs the
-// loads; attention_fast.cu's vector kernel for head sizes of 32 to 256
-// lanes' worth of 16-byte loads and up to 8 heads. raw is the kernel that
-// also prepares the step's queries and newest K and V.
+// heads of 128 dims (EBB_DECODE_GQA, for A/B runs: 0 for none, all for 1
+// to 8), where the vector kernel's work a row grows with the heads until it
+// outweighs the loads; attention_fast.cu's vector kernel for head sizes of
+// 32 to 256 lanes' worth of 16-byte loads and up to 8 heads. raw is the
+// kernel that also prepares the step's queries and newest K and V.
 func (d *Device) splitDecodeKernel(g, dim int) (name, raw string, ok bool) {
 	if d.gqaDecode(g, dim) {
 		return "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", true
@@ -133,10 +133,36 @@ func (d *Device) splitDecodeKernel(g, dim int) (name, raw string, ok bool) {
 	return fmt.Sprintf("attn_decode_vec_d%d_g%d", dim, mg), fmt.Sprintf("attn_decode_vec_raw_d%d_g%d", dim, mg), true
 }
 
+// gqaDecodeFrom is the fewest query heads a kv head that decode on
+// attn_decode_gqa by default, gqaDecodeHeads the most it takes
+// (DG_HEADS). Below three the vector kernel's per-row work was not what
+// limited it (H100, 256 x 2,048 positions: 92 % of HBM bandwidth with two
+// heads, 68 % with four).
+const (
+	gqaDecodeFrom  = 3
+	gqaDecodeHeads = 8
+)
+
+// gqaFromEnv is the fewest heads EBB_DECODE_GQA's value v sends to
+// attn_decode_gqa: "0" none, "all" every count, otherwise 0 (the default).
+func gqaFromEnv(v string) int {
+	switch v {
+	case "0":
+		return gqaDecodeHeads + 1
+	case "all":
+		return 1
+	}
+	return 0
+}
+
 // gqaDecode says whether g query heads a kv head of dim take
 // attn_decode_gqa.
 func (d *Device) gqaDecode(g, dim int) bool {
-	return dim == 128 && g >= 3 && g <= 8 && !d.noGQADecode
+	from := d.gqaFrom
+	if from == 0 {
+		from = gqaDecodeFrom
+	}
+	return dim == 128 && g >= from && g <= gqaDecodeHeads
 }
 
 // PrepareAttention implements device.AttentionPreparer. A decode step's

@@ -136,11 +136,16 @@ func TestPrepareDecode(t *testing.T) {
 		{"qwen3-30b-a3b-g8", 32, 4, 128, true, []int{700, 1, 65, 16, 17, 3000}},
 		{"qwen3-8b-g4-ragged", 32, 8, 128, true, raggedContexts(80)},
 		{"g3-no-norm", 12, 4, 128, false, []int{90, 400, 7}},
+		{"gqa-all-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
+		{"gqa-all-g1-no-norm", 8, 8, 128, false, []int{90, 400, 7}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			p.gpu.rawDecode = true
+			if strings.HasPrefix(tc.name, "gqa-all") {
+				p.gpu.gqaFrom = gqaFromEnv("all")
+			}
 			qlens := repeat(1, len(tc.kvlens))
 			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
 			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
@@ -328,6 +333,10 @@ func TestAttention(t *testing.T) {
 		{"decode-gqa-g3-ragged", 12, 4, 128, repeat(1, 80), raggedContexts(80)},
 		{"decode-gqa-g5-many", 40, 8, 128, repeat(1, 200), repeat(130, 200)},
 		{"mixed-gqa-g8", 32, 4, 128, []int{1, 1, 70, 1}, []int{2000, 3, 70, 64}},
+		// EBB_DECODE_GQA=all: one and two heads a kv head on it too.
+		{"gqa-all-g2", 16, 8, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
+		{"gqa-all-g2-long", 16, 8, 128, []int{1}, []int{32000}},
+		{"gqa-all-g1-ragged", 8, 8, 128, repeat(1, 80), raggedContexts(80)},
 		{"decode-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
 		{"decode-b1-long", 16, 8, 128, []int{1}, []int{24000}}, // up to 128 splits (EBB_DECODE_SPLITS)
 		// Contexts of very different lengths: long ones take more than one
@@ -353,6 +362,9 @@ func TestAttention(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
+			if strings.HasPrefix(tc.name, "gqa-all") {
+				p.gpu.gqaFrom = gqaFromEnv("all")
+			}
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
 			if strings.HasPrefix(tc.name, "sparse") {
 				for i := range meta {
@@ -406,17 +418,20 @@ func TestDecodeGrid(t *testing.T) {
 }
 
 // TestDecodeKernelChoice (no GPU): 3 to 8 query heads a kv head at 128
-// dims take the tensor-core kernel (a loaded kernel) unless EBB_DECODE_GQA=0;
-// every other head count up to 8 takes the vector kernel whose register
-// tiles hold it (the power of two above), plain and raw alike; more than 8
-// take none.
+// dims take the tensor-core kernel (a loaded kernel), 1 to 8 with
+// EBB_DECODE_GQA=all and none with 0; every other head count up to 8 takes
+// the vector kernel whose register tiles hold it (the power of two above),
+// plain and raw alike; more than 8 take none.
 func TestDecodeKernelChoice(t *testing.T) {
 	loaded := map[string]bool{}
 	for _, n := range kernelNames {
 		loaded[n] = true
 	}
-	for _, noGQA := range []bool{false, true} {
-		d := &Device{noGQADecode: noGQA}
+	for _, mode := range []struct {
+		env  string
+		from int // fewest heads on the tensor-core kernel at 128 dims
+	}{{"", 3}, {"0", 9}, {"all", 1}} {
+		d := &Device{gqaFrom: gqaFromEnv(mode.env)}
 		for _, dim := range []int{32, 64, 128, 256} {
 			for g := 1; g <= 16; g++ {
 				name, raw, ok := d.splitDecodeKernel(g, dim)
@@ -426,9 +441,9 @@ func TestDecodeKernelChoice(t *testing.T) {
 					}
 					continue
 				}
-				if !noGQA && dim == 128 && g >= 3 {
+				if dim == 128 && g >= mode.from {
 					if name != "attn_decode_gqa_d128" || raw != "attn_decode_gqa_raw_d128" || !loaded[name] || !loaded[raw] {
-						t.Errorf("%d heads, %d dims: %q / %q, want the loaded tensor-core kernels", g, dim, name, raw)
+						t.Errorf("%d heads, %d dims, EBB_DECODE_GQA=%q: %q / %q, want the loaded tensor-core kernels", g, dim, mode.env, name, raw)
 					}
 					continue
 				}
@@ -438,7 +453,7 @@ func TestDecodeKernelChoice(t *testing.T) {
 				}
 				want := fmt.Sprintf("attn_decode_vec_d%d_g%d", dim, mg)
 				if !ok || name != want || raw != strings.Replace(want, "vec_", "vec_raw_", 1) {
-					t.Errorf("%d heads, %d dims, EBB_DECODE_GQA=0 %v: %q / %q, want %q", g, dim, noGQA, name, raw, want)
+					t.Errorf("%d heads, %d dims, EBB_DECODE_GQA=%q: %q / %q, want %q", g, dim, mode.env, name, raw, want)
 				}
 			}
 		}

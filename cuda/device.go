@@ -48,7 +48,7 @@ type Device struct {
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
-	noGQADecode   bool           // grouped queries decode on the vector kernel (EBB_DECODE_GQA=0)
+	gqaFrom       int            // the fewest query heads a kv head that decode on attn_decode_gqa (EBB_DECODE_GQA; 0: gqaDecodeFrom)
 	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
@@ -202,7 +202,7 @@ func (d *Device) init() error {
 	fold := os.Getenv("EBB_NORM_FOLD")
 	d.foldTC, d.foldWG = fold != "0" && fold != "wg", fold != "0" && fold != "tc"
 	d.rawDecode = os.Getenv("EBB_DECODE_PREPARE") != "separate"
-	d.noGQADecode = os.Getenv("EBB_DECODE_GQA") == "0"
+	d.gqaFrom = gqaFromEnv(os.Getenv("EBB_DECODE_GQA"))
 	if n, err := strconv.Atoi(os.Getenv("EBB_GQA_WAVES")); err == nil && n > 0 {
 		d.gqaWaves = n
 	}
