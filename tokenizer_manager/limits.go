@@ -55,12 +55,14 @@ func requestBodyLimit(set int64, ctx int) int64 {
 // refused prompt costs no more than the context to tokenize, and one that
 // --allow-auto-truncate clips keeps its first tokens, as fitContext would.
 func (m *Manager) encode(text string, addSpecial bool) ([]int32, error) {
-	if n := m.Tokenizer.MinTokens(text); n >= m.ctxLen && !m.cfg.AllowAutoTruncate {
-		return nil, badf("The input (at least %d tokens) is longer than the model's context length (%d tokens).", n, m.ctxLen)
+	// The text's length alone may already show it past the context.
+	atLeast, ids, complete := m.Tokenizer.MinTokens(text), []int32(nil), false
+	if atLeast < m.ctxLen || m.cfg.AllowAutoTruncate {
+		ids, complete = m.Tokenizer.EncodeLimit(text, addSpecial, m.ctxLen-1)
+		atLeast = len(ids)
 	}
-	ids, complete := m.Tokenizer.EncodeLimit(text, addSpecial, m.ctxLen-1)
 	if !complete && !m.cfg.AllowAutoTruncate {
-		return nil, badf("The input (at least %d tokens) is longer than the model's context length (%d tokens).", len(ids), m.ctxLen)
+		return nil, badf("The input (at least %d tokens) is longer than the model's context length (%d tokens).", atLeast, m.ctxLen)
 	}
 	return ids, nil
 }
