@@ -53,6 +53,7 @@ type Device struct {
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
+	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	// det: deterministic inference (deterministic.go), with attn_det's
@@ -135,6 +136,7 @@ var kernelNames = []string{
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n256",
 	"moe_route", "moe_sort", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_gemv_glu", "moe_down_combine",
+	"moe_wg_n32", "moe_wg_n64", "moe_wg_n128",
 	"allreduce_f32", "allreduce_f32_v4", "allreduce_add_rmsnorm", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
 

@@ -54,6 +54,12 @@ func (d *Device) initMatMulWG() error {
 			return err
 		}
 	}
+	for _, bn := range moeWGRows {
+		if err := d.k[fmt.Sprintf("moe_wg_n%d", bn)].SetMaxDynamicShared(moeWGShared(bn)); err != nil {
+			return err
+		}
+	}
+	d.moeWG = os.Getenv("EBB_MOE_WG") != "0"
 	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_WG_ROWS")); err == nil && slices.Contains(matMulWGRows, n) {
 		d.wgMaxRows = n
 	}
@@ -112,20 +118,7 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		return
 	}
 	name, bn, grid, kps := d.matMulWGShape(m, n, k)
-	// w as (k, row within 8, gate or up, group of 8): without glu the
-	// halves of a 16-row group are rows 0-7 and 8-15, with glu 8 gates and
-	// their ups n/2 rows further.
-	row := uint64(2 * k)
-	dims, strides := []uint64{uint64(k), 8, 2, uint64(n / 16)}, []uint64{row, 8 * row, 16 * row}
-	if glu {
-		strides[1], strides[2] = uint64(n/2)*row, 8*row
-	}
-	wmap, err := NewTensorMapBF16(w, dims, strides, []uint32{matMulWGBK, 8, 2, 8}, true)
-	if err != nil {
-		d.fail(err)
-		return
-	}
-	xmap, err := NewTensorMapBF16(x, []uint64{uint64(k), uint64(m)}, []uint64{row}, []uint32{matMulWGBK, uint32(bn)}, true)
+	wmap, xmap, err := matMulWGMaps(w, 0, n, x, m, k, glu, bn)
 	if err != nil {
 		d.fail(err)
 		return
@@ -137,4 +130,29 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 	d.fail(d.ctx.LaunchCluster(kern, grid, D1(matMulWGThreads), matMulWGShared(bn), int(grid.Z), []TensorMap{wmap, xmap},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
 		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps)))
+}
+
+// matMulWGMaps are the tensor maps of matmul_wg and moe_wg: w [n, k] (or
+// [experts, n, k]) and x [m, k], whose rows the kernel copies box at a
+// time.
+//
+// w's map is (k, row within 8, gate or up, group of 8), with the expert
+// outermost where there are experts: without glu the halves of a 16-row
+// group are rows 0-7 and 8-15, with glu 8 gates and their ups n/2 rows
+// further.
+func matMulWGMaps(w uintptr, experts, n int, x uintptr, m, k int, glu bool, box int) (wmap, xmap TensorMap, err error) {
+	row := uint64(2 * k)
+	dims, strides := []uint64{uint64(k), 8, 2, uint64(n / 16)}, []uint64{row, 8 * row, 16 * row}
+	if glu {
+		strides[1], strides[2] = uint64(n/2)*row, 8*row
+	}
+	wbox := []uint32{matMulWGBK, 8, 2, 8}
+	if experts > 0 {
+		dims, strides, wbox = append(dims, uint64(experts)), append(strides, uint64(n)*row), append(wbox, 1)
+	}
+	if wmap, err = NewTensorMapBF16(w, dims, strides, wbox, true); err != nil {
+		return
+	}
+	xmap, err = NewTensorMapBF16(x, []uint64{uint64(k), uint64(m)}, []uint64{row}, []uint32{matMulWGBK, uint32(box)}, true)
+	return
 }

@@ -95,6 +95,10 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 			I(inter))
 		return
 	}
+	if bn := d.moeWGTile(p, e, inter, h); bn > 0 {
+		d.moeExpertsWG(out, x, ids, weights, gateUp, down, w, bn)
+		return
+	}
 	gemm, bm := d.moeTiles(p, e)
 	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bm))
 	// Row tiles: at most one partial tile per expert that has rows.
@@ -118,4 +122,72 @@ func (d *Device) moeTiles(p, e int) (kernel string, rows int) {
 		return "moe_gemm_r16", 16
 	}
 	return "moe_gemm", 64
+}
+
+// moeWGRows are moe_wg's row tiles (BN in moe_wg.cu).
+var moeWGRows = []int{32, 64, 128}
+
+const moeWGRing = 100 << 10 // MOE_WG_RING
+
+// moeWGShared is moe_wg's shared memory for a row tile: the ring and room
+// to align it to 1024 bytes.
+func moeWGShared(bn int) int {
+	stage := (matMulWGTileRows + bn) * matMulWGBK * 2
+	return moeWGRing/stage*stage + 1024
+}
+
+// moeWGTile is moe_wg's row tile for p pairs over e experts (0: moe_gemm
+// takes them): the smallest that holds the rows an expert averages, where
+// matmul_wg runs (an sm_90a build), outside deterministic inference (whose
+// rows keep moe_gemm's bits at any batch size), for hidden and
+// intermediate sizes in whole 64-wide steps of K. EBB_MOE_WG=0 keeps
+// moe_gemm, for A/B runs.
+func (d *Device) moeWGTile(p, e, inter, hidden int) int {
+	if !d.wgmma || !d.moeWG || d.det || inter%matMulWGBK != 0 || hidden%matMulWGBK != 0 {
+		return 0
+	}
+	avg := (p + min(p, e) - 1) / min(p, e)
+	for _, bn := range moeWGRows {
+		if avg <= bn {
+			return bn
+		}
+	}
+	return moeWGRows[len(moeWGRows)-1]
+}
+
+// moeExpertsWG is MoEExperts on moe_wg with row tiles of bn.
+func (d *Device) moeExpertsWG(out, x, ids, weights, gateUp, down device.Tensor, w moeWork, bn int) {
+	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
+	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
+	p := t * k
+	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bn))
+	rowTiles := (p+bn-1)/bn + min(e, p) // at most one partial tile per expert that has rows
+	name := fmt.Sprintf("moe_wg_n%d", bn)
+	// gate and up: x's rows gathered one at a time; down: the sorted
+	// activations, a box of bn rows.
+	d.moeWG1(name, gateUp, true, x.Ptr, t, h, bn, 1, rowTiles, w.act, w.order, k, w)
+	d.moeWG1(name, down, false, w.act, p, inter, bn, bn, rowTiles, w.y, 0, k, w)
+	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
+		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
+}
+
+// moeWG1 launches one moe_wg product: wt [e, n, kdim] over a's rows
+// (rows of kdim, copied boxRows at a time) into out.
+func (d *Device) moeWG1(name string, wt device.Tensor, glu bool, a uintptr, rows, kdim, bn, boxRows, rowTiles int, out, order uintptr, k int, w moeWork) {
+	if d.err != nil || d.skipKernels[name] {
+		return
+	}
+	e, n := wt.Dim(0), wt.Dim(1)
+	wmap, xmap, err := matMulWGMaps(wt.Ptr, e, n, a, rows, kdim, glu, boxRows)
+	if err != nil {
+		d.fail(err)
+		return
+	}
+	kern := d.kernel(name)
+	if kern == nil {
+		return
+	}
+	grid := Dim3{X: uint32((n + matMulWGTileRows - 1) / matMulWGTileRows), Y: uint32(rowTiles), Z: 1}
+	d.fail(d.ctx.LaunchCluster(kern, grid, D1(matMulWGThreads), moeWGShared(bn), 1, []TensorMap{wmap, xmap},
+		P(out), P(order), I(k), P(w.offsets), P(w.tiles), I(e), I(n), I(kdim), I(boolInt(glu))))
 }

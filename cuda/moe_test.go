@@ -61,15 +61,19 @@ func TestMoERoute(t *testing.T) {
 // CPU reference for the same routing, at batch sizes from one token to a
 // prefill chunk, with partial tiles (an intermediate size that is not a
 // multiple of 32) and a float32 output (a tensor-parallel partial sum),
-// on every path (the pair gemv of a few tokens, moe_gemm's 16- and 64-row
-// tiles); and on moe_gemm, which deterministic inference keeps at every
-// batch size, a token's output has the same bits alone as in a batch,
-// whichever tile height either takes.
+// on every path (the pair gemv of a few tokens, moe_wg where the build
+// has it, moe_gemm's 16- and 64-row tiles); and on moe_gemm, which
+// deterministic inference keeps at every batch size, a token's output has
+// the same bits alone as in a batch, whichever tile height either takes.
 func TestMoEExperts(t *testing.T) {
 	p := newPair(t)
+	wg := p.gpu.moeWG
 	for _, c := range []struct{ rows, experts, k, inter, hidden int }{
 		{1, 16, 4, 96, 128}, {5, 16, 4, 96, 128}, {300, 16, 4, 96, 128}, {64, 128, 8, 768, 2048}, {600, 8, 2, 48, 64},
 		{1, 32, 8, 768, 2048}, {8, 32, 8, 768, 2048}, {3, 16, 16, 48, 64},
+		// moe_wg's shapes: partial weight tiles (384 and 320 rows), experts
+		// of 75 rows on average (several row tiles), and a batch of 256.
+		{300, 16, 4, 192, 320}, {256, 32, 8, 768, 2048},
 	} {
 		name := fmt.Sprintf("%d rows, %d experts, top %d, %d x %d", c.rows, c.experts, c.k, c.inter, c.hidden)
 		x := p.random(device.BF16, 1, c.rows, c.hidden)
@@ -92,8 +96,11 @@ func TestMoEExperts(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, mode := range []struct{ gemvTokens, tileRows int }{{moeGemvTokens, 0}, {0, 0}, {0, 16}, {0, 64}} {
-			p.gpu.moeGemvTokens, p.gpu.moeTileRows = mode.gemvTokens, mode.tileRows
+		for _, mode := range []struct {
+			gemvTokens, tileRows int
+			wg                   bool
+		}{{moeGemvTokens, 0, wg}, {0, 0, wg}, {0, 0, false}, {0, 16, false}, {0, 64, false}} {
+			p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG = mode.gemvTokens, mode.tileRows, mode.wg
 			for _, dt := range []device.DType{device.BF16, device.F32} {
 				out := p.random(dt, 0, c.rows, c.hidden)
 				p.gpu.MoEExperts(out.g, x.g, ids.g, w.g, gateUp.g, down.g, work)
@@ -106,8 +113,11 @@ func TestMoEExperts(t *testing.T) {
 				if dt == device.BF16 {
 					atol = 4e-2
 				}
-				p.close(fmt.Sprintf("%s %s, pair gemv up to %d tokens, tiles of %d rows", name, dt, mode.gemvTokens, mode.tileRows), out, atol, 3e-2)
-				if dt != device.BF16 || c.rows == 1 || mode.gemvTokens > 0 {
+				p.close(fmt.Sprintf("%s %s, pair gemv up to %d tokens, tiles of %d rows, moe_wg %v", name, dt, mode.gemvTokens, mode.tileRows, mode.wg), out, atol, 3e-2)
+				if mode.gemvTokens == 0 {
+					checkMoESort(t, p.gpu, work, idv, c.rows, c.k, c.experts, c.inter, c.hidden)
+				}
+				if dt != device.BF16 || c.rows == 1 || mode.gemvTokens > 0 || mode.wg {
 					continue
 				}
 				// Row 0 alone, in the tiles its own count picks
@@ -123,7 +133,7 @@ func TestMoEExperts(t *testing.T) {
 				}
 			}
 		}
-		p.gpu.moeGemvTokens, p.gpu.moeTileRows = moeGemvTokens, 0
+		p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG = moeGemvTokens, 0, wg
 		p.gpu.Free(memory.Workspace, work)
 	}
 }
@@ -154,6 +164,101 @@ func TestMoETileChoice(t *testing.T) {
 		if kernel != c.kernel || rows != c.rows || !loaded[kernel] {
 			t.Errorf("%d pairs over %d experts (forced %d): %s with %d rows, want %s with %d (loaded: %v)",
 				c.pairs, c.experts, c.forced, kernel, rows, c.kernel, c.rows, loaded[kernel])
+		}
+	}
+}
+
+// TestMoEWGTile (no GPU): moe_wg takes the grouped products on an sm_90a
+// build outside deterministic inference, with the smallest row tile that
+// holds the rows an expert averages, and only K in whole 64-wide steps.
+func TestMoEWGTile(t *testing.T) {
+	loaded := map[string]bool{}
+	for _, n := range kernelNames {
+		loaded[n] = true
+	}
+	for _, c := range []struct {
+		name                          string
+		pairs, experts, inter, hidden int
+		wgmma, det                    bool
+		want                          int
+	}{
+		{"batch 64, top 8 of 128", 512, 128, 768, 2048, true, false, 32},
+		{"batch 256", 2048, 128, 768, 2048, true, false, 32},
+		{"batch 1024", 8192, 128, 768, 2048, true, false, 64},
+		{"a prefill chunk", 65536, 128, 768, 2048, true, false, 128},
+		{"fewer pairs than experts", 24, 128, 768, 2048, true, false, 32},
+		{"deterministic", 2048, 128, 768, 2048, true, true, 0},
+		{"no wgmma", 2048, 128, 768, 2048, false, false, 0},
+		{"intermediate of 96", 2048, 16, 96, 128, true, false, 0},
+		{"hidden of 320", 1200, 16, 192, 320, true, false, 128},
+	} {
+		d := &Device{wgmma: c.wgmma, moeWG: true, det: c.det}
+		got := d.moeWGTile(c.pairs, c.experts, c.inter, c.hidden)
+		if got != c.want {
+			t.Errorf("%s: row tile %d, want %d", c.name, got, c.want)
+		}
+		if got > 0 && !loaded[fmt.Sprintf("moe_wg_n%d", got)] {
+			t.Errorf("%s: moe_wg_n%d is not loaded", c.name, got)
+		}
+	}
+	if d := (&Device{wgmma: true}); d.moeWGTile(2048, 128, 768, 2048) != 0 {
+		t.Error("EBB_MOE_WG=0 (moeWG false) still takes moe_wg")
+	}
+}
+
+// TestBenchMoE: the experts' benchmark runs each path, names the one
+// MoEExperts takes and counts the experts its routing touches.
+func TestBenchMoE(t *testing.T) {
+	p := newPair(t)
+	for _, tokens := range []int{1, 64} {
+		s := MoEBenchSpec{Tokens: tokens, Experts: 16, TopK: 4, Inter: 128, Hidden: 256, Iters: 2}
+		r, err := BenchMoE(p.gpu, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := p.gpu.moePath(tokens, 4, 16, 128, 256)
+		if r.Path != want || r.Touched < 4 || r.Touched > 16 || r.MedianUs <= 0 || r.Bytes <= 0 {
+			t.Fatalf("%d tokens: %+v (path want %s)", tokens, r, want)
+		}
+	}
+	if _, err := BenchMoE(p.gpu, MoEBenchSpec{Tokens: 1, Experts: 4, TopK: 8, Inter: 8, Hidden: 8, Iters: 1}); err == nil {
+		t.Fatal("top 8 of 4 experts: no error")
+	}
+}
+
+// checkMoESort: the pairs moe_sort left in work are grouped by expert in
+// ascending order and, within an expert, in pair order (a stable counting
+// sort of ids); inv inverts order.
+func checkMoESort(t *testing.T, d *Device, work device.Tensor, ids []int32, rows, k, experts, inter, hidden int) {
+	t.Helper()
+	w, _ := moeLayout(work.Ptr, rows, k, experts, inter, hidden)
+	n := rows * k
+	order, inv, offsets := make([]int32, n), make([]int32, n), make([]int32, experts+1)
+	for _, a := range []struct {
+		dst []int32
+		at  uintptr
+	}{{order, w.order}, {inv, w.inv}, {offsets, w.offsets}} {
+		if err := d.DownloadI32(device.Tensor{DType: device.I32, Shape: []int{len(a.dst)}, Ptr: a.at}, a.dst); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := make([]int32, 0, n)
+	wantOff := make([]int32, 0, experts+1)
+	for e := range experts {
+		wantOff = append(wantOff, int32(len(want)))
+		for pair, id := range ids {
+			if int(id) == e {
+				want = append(want, int32(pair))
+			}
+		}
+	}
+	wantOff = append(wantOff, int32(n))
+	if !slices.Equal(order, want) || !slices.Equal(offsets, wantOff) {
+		t.Fatalf("moe_sort of %d pairs over %d experts: order %v... offsets %v, want %v... %v", n, experts, order[:min(n, 16)], offsets[:min(experts, 16)], want[:min(n, 16)], wantOff[:min(experts, 16)])
+	}
+	for i, pair := range order {
+		if inv[pair] != int32(i) {
+			t.Fatalf("moe_sort: inv[%d] = %d, want %d", pair, inv[pair], i)
 		}
 	}
 }

@@ -18,7 +18,7 @@ import (
 
 func benchCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "bench", Short: "Benchmarks: one-batch latency, offline throughput, serving, RL memory cycle"}
-	cmd.AddCommand(oneBatchCmd(), rlCycleCmd(), weightSyncCmd(), attentionCmd(), matMulCmd(), servingCmd())
+	cmd.AddCommand(oneBatchCmd(), rlCycleCmd(), weightSyncCmd(), attentionCmd(), matMulCmd(), moeCmd(), servingCmd())
 	return cmd
 }
 
@@ -259,6 +259,45 @@ func matMulCmd() *cobra.Command {
 	f.StringVar(&shapes, "nk", "4096x1024,1024x2048,6144x1024,1024x3072", "comma-separated weight shapes NxK (default: Qwen3-0.6B's qkv, o, gate_up, down)")
 	f.BoolVar(&spec.FromL2, "from-l2", false, "one copy of the weights, so that they come from L2 after the first launch")
 	f.IntVar(&spec.Iters, "iters", 50, "timed graph replays per shape")
+	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
+	f.BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func moeCmd() *cobra.Command {
+	var spec cuda.MoEBenchSpec
+	var tokens string
+	var gpu int
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "moe [--tokens 1,16,64,256]",
+		Short: "A mixture-of-experts layer's experts alone on the GPU (uniform routing): microseconds, GB/s of the touched experts against the HBM peak",
+		RunE: func(*cobra.Command, []string) error {
+			ts, err := parseInts(tokens)
+			if err != nil {
+				return fmt.Errorf("--tokens: %w", err)
+			}
+			var specs []cuda.MoEBenchSpec
+			for _, t := range ts {
+				s := spec
+				s.Tokens = t
+				specs = append(specs, s)
+			}
+			return kernelBench(gpu, asJSON, specs, cuda.BenchMoE, func(out []cuda.MoEBenchResult) {
+				fmt.Printf("%7s %8s %-14s %10s %9s %8s %8s\n", "tokens", "experts", "path", "median us", "GB/s", "% peak", "TFLOP/s")
+				for _, r := range out {
+					fmt.Printf("%7d %8d %-14s %10.1f %9.0f %8.1f %8.1f\n", r.Tokens, r.Touched, r.Path, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+				}
+			})
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&tokens, "tokens", "1,8,16,64,256,1024", "comma-separated token counts (the batch at decode)")
+	f.IntVar(&spec.Experts, "experts", 128, "experts (Qwen3-30B-A3B: 128)")
+	f.IntVar(&spec.TopK, "top-k", 8, "experts a token (Qwen3-30B-A3B: 8)")
+	f.IntVar(&spec.Inter, "inter", 768, "an expert's intermediate size (Qwen3-30B-A3B: 768)")
+	f.IntVar(&spec.Hidden, "hidden", 2048, "hidden size (Qwen3-30B-A3B: 2048)")
+	f.IntVar(&spec.Iters, "iters", 30, "timed graph replays per shape")
 	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd

@@ -218,6 +218,20 @@ __device__ __forceinline__ void mwg_normalise(unsigned x0, unsigned stage_bytes,
 	asm volatile("fence.proxy.async.shared::cta;\nbar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
 }
 
+// mwg_stage adds a landed stage at st (weights, then x from st + wbytes)
+// into warpgroup wg's accumulators and returns once only this stage's
+// wgmma is in flight: the stage before it is free.
+template <int BN> __device__ __forceinline__ void mwg_stage(float *d, unsigned st, unsigned wbytes, int wg) {
+#ifdef MWG_ON
+	asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+	for (int kk = 0; kk < MWG_BK / 16; kk++)
+		wgmma_bf16<BN>(d, wg_desc(st + wg * 64 * 128 + kk * 32), wg_desc(st + wbytes + kk * 32));
+	asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+	asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+#endif
+}
+
 template <int BN>
 __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *out, int out_f32, int m, int N, int K,
                                int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps) {
@@ -326,14 +340,7 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 				mwg_normalise<BN, S>(base + WBYTES, STAGE, stages, nw, inv);
 			}
 			mbar_wait(full + 8 * s, (t / S) & 1);
-			const unsigned st = base + s * STAGE;
-			asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-			for (int kk = 0; kk < MWG_BK / 16; kk++)
-				wgmma_bf16<BN>(d, wg_desc(st + wg * 64 * 128 + kk * 32), wg_desc(st + WBYTES + kk * 32));
-			asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-			// The stage before is free once only this one's wgmma is in flight.
-			asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+			mwg_stage<BN>(d, base + s * STAGE, WBYTES, wg);
 			if (t > 0 && !(FOLD && norm_w && s == 0)) mbar_arrive(empty + 8 * ((t - 1) % S));
 		}
 		asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");

@@ -1,0 +1,141 @@
+// moe_wg runs moe_gemm's products (each expert's weights over its sorted
+// rows) on Hopper's warpgroup MMA, outside deterministic inference. At
+// decode batches of 16 to 256 tokens an expert has a few rows and the step
+// is bound by reading every chosen expert's weights once, which moe_gemm's
+// cp.async tiles do at about half of HBM speed (30B-A3B shape, H100). This
+// is matmul_wg's scheme: a producer warp has the tensor memory accelerator
+// fill a ring of stages, and two warpgroups run m64nBNk16 with 128 weight
+// rows as M and the expert's rows (padded to BN) as N.
+//
+// Block (x, y) takes weight tile x of the expert whose BN-row tile y is
+// (tiles and offsets from moe_sort, cut at BN rows). There are no K
+// splits: the experts' tiles fill the GPU many times over. Two blocks an
+// SM, so that one block's first stages land while the other streams.
+//
+// The rows arrive in two ways:
+//   - gathered (order set; gate and up read token order[r] / k of x): one
+//     128-byte row a copy, each to its place in the ring. The 128-byte
+//     swizzle is a function of the shared address (bits 4-6 XOR bits 7-9),
+//     so a row copied alone lands where the row of a whole box would.
+//   - contiguous (order null; down reads the sorted activations): one box
+//     of BN rows. Rows past the expert's are other experts' or zeros past
+//     the end; their columns of the product are not stored.
+//
+// w's map is 5-d (k, row within 8, gate or up, group of 8 rows, expert),
+// matmul_wg's 4-d map with the expert outermost, so that with glu a
+// thread's accumulator rows g and g + 8 are a gate and its up, and the
+// block writes silu(gate) * up rounded as moe_gemm rounds it.
+#define MOE_WG_RING (100 << 10) // two blocks an SM
+
+__host__ __device__ constexpr int moe_wg_stages(int bn) { return MOE_WG_RING / (MWG_ROWS * 128 + bn * 128); }
+
+__device__ __forceinline__ void tma_load_5d(unsigned dst, const TmaDesc *map, unsigned bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+	asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+	             "%4, %5, %6}], [%7];" ::"r"(dst),
+	             "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+	             : "memory");
+}
+
+template <int BN>
+__device__ void moe_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, bf16 *out, const int *order, int k,
+                            const int *offsets, const int *tiles, int E, int N, int K, int glu) {
+#ifdef MWG_ON
+	constexpr int WBYTES = MWG_ROWS * 128, STAGE = WBYTES + BN * 128, S = moe_wg_stages(BN);
+	extern __shared__ unsigned char wg_smem[];
+	__shared__ __align__(8) unsigned long long bars[2 * S];
+	__shared__ int xrow[BN];
+	const int tid = threadIdx.x, lane = tid & 31;
+	const unsigned base = (smem_u32(wg_smem) + 1023) & ~1023u;
+	const unsigned full = smem_u32(bars), empty = full + 8 * S; // stage s: + 8 s
+	if (tid == MWG_CONSUMERS) {
+		for (int s = 0; s < S; s++) {
+			mbar_init(full + 8 * s, 1);
+			mbar_init(empty + 8 * s, MWG_CONSUMERS);
+		}
+		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+	}
+	DEP(); // the experts' rows come from moe_sort
+	const int y = blockIdx.y;
+	if (y >= tiles[E]) return; // the grid is an upper bound of the row tiles
+	// The expert e with tiles[e] <= y < tiles[e + 1]: tiles ascends, so e is
+	// one less than the count of such entries, one load a thread (a search
+	// would wait on seven loads in a row).
+	int below = 0;
+	for (int i0 = 0; i0 < E; i0 += blockDim.x) below += __syncthreads_count(i0 + tid < E && tiles[i0 + tid] <= y);
+	const int e = below - 1, r0 = offsets[e] + (y - tiles[e]) * BN, rows = min(BN, offsets[e + 1] - r0);
+	const int tile = blockIdx.x, nt = K / MWG_BK;
+	const unsigned bytes = WBYTES + (order ? rows : BN) * 128;
+	if (tid == MWG_CONSUMERS) // the first stages' weights, while the rows are listed
+		for (int t = 0; t < min(nt, S); t++) {
+			mbar_expect_tx(full + 8 * t, bytes);
+			tma_load_5d(base + t * STAGE, wmap, full + 8 * t, t * MWG_BK, 0, 0, tile * 8, e);
+		}
+	if (order)
+		for (int i = tid; i < rows; i += blockDim.x) xrow[i] = order[r0 + i] / k;
+	__syncthreads(); // xrow
+
+	// d[4 j + c]: tile row 64 wg + 16 warp + g + 8 (c >> 1), batch row
+	// 8 j + 2 q + (c & 1), as in matmul_wg.
+	const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
+	float d[BN / 2];
+#pragma unroll
+	for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
+	if (tid >= MWG_CONSUMERS) {
+		for (int t = 0; t < nt; t++) {
+			const int s = t % S;
+			const unsigned dst = base + s * STAGE, bar = full + 8 * s;
+			if (t >= S) {
+				mbar_wait(empty + 8 * s, (t / S - 1) & 1);
+				if (lane == 0) {
+					mbar_expect_tx(bar, bytes);
+					tma_load_5d(dst, wmap, bar, t * MWG_BK, 0, 0, tile * 8, e);
+				}
+				__syncwarp(); // the stage's bytes are expected before any row lands
+			}
+			if (!order && lane == 0) tma_load_2d(dst + WBYTES, xmap, bar, t * MWG_BK, r0);
+			if (order)
+				for (int j = lane; j < rows; j += 32) tma_load_2d(dst + WBYTES + j * 128, xmap, bar, t * MWG_BK, xrow[j]);
+		}
+		return;
+	}
+	const int wg = tid >> 7;
+	for (int t = 0; t < nt; t++) {
+		const int s = t % S;
+		mbar_wait(full + 8 * s, (t / S) & 1);
+		mwg_stage<BN>(d, base + s * STAGE, WBYTES, wg);
+		if (t > 0) mbar_arrive(empty + 8 * ((t - 1) % S));
+	}
+	asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+	for (int i = 0; i < BN / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
+	const int half = N / 2;
+#pragma unroll
+	for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+		for (int c = 0; c < 4; c++) {
+			const int r = 8 * j + 2 * q + (c & 1);
+			if (r >= rows) continue;
+			const long long orow = r0 + r;
+			if (glu) {
+				const int col = 64 * tile + 8 * (trow >> 4) + g;
+				if (c < 2 && col < half) out[orow * half + col] = silu_mul1(rbf(d[4 * j + c]), rbf(d[4 * j + c + 2]));
+				continue;
+			}
+			const int n = MWG_ROWS * tile + trow + 8 * (c >> 1);
+			if (n < N) out[orow * N + n] = f2bf(d[4 * j + c]);
+		}
+#else
+	__trap(); // the host runs moe_wg only from an sm_90a build
+#endif
+}
+
+#define MOE_WG(BN)                                                                                                    \
+	extern "C" __global__ void __launch_bounds__(MWG_THREADS, 2)                                                      \
+	    moe_wg_n##BN(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, bf16 *out, const int *order, \
+	                 int k, const int *offsets, const int *tiles, int E, int N, int K, int glu) {                      \
+		moe_wg_impl<BN>(&wmap, &xmap, out, order, k, offsets, tiles, E, N, K, glu);                                   \
+	}
+MOE_WG(32)
+MOE_WG(64)
+MOE_WG(128)
