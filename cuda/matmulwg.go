@@ -118,41 +118,56 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		return
 	}
 	name, bn, grid, kps := d.matMulWGShape(m, n, k)
-	wmap, xmap, err := matMulWGMaps(w, 0, n, x, m, k, glu, bn)
+	d.launchWG(name, grid, matMulWGShared(bn), int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
+		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
+		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps))
+}
+
+// wgOperands are the two operands of a matmul_wg or moe_wg launch: w
+// [n, k] (or [experts, n, k]) and x [m, k], whose rows the kernel copies
+// box at a time.
+type wgOperands struct {
+	w          uintptr
+	experts, n int
+	x          uintptr
+	m, k       int
+	glu        bool
+	box        int
+}
+
+// launchWG launches matmul_wg or moe_wg with its operands' tensor maps as
+// the first parameters, then args.
+func (d *Device) launchWG(name string, grid Dim3, shared, cluster int, o wgOperands, args ...uint64) {
+	if d.err != nil || d.skipKernels[name] {
+		return
+	}
+	wmap, xmap, err := o.maps()
 	if err != nil {
 		d.fail(err)
 		return
 	}
-	kern := d.kernel(name)
-	if kern == nil {
-		return
+	if kern := d.kernel(name); kern != nil {
+		d.fail(d.ctx.LaunchCluster(kern, grid, D1(matMulWGThreads), shared, cluster, []TensorMap{wmap, xmap}, args...))
 	}
-	d.fail(d.ctx.LaunchCluster(kern, grid, D1(matMulWGThreads), matMulWGShared(bn), int(grid.Z), []TensorMap{wmap, xmap},
-		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
-		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps)))
 }
 
-// matMulWGMaps are the tensor maps of matmul_wg and moe_wg: w [n, k] (or
-// [experts, n, k]) and x [m, k], whose rows the kernel copies box at a
-// time.
-//
-// w's map is (k, row within 8, gate or up, group of 8), with the expert
-// outermost where there are experts: without glu the halves of a 16-row
-// group are rows 0-7 and 8-15, with glu 8 gates and their ups n/2 rows
-// further.
-func matMulWGMaps(w uintptr, experts, n int, x uintptr, m, k int, glu bool, box int) (wmap, xmap TensorMap, err error) {
-	row := uint64(2 * k)
-	dims, strides := []uint64{uint64(k), 8, 2, uint64(n / 16)}, []uint64{row, 8 * row, 16 * row}
-	if glu {
-		strides[1], strides[2] = uint64(n/2)*row, 8*row
+// maps are the operands' tensor maps. w's is (k, row within 8, gate or
+// up, group of 8), with the expert outermost where there are experts:
+// without glu the halves of a 16-row group are rows 0-7 and 8-15, with glu
+// 8 gates and their ups n/2 rows further.
+func (o wgOperands) maps() (wmap, xmap TensorMap, err error) {
+	row := uint64(2 * o.k)
+	dims, strides := []uint64{uint64(o.k), 8, 2, uint64(o.n / 16)}, []uint64{row, 8 * row, 16 * row}
+	if o.glu {
+		strides[1], strides[2] = uint64(o.n/2)*row, 8*row
 	}
-	wbox := []uint32{matMulWGBK, 8, 2, 8}
-	if experts > 0 {
-		dims, strides, wbox = append(dims, uint64(experts)), append(strides, uint64(n)*row), append(wbox, 1)
+	box := []uint32{matMulWGBK, 8, 2, 8}
+	if o.experts > 0 {
+		dims, strides, box = append(dims, uint64(o.experts)), append(strides, uint64(o.n)*row), append(box, 1)
 	}
-	if wmap, err = NewTensorMapBF16(w, dims, strides, wbox, true); err != nil {
+	if wmap, err = NewTensorMapBF16(o.w, dims, strides, box, true); err != nil {
 		return
 	}
-	xmap, err = NewTensorMapBF16(x, []uint64{uint64(k), uint64(m)}, []uint64{row}, []uint32{matMulWGBK, uint32(box)}, true)
+	xmap, err = NewTensorMapBF16(o.x, []uint64{uint64(o.k), uint64(o.m)}, []uint64{row}, []uint32{matMulWGBK, uint32(o.box)}, true)
 	return
 }

@@ -162,32 +162,16 @@ func (d *Device) moeExpertsWG(out, x, ids, weights, gateUp, down device.Tensor, 
 	p := t * k
 	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bn))
 	rowTiles := (p+bn-1)/bn + min(e, p) // at most one partial tile per expert that has rows
-	name := fmt.Sprintf("moe_wg_n%d", bn)
+	name, shared := fmt.Sprintf("moe_wg_n%d", bn), moeWGShared(bn)
+	wgrid := func(n int) Dim3 {
+		return Dim3{X: uint32((n + matMulWGTileRows - 1) / matMulWGTileRows), Y: uint32(rowTiles), Z: 1}
+	}
 	// gate and up: x's rows gathered one at a time; down: the sorted
 	// activations, a box of bn rows.
-	d.moeWG1(name, gateUp, true, x.Ptr, t, h, bn, 1, rowTiles, w.act, w.order, k, w)
-	d.moeWG1(name, down, false, w.act, p, inter, bn, bn, rowTiles, w.y, 0, k, w)
+	d.launchWG(name, wgrid(2*inter), shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: x.Ptr, m: t, k: h, glu: true, box: 1},
+		P(w.act), P(w.order), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
+	d.launchWG(name, wgrid(h), shared, 1, wgOperands{w: down.Ptr, experts: e, n: h, x: w.act, m: p, k: inter, box: bn},
+		P(w.y), P(0), I(k), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
 	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
 		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
-}
-
-// moeWG1 launches one moe_wg product: wt [e, n, kdim] over a's rows
-// (rows of kdim, copied boxRows at a time) into out.
-func (d *Device) moeWG1(name string, wt device.Tensor, glu bool, a uintptr, rows, kdim, bn, boxRows, rowTiles int, out, order uintptr, k int, w moeWork) {
-	if d.err != nil || d.skipKernels[name] {
-		return
-	}
-	e, n := wt.Dim(0), wt.Dim(1)
-	wmap, xmap, err := matMulWGMaps(wt.Ptr, e, n, a, rows, kdim, glu, boxRows)
-	if err != nil {
-		d.fail(err)
-		return
-	}
-	kern := d.kernel(name)
-	if kern == nil {
-		return
-	}
-	grid := Dim3{X: uint32((n + matMulWGTileRows - 1) / matMulWGTileRows), Y: uint32(rowTiles), Z: 1}
-	d.fail(d.ctx.LaunchCluster(kern, grid, D1(matMulWGThreads), moeWGShared(bn), 1, []TensorMap{wmap, xmap},
-		P(out), P(order), I(k), P(w.offsets), P(w.tiles), I(e), I(n), I(kdim), I(boolInt(glu))))
 }
