@@ -2,8 +2,9 @@
 // rows) on Hopper's warpgroup MMA, outside deterministic inference. At
 // decode batches of 16 to 256 tokens an expert has a few rows and the step
 // is bound by reading every chosen expert's weights once, which moe_gemm's
-// cp.async tiles do at about half of HBM speed (30B-A3B shape, H100). This
-// is matmul_wg's scheme: a producer warp has the tensor memory accelerator
+// cp.async tiles do at 72-80 % of HBM speed and this kernel at 84-88 %
+// (30B-A3B shape, uniform routing, H100: `ebb bench moe`). This is
+// matmul_wg's scheme: a producer warp has the tensor memory accelerator
 // fill a ring of stages, and two warpgroups run m64nBNk16 with 128 weight
 // rows as M and the expert's rows (padded to BN) as N.
 //
