@@ -31,7 +31,13 @@ type OneBatchConfig struct {
 	BatchSizes []int
 	InputLen   int
 	OutputLen  int
-	Progress   io.Writer // progress bars; nil for none
+	// Temperature samples the outputs (0: greedy). A sampled request has a
+	// seed of its own, so runs stay comparable by their outputs' digest.
+	// Under random weights the rows of a greedy batch route alike (ncu: a
+	// 16-token decode step of the 30B-A3B shape read about 8 experts'
+	// weights); sampled tokens spread them as a trained model's rows are.
+	Temperature float64
+	Progress    io.Writer // progress bars; nil for none
 	// ProfileStep, when >= 0, opens the device profiler (cuProfilerStart)
 	// around one step of the first batch size: 0 is the prefill, k the
 	// k-th decode step. For `ncu --profile-from-start off`.
@@ -86,6 +92,9 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	if len(cfg.BatchSizes) == 0 {
 		return nil, errors.New("no batch sizes")
 	}
+	if cfg.Temperature < 0 {
+		return nil, fmt.Errorf("temperature %g: want 0 (greedy) or more", cfg.Temperature)
+	}
 	if cfg.Log == nil {
 		cfg.Log = zap.NewNop()
 	}
@@ -125,11 +134,14 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	if e.Tokenizer != nil {
 		vocab = min(vocab, e.Tokenizer.VocabSize()-300) // stay clear of special tokens
 	}
-	zero := 0.0
 	maxNew := cfg.OutputLen
-	params, err := (&ioschema.SamplingParams{Temperature: &zero, MaxNewTokens: &maxNew, IgnoreEOS: true}).Resolve(nil)
-	if err != nil {
-		return nil, err
+	paramsFor := func(i int) (ioschema.Resolved, error) {
+		p := ioschema.SamplingParams{Temperature: &cfg.Temperature, MaxNewTokens: &maxNew, IgnoreEOS: true}
+		if cfg.Temperature > 0 { // the whole vocabulary, request i's own stream
+			topK, topP, seed := -1, 1.0, uint64(i)
+			p.TopK, p.TopP, p.SamplingSeed = &topK, &topP, &seed
+		}
+		return p.Resolve(nil)
 	}
 	run := func(b int, label string) (OneBatchResult, error) {
 		res := OneBatchResult{BatchSize: b, InputLen: cfg.InputLen, OutputLen: cfg.OutputLen}
@@ -141,6 +153,10 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 				ids[j] = int32(rng.IntN(vocab))
 			}
 			rids[i] = fmt.Sprintf("%s-%d", label, i)
+			params, err := paramsFor(i)
+			if err != nil {
+				return res, err
+			}
 			if err := core.Add(scheduler.Request{Rid: rids[i], InputIDs: ids, Params: params, LogprobStartLen: -1}); err != nil {
 				return res, err
 			}

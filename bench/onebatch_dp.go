@@ -41,7 +41,8 @@ func oneBatchDP(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		e.DPSize = 1
 		e.GPU += i * max(e.TPSize, 1)
 		args := append([]string{"bench", "one-batch", "--json", "--sync-stdio", "--batch-size", strings.Join(sizes, ","),
-			"--input-len", strconv.Itoa(cfg.InputLen), "--output-len", strconv.Itoa(cfg.OutputLen)}, engineArgs(e)...)
+			"--input-len", strconv.Itoa(cfg.InputLen), "--output-len", strconv.Itoa(cfg.OutputLen),
+			"--temperature", strconv.FormatFloat(cfg.Temperature, 'g', -1, 64)}, engineArgs(e)...)
 		d, err := startDPEngine(cfg.Executable, args)
 		if err != nil {
 			return nil, fmt.Errorf("data-parallel engine %d: %w", i, err)

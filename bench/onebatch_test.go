@@ -101,3 +101,36 @@ func buildEBB(t *testing.T) string {
 	}
 	return exe
 }
+
+// TestOneBatchSampled: --temperature samples each request from a seed of
+// its own, so two runs give the same outputs and a greedy run other ones;
+// a negative temperature is refused before the engine starts.
+func TestOneBatchSampled(t *testing.T) {
+	dir := tinymodel.TestDir(t, "qwen3", nil)
+	digest := func(temp float64) string {
+		t.Helper()
+		res, err := OneBatch(OneBatchConfig{
+			Engine:      engine.Config{ModelDir: dir, Device: "cpu"},
+			BatchSizes:  []int{4},
+			InputLen:    8,
+			OutputLen:   16,
+			Temperature: temp,
+			ProfileStep: -1,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res[0].OutputDigest
+	}
+	sampled, again, greedy := digest(1), digest(1), digest(0)
+	if sampled != again {
+		t.Fatalf("two sampled runs: outputs %s and %s, want the same (seeded)", sampled, again)
+	}
+	if sampled == greedy {
+		t.Fatalf("sampled at temperature 1 and greedy: the same outputs %s", sampled)
+	}
+	if _, err := OneBatch(OneBatchConfig{Engine: engine.Config{ModelDir: dir, Device: "cpu"}, BatchSizes: []int{1},
+		InputLen: 4, OutputLen: 2, Temperature: -1, ProfileStep: -1}); err == nil {
+		t.Fatal("temperature -1: no error")
+	}
+}

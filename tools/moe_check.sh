@@ -10,7 +10,7 @@
 #   experts   `ebb bench moe`: the experts alone under uniform routing
 #   decode    decode steps at batch 1 and 256 beside the compiled PyTorch
 #             decoder (tools/torch_decoder.py; compiling takes minutes)
-#   replay    batch 256 with and without --enable-return-routed-experts
+#   replay    batch 256 (sampled) with and without --enable-return-routed-experts
 #   serving   nano-vllm's workload through `ebb serve`
 #   sync      the 61 GB weight sync over CUDA IPC from the trainer stand-in
 #             (it holds a second copy: an H200)
@@ -50,9 +50,11 @@ wants experts && run experts 'moe_|tokens' ebb bench moe --tokens 1,8,16,64,256,
 wants decode && run decode '^\|' python3 "$root/tools/torch_decoder.py" --model "$full" --batch-size 1,256 \
 	--output-len 64 --ebb ebb --out "$out/decode.json"
 if wants replay; then
-	run replay-off '^ +256 ' ebb bench one-batch "${dummy[@]}" --batch-size 256 --input-len 128 --output-len 64
+	# sampled, so that the rows route apart as a trained model's do
+	run replay-off '^ +256 ' ebb bench one-batch "${dummy[@]}" --batch-size 256 --input-len 128 --output-len 64 \
+		--temperature 1
 	run replay-on '^ +256 ' ebb bench one-batch "${dummy[@]}" --batch-size 256 --input-len 128 --output-len 64 \
-		--enable-return-routed-experts
+		--temperature 1 --enable-return-routed-experts
 fi
 wants serving && run serving '^throughput|^bandwidth floor|failed' ebb bench serving "${dummy[@]}" --dataset random \
 	--num-prompts 256 --temperature 1

@@ -100,6 +100,8 @@ func oneBatchCmd() *cobra.Command {
 	f.StringVar(&sizes, "batch-size", "1,8,64,256", "comma-separated batch sizes")
 	f.IntVar(&cfg.InputLen, "input-len", 128, "prompt tokens per request")
 	f.IntVar(&cfg.OutputLen, "output-len", 128, "generated tokens per request")
+	f.Float64Var(&cfg.Temperature, "temperature", 0, "sample the outputs, each request with a seed of its own (0: greedy; "+
+		"under --load-format dummy a greedy 16-token step of the 30B-A3B shape read about 8 experts' weights: its rows route alike)")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
 	f.IntVar(&cfg.ProfileStep, "profile-step", -1, "profile one step of the first batch size (0 prefill, k the k-th decode) for ncu --profile-from-start off")
 	f.BoolVar(&syncStdio, "sync-stdio", false, "before each batch size write \"ready N\" on stdout and wait for \"go\" on stdin (one data-parallel engine of another one-batch)")
