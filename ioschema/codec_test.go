@@ -215,6 +215,10 @@ func TestSamplingResolve(t *testing.T) {
 			t.Errorf("accepted %+v", p)
 		}
 	}
+	// A negative max_new_tokens is one error, not also min_new_tokens'.
+	if _, err := (&SamplingParams{MaxNewTokens: ptr(-4)}).Resolve(nil); err == nil || err.Error() != "max_new_tokens must be at least 0, got -4" {
+		t.Errorf("max_new_tokens -4: %v", err)
+	}
 }
 
 func TestJSONBodies(t *testing.T) {

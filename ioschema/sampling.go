@@ -98,7 +98,7 @@ func (p *SamplingParams) Resolve(d *GenerationDefaults) (Resolved, error) {
 	if r.MaxNewTokens < 0 {
 		errs = append(errs, fmt.Errorf("max_new_tokens must be at least 0, got %d", r.MaxNewTokens))
 	}
-	if r.MinNewTokens < 0 || r.MinNewTokens > r.MaxNewTokens {
+	if r.MinNewTokens < 0 || (r.MaxNewTokens >= 0 && r.MinNewTokens > r.MaxNewTokens) { // one error for a negative max
 		errs = append(errs, fmt.Errorf("min_new_tokens must be in [0, max_new_tokens], got %d", r.MinNewTokens))
 	}
 	if r.Temperature < 0 {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 
 	"github.com/nikolalohinski/gonja/v2"
@@ -65,6 +66,9 @@ func (m ChatMessage) text() (string, error) {
 	return "", fmt.Errorf("content must be a string or a list of parts")
 }
 
+// chatRoles are the message roles SGLang's chat endpoint accepts.
+var chatRoles = []string{"system", "developer", "user", "assistant", "tool", "function"}
+
 // render applies the template with add_generation_prompt and any extra
 // template arguments (chat_template_kwargs, e.g. enable_thinking).
 func (c *chatTemplate) render(messages []ChatMessage, tools []any, kwargs map[string]any) (string, error) {
@@ -80,7 +84,11 @@ func (c *chatTemplate) render(messages []ChatMessage, tools []any, kwargs map[st
 		if m.Role == "" {
 			return "", fmt.Errorf("message %d has no role", i)
 		}
-		mm := map[string]any{"role": m.Role, "content": text}
+		role := strings.ToLower(m.Role) // SGLang takes roles in any case
+		if !slices.Contains(chatRoles, role) {
+			return "", fmt.Errorf("message %d: 'role' must be one of %s (case-insensitive), got %q", i, strings.Join(chatRoles, ", "), m.Role)
+		}
+		mm := map[string]any{"role": role, "content": text}
 		if m.ReasoningContent != "" {
 			mm["reasoning_content"] = m.ReasoningContent
 		}

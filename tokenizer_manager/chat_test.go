@@ -1,6 +1,7 @@
 package tokenizermanager
 
 import (
+	"strings"
 	"testing"
 
 	"ebb/assets"
@@ -37,6 +38,44 @@ func TestChatTemplatesRenderLikeTransformers(t *testing.T) {
 		}
 		if got != c.want {
 			t.Errorf("%s %v:\n got %q\nwant %q", c.family, c.kwargs, got, c.want)
+		}
+	}
+}
+
+// TestChatRoles: roles are taken in any case, as SGLang takes them, and a
+// role its chat endpoint does not know is an error naming the ones it does.
+func TestChatRoles(t *testing.T) {
+	raw, err := assets.TokenizerConfig("qwen3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := tokenizer.ParseConfig(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tpl, err := newChatTemplate(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		role, wantErr string
+	}{
+		{"user", ""},
+		{"USER", ""},
+		{"System", ""},
+		{"wizard", `message 0: 'role' must be one of system, developer, user, assistant, tool, function (case-insensitive), got "wizard"`},
+		{"", "message 0 has no role"},
+	} {
+		got, err := tpl.render([]ChatMessage{{Role: c.role, Content: "Hi"}}, nil, nil)
+		if c.wantErr != "" {
+			if err == nil || err.Error() != c.wantErr {
+				t.Errorf("role %q: %v, want %q", c.role, err, c.wantErr)
+			}
+			continue
+		}
+		want := "<|im_start|>" + strings.ToLower(c.role) + "\nHi<|im_end|>\n<|im_start|>assistant\n"
+		if err != nil || got != want {
+			t.Errorf("role %q: %q, %v; want %q", c.role, got, err, want)
 		}
 	}
 }

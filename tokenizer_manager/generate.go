@@ -27,7 +27,8 @@ func IsBadRequest(err error) bool {
 }
 
 // expand validates a generate request and tokenizes its prompts; n > 1
-// repeats each prompt with rids suffixed -0, -1, ...
+// repeats each prompt with rids suffixed -0, -1, ... A single rid for a
+// batch of prompts names them rid_0, rid_1, ... as SGLang does.
 func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
 	hasText, hasIDs := len(in.Text.Items) > 0, len(in.InputIDs.Items) > 0
 	if hasText == hasIDs {
@@ -35,7 +36,8 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 	}
 	var inputs [][]int32
 	var texts []string
-	batch := in.Text.Batch || in.InputIDs.Batch
+	listed := in.Text.Batch || in.InputIDs.Batch // the prompts came as a list
+	batch := listed
 	if hasText {
 		if m.Tokenizer == nil {
 			return nil, false, badf("the model has no tokenizer: send input_ids")
@@ -59,6 +61,9 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 	if in.LogprobStartLen != nil {
 		start = *in.LogprobStartLen
 	}
+	if start < -1 {
+		return nil, false, badf("logprob_start_len must be -1 (output tokens only) or at least 0, got %d", start)
+	}
 	if in.TopLogprobsNum < 0 {
 		return nil, false, badf("top_logprobs_num must be at least 0")
 	}
@@ -74,6 +79,10 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 		if ids, err = m.fitContext(ids, &sp); err != nil {
 			return nil, false, err
 		}
+		if in.ReturnLogprob && start >= len(ids) { // SGLang's words: clients match them
+			return nil, false, badf("req.logprob_start_len=%d is higher than the number of input tokens len(req.origin_input_ids)=%d. "+
+				"Please use a smaller logprob_start_len.", start, len(ids))
+		}
 		n := sp.Copies()
 		if n < 1 {
 			return nil, false, badf("n must be at least 1, got %d", n)
@@ -82,8 +91,13 @@ func (m *Manager) expand(in *ioschema.GenerateReqInput) ([]*prompt, bool, error)
 			batch = true
 		}
 		rid := newRid()
-		if i < len(in.Rid.Items) && in.Rid.Items[i] != "" {
+		switch {
+		case in.Rid.Batch && in.Rid.Items[i] != "":
 			rid = in.Rid.Items[i]
+		case !in.Rid.Batch && len(in.Rid.Items) == 1 && listed:
+			rid = fmt.Sprintf("%s_%d", in.Rid.Items[0], i) // one rid for a batch of prompts: SGLang's rid_0, rid_1, ...
+		case !in.Rid.Batch && len(in.Rid.Items) == 1:
+			rid = in.Rid.Items[0]
 		}
 		for j := 0; j < n; j++ {
 			r := rid

@@ -120,3 +120,72 @@ func TestErrorStatus(t *testing.T) {
 		}
 	}
 }
+
+// TestLogprobStartLen: a request whose logprob_start_len is past its prompt
+// is refused with SGLang's message (which aborts it) when it asks for
+// logprobs; without return_logprob the field is not read, as in SGLang;
+// below -1 it is refused either way.
+func TestLogprobStartLen(t *testing.T) {
+	num := func(n int) *int { return &n }
+	for _, c := range []struct {
+		name    string
+		start   *int
+		logprob bool
+		wantErr string
+	}{
+		{"unset", nil, true, ""},
+		{"-1: output tokens only", num(-1), true, ""},
+		{"the whole prompt", num(0), true, ""},
+		{"the last prompt token", num(2), true, ""},
+		{"past the prompt", num(3), true, "req.logprob_start_len=3 is higher than the number of input tokens len(req.origin_input_ids)=3. Please use a smaller logprob_start_len."},
+		{"past the prompt, no logprobs asked", num(3), false, ""},
+		{"below -1", num(-5), false, "logprob_start_len must be -1 (output tokens only) or at least 0, got -5"},
+	} {
+		m := &Manager{ctxLen: 100, log: zap.NewNop()}
+		in := &ioschema.GenerateReqInput{InputIDs: ioschema.InputIDBatch{Items: [][]int32{{1, 2, 3}}}, ReturnLogprob: c.logprob,
+			LogprobStartLen: c.start}
+		_, _, err := m.expand(in)
+		if c.wantErr == "" {
+			if err != nil {
+				t.Errorf("%s: %v", c.name, err)
+			}
+			continue
+		}
+		if err == nil || err.Error() != c.wantErr || !IsBadRequest(err) {
+			t.Errorf("%s: %v, want a bad request %q", c.name, err, c.wantErr)
+		}
+	}
+}
+
+// TestBatchRids: prompts are named as SGLang names them: a list of rids one
+// each; one rid for a batch of prompts rid_0, rid_1, ...; one rid for one
+// prompt as it is; copies (n > 1) rid-0, rid-1, ...
+func TestBatchRids(t *testing.T) {
+	two := ioschema.InputIDBatch{Items: [][]int32{{1}, {2}}, Batch: true}
+	one := ioschema.InputIDBatch{Items: [][]int32{{1}}}
+	n := 2
+	for _, c := range []struct {
+		name string
+		in   ioschema.GenerateReqInput
+		want []string
+	}{
+		{"a rid each", ioschema.GenerateReqInput{InputIDs: two, Rid: ioschema.Rids{Items: []string{"a", "b"}, Batch: true}}, []string{"a", "b"}},
+		{"one rid, a batch", ioschema.GenerateReqInput{InputIDs: two, Rid: ioschema.Rids{Items: []string{"x"}}}, []string{"x_0", "x_1"}},
+		{"one rid, one prompt", ioschema.GenerateReqInput{InputIDs: one, Rid: ioschema.Rids{Items: []string{"x"}}}, []string{"x"}},
+		{"copies", ioschema.GenerateReqInput{InputIDs: one, Rid: ioschema.Rids{Items: []string{"x"}},
+			SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{{N: &n}}}}, []string{"x-0", "x-1"}},
+	} {
+		m := &Manager{ctxLen: 100, log: zap.NewNop()}
+		prompts, _, err := m.expand(&c.in)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		var got []string
+		for _, p := range prompts {
+			got = append(got, p.tokenized.Rid)
+		}
+		if fmt.Sprint(got) != fmt.Sprint(c.want) {
+			t.Errorf("%s: rids %v, want %v", c.name, got, c.want)
+		}
+	}
+}
