@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 
@@ -247,10 +248,12 @@ func (s *Server) updateFromDisk(r *ioschema.UpdateWeightFromDiskReqInput, res io
 	if r.LoadFormat != nil && *r.LoadFormat != "" && *r.LoadFormat != "auto" && *r.LoadFormat != "safetensors" {
 		return fail(fmt.Errorf("load_format %q is not supported (auto, safetensors)", *r.LoadFormat))
 	}
-	mem := s.e.Dev.Memory()
-	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
-		return fail(err)
+	if r.ModelPath == "" {
+		return fail(errors.New("model_path is required"))
 	}
+	mem := s.e.Dev.Memory()
+	// The checkpoint is checked before any request is aborted for it: a
+	// wrong path or shape loses nothing.
 	set, err := safetensors.OpenDir(r.ModelPath)
 	if err != nil {
 		return fail(err)
@@ -258,6 +261,9 @@ func (s *Server) updateFromDisk(r *ioschema.UpdateWeightFromDiskReqInput, res io
 	defer set.Close()
 	if err := s.e.Model.CheckCheckpoint(set); err != nil {
 		return fail(fmt.Errorf("%s does not match the model (weights unchanged): %w", r.ModelPath, err))
+	}
+	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+		return fail(err)
 	}
 	if err := s.e.Model.LoadCheckpoint(set); err != nil {
 		return fail(s.weightsIncomplete(fmt.Errorf("loading %s: %w", r.ModelPath, err)))

@@ -289,6 +289,13 @@ func TestMisuseGetsErrorReplies(t *testing.T) {
 	h.generate("busy", prompt(5, 20), 50)
 	h.step(3)
 	h.mustFail(&ioschema.UpdateWeightFromDiskReqInput{ModelPath: testModel(t)}, "requests hold KV")
+	// A wrong path or checkpoint aborts nothing, even with abort_all_requests.
+	h.mustFail(&ioschema.UpdateWeightFromDiskReqInput{ModelPath: "/nonexistent", AbortAllRequests: true}, "missing directory, abort all")
+	h.mustFail(&ioschema.UpdateWeightFromDiskReqInput{ModelPath: other, AbortAllRequests: true}, "wrong shapes, abort all")
+	h.mustFail(&ioschema.UpdateWeightFromDiskReqInput{AbortAllRequests: true}, "no model_path")
+	if fr := h.finish["busy"]; fr != nil {
+		t.Fatalf("a refused update ended the busy request: %+v", fr)
+	}
 	h.mustFail(&ioschema.FlushCacheReqInput{}, "requests running")
 	h.mustSucceed(&ioschema.UpdateWeightFromDiskReqInput{ModelPath: testModel(t), AbortAllRequests: true, WeightVersion: ptr("v2")})
 	if fr := h.finish["busy"]; fr == nil || fr.Type != "abort" {

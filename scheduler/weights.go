@@ -134,9 +134,8 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 	if decodeErr != nil {
 		return fail(fmt.Errorf("serialized_named_tensors[%d] (weights unchanged): %w", rank, decodeErr))
 	}
-	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
-		return fail(err)
-	}
+	// Every tensor is checked before any request is aborted for the update:
+	// a wrong name, shape or handle loses nothing.
 	var writes []weightWrite
 	var errs []error
 	for _, nt := range payload.Tensors {
@@ -162,6 +161,9 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fail(fmt.Errorf("weights unchanged: %w", err))
+	}
+	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+		return fail(err)
 	}
 	placer := s.newPlacer()
 	for _, w := range writes {
