@@ -177,6 +177,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 	if req.Stream {
 		sse := newSSE(w)
 		sent := make([]int, len(prompts))
+		echoed := make([]bool, len(prompts)) // a chunk went out: the prompt, where echo asks for it, with it
 		final := make([]snapshot, len(prompts))
 		m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
 			final[i] = s
@@ -185,10 +186,14 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 				return false
 			}
 			delta := s.Text[sent[i]:]
+			if !echoed[i] && req.Echo && m.Tokenizer != nil { // the prompt leads the first chunk, as in SGLang
+				delta = m.Tokenizer.Decode(prompts[i].tokenized.InputIDs, true) + delta
+			}
 			sent[i] = len(s.Text)
 			if delta == "" && !s.Done {
 				return true
 			}
+			echoed[i] = true
 			c := choice(i, s, delta)
 			if !s.Done {
 				c["finish_reason"] = nil

@@ -263,3 +263,41 @@ func TestOpenAISDKSeesToolCalls(t *testing.T) {
 	}
 	t.Logf("openai SDK: %s", out)
 }
+
+// TestCompletionEcho: echo puts the prompt before the completion, whole or
+// streamed (in the first chunk, as SGLang sends it).
+func TestCompletionEcho(t *testing.T) {
+	srv := scriptedServer(t)
+	code, out := postJSON(t, srv.URL+"/v1/completions", map[string]any{"model": "m", "prompt": "Say hi.", "echo": true})
+	if text := out["choices"].([]any)[0].(map[string]any)["text"]; code != 200 || text != "Say hi.Hello there!" {
+		t.Fatalf("echo: %d %v", code, out)
+	}
+	b, _ := json.Marshal(map[string]any{"model": "m", "prompt": "Say hi.", "echo": true, "stream": true})
+	resp, err := http.Post(srv.URL+"/v1/completions", "application/json", strings.NewReader(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var chunks []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := strings.TrimPrefix(sc.Text(), "data: ")
+		if line == "" || line == "[DONE]" || line == sc.Text() {
+			continue
+		}
+		var chunk struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(line), &chunk); err != nil {
+			t.Fatalf("%q: %v", line, err)
+		}
+		for _, c := range chunk.Choices {
+			chunks = append(chunks, c.Text)
+		}
+	}
+	if len(chunks) == 0 || !strings.HasPrefix(chunks[0], "Say hi.") || strings.Join(chunks, "") != "Say hi.Hello there!" {
+		t.Fatalf("streamed echo: %q", chunks)
+	}
+}
