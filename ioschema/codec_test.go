@@ -25,6 +25,8 @@ func samples() []Message {
 			ReturnLogprob: true, LogprobStartLen: -1, TopLogprobsNum: 1, ReturnRoutedExperts: true},
 		&BatchTokenIDOutput{tokenOutputs: tokenOutputs{Rids: []string{"a"}, FinishedReasons: []*FinishReason{fr}, OutputIDs: []Int32s{{5}},
 			PromptTokens: []int{3}, CompletionTokens: []int{1}, CachedTokens: []int{0}, OutputTokenLogprobsVal: [][]float32{{-0.5}},
+			InputTokenLogprobsVal: [][]float32{{-1, -2}}, InputTokenLogprobsIdx: []Int32s{{7, 8}},
+			InputTopLogprobsVal: [][][]float32{{nil, {-0.1, -2}}}, InputTopLogprobsIdx: [][]Int32s{{nil, {4, 8}}},
 			RoutedExperts: []Int32s{{3, 1, -1, -1}}, WeightVersion: "v1"}, SkipSpecialTokens: []bool{true}, SpacesBetweenSpecialTokens: []bool{true}, NoStopTrim: []bool{false}, Stop: [][]string{{"x"}}},
 		&BatchStrOutput{tokenOutputs: tokenOutputs{Rids: []string{"a"}, FinishedReasons: []*FinishReason{nil}, OutputIDs: []Int32s{{5}}}, OutputStrs: []string{"hé"}},
 		&AbortReq{Rid: "a", AbortAll: true},

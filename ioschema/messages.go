@@ -130,6 +130,10 @@ type tokenOutputs struct {
 	OutputTopLogprobsIdx   [][]Int32s    `msgpack:"output_top_logprobs_idx"`
 	InputTokenLogprobsVal  [][]float32   `msgpack:"input_token_logprobs_val"`
 	InputTokenLogprobsIdx  []Int32s      `msgpack:"input_token_logprobs_idx"`
+	// Input top logprobs, with the input logprobs where top_logprobs_num
+	// asked: a list per prompt position (nil for the first token).
+	InputTopLogprobsVal [][][]float32 `msgpack:"input_top_logprobs_val"`
+	InputTopLogprobsIdx [][]Int32s    `msgpack:"input_top_logprobs_idx"`
 	// RoutedExperts, in a finished request's entry when it asked, are the
 	// experts each token but the last was routed to, [tokens - 1, layers,
 	// k] flattened (SGLang's routed_experts).

@@ -15,6 +15,7 @@ type hostStep struct {
 
 	numSeqs, numTokens, numKV int
 	numSample, numRows, topK  int
+	inTopK                    int // top logprobs at the prompt-logprob rows (0: none)
 	nnz                       int
 	penalties                 bool
 
@@ -23,6 +24,7 @@ type hostStep struct {
 	targetRow []int // row within that seq's tokens
 
 	targetsTensor device.Tensor
+	inTop         device.SampleArgs // greedy sampling of the prompt-logprob rows, for their top logprobs
 }
 
 // layout gives the offsets of each field in the packed buffers.
@@ -31,9 +33,14 @@ type layout struct {
 	penBias, lastQptr                                                                               int
 	outIDs, outTop, intsLen                                                                         int
 	temp, topP, minP, rep, freq, pres, outLp, outTopLp, outTL, floatsLen                            int
+	// The prompt-logprob rows' greedy sampling, for their top logprobs.
+	inTopK, inKeys, inIDs, inTop, inTemp, inTopP, inMinP, inLp, inTopLp int
 }
 
-func makeLayout(t, s, kv, r, samples, k, nnz int) layout {
+// makeLayout: t tokens, s sequences, kv KV entries, r logit rows of which
+// samples are sampled, k top logprobs at those, k2 at the others, nnz
+// penalty entries.
+func makeLayout(t, s, kv, r, samples, k, k2, nnz int) layout {
 	var l layout
 	n := 0
 	next := func(size int) int { off := n; n += size; return off }
@@ -42,23 +49,33 @@ func makeLayout(t, s, kv, r, samples, k, nnz int) layout {
 	l.rows, l.topK, l.keys, l.targets = next(r), next(samples), next(2*samples), next(r-samples)
 	l.penPtr, l.penTok, l.penCnt = next(samples+1), next(nnz), next(nnz)
 	l.outIDs, l.outTop = next(samples), next(samples*k)
+	nt := 0 // prompt-logprob rows that take top logprobs
+	if k2 > 0 {
+		nt = r - samples
+	}
+	l.inTopK, l.inKeys, l.inIDs, l.inTop = next(nt), next(2*nt), next(nt), next(nt*k2)
 	l.intsLen = n
 	n = 0
 	l.temp, l.topP, l.minP = next(samples), next(samples), next(samples)
 	l.rep, l.freq, l.pres = next(samples), next(samples), next(samples)
 	l.outLp, l.outTopLp, l.outTL = next(samples), next(samples*k), next(r-samples)
 	l.penBias = next(nnz)
+	l.inTemp, l.inTopP, l.inMinP, l.inLp, l.inTopLp = next(nt), next(nt), next(nt), next(nt), next(nt*k2)
 	l.floatsLen = n
 	return l
 }
 
-func inputBytes(t, s, kv, r, k, nnz int) int64 {
-	l := makeLayout(t, s, kv, r, s, k, nnz)
+func inputBytes(t, s, kv, r, k, k2, nnz int) int64 {
+	l := makeLayout(t, s, kv, r, min(s, r), k, k2, nnz)
 	return int64(4*(l.intsLen+l.floatsLen)) + 1024
 }
 
 func (h *hostStep) bytes() int64 {
-	return inputBytes(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.topK, h.nnz)
+	return int64(4*(len(h.ints)+len(h.floats))) + 1024
+}
+
+func (h *hostStep) layout() layout {
+	return makeLayout(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.numSample, h.topK, h.inTopK, h.nnz)
 }
 
 func (h *hostStep) pack(seqs []SeqStep, maxTopK int) {
@@ -80,13 +97,14 @@ func (h *hostStep) pack(seqs []SeqStep, maxTopK int) {
 			if t >= 0 {
 				h.targetSeq = append(h.targetSeq, i)
 				h.targetRow = append(h.targetRow, j)
+				h.inTopK = max(h.inTopK, s.InputTopK)
 			}
 		}
 	}
-	h.topK = min(h.topK, maxTopK)
+	h.topK, h.inTopK = min(h.topK, maxTopK), min(h.inTopK, maxTopK)
 	h.numSample = len(h.sampleSeq)
 	h.numRows = h.numSample + len(h.targetSeq)
-	l := makeLayout(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.numSample, h.topK, h.nnz)
+	l := h.layout()
 	h.ints = grow(h.ints, l.intsLen)
 	h.floats = growF(h.floats, l.floatsLen)
 	ints, fl := h.ints, h.floats
@@ -138,6 +156,10 @@ func (h *hostStep) pack(seqs []SeqStep, maxTopK int) {
 		i, j := h.targetSeq[k], h.targetRow[k]
 		ints[l.rows+h.numSample+k] = int32(rowStart[i] + j)
 		ints[l.targets+k] = seqs[i].NextTokens[j]
+		if h.inTopK > 0 { // greedy: no filter, no temperature
+			ints[l.inTopK+k], ints[l.inKeys+2*k], ints[l.inKeys+2*k+1] = 0, 0, 0
+			fl[l.inTemp+k], fl[l.inTopP+k], fl[l.inMinP+k] = 0, 1, 0
+		}
 	}
 }
 
@@ -157,7 +179,7 @@ func growF(b []float32, n int) []float32 {
 
 // upload copies the packed buffers into scratch tensors and returns views.
 func (h *hostStep) upload(dev device.Device, s *device.Scratch) (model.Inputs, device.SampleArgs, device.PenaltyArgs, device.Tensor, error) {
-	l := makeLayout(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.numSample, h.topK, h.nnz)
+	l := h.layout()
 	ints := s.Take(device.I32, l.intsLen)
 	floats := s.Take(device.F32, max(l.floatsLen, 1))
 	if err := dev.Upload(ints, model.I32Bytes(h.ints), device.I32); err != nil {
@@ -211,6 +233,13 @@ func (h *hostStep) upload(dev device.Device, s *device.Scratch) (model.Inputs, d
 	if nt := h.numRows - ns; nt > 0 {
 		tl = fv(l.outTL, nt)
 		h.targetsTensor = iv(l.targets, nt)
+		if h.inTopK > 0 {
+			h.inTop = device.SampleArgs{
+				Temperature: fv(l.inTemp, nt), TopP: fv(l.inTopP, nt), TopK: iv(l.inTopK, nt), MinP: fv(l.inMinP, nt),
+				Keys: iv(l.inKeys, 2*nt), IDs: iv(l.inIDs, nt), Logprobs: fv(l.inLp, nt),
+				TopIDs: iv(l.inTop, nt*h.inTopK).View(nt, h.inTopK), TopLogprobs: fv(l.inTopLp, nt*h.inTopK).View(nt, h.inTopK),
+			}
+		}
 	}
 	return in, samp, pen, tl, nil
 }
@@ -260,11 +289,29 @@ func (h *hostStep) results(dev device.Device, samp device.SampleArgs, tl device.
 			out[i].InputLogprobs[j] = v
 		}
 	}
+	if h.inTopK > 0 {
+		k2 := h.inTopK
+		ids, lps := make([]int32, h.inTop.TopIDs.Numel()), make([]float32, h.inTop.TopLogprobs.Numel())
+		if err := dev.DownloadI32(h.inTop.TopIDs, ids); err != nil {
+			return nil, err
+		}
+		if err := dev.DownloadF32(h.inTop.TopLogprobs, lps); err != nil {
+			return nil, err
+		}
+		for k := range h.targetSeq {
+			i, j := h.targetSeq[k], h.targetRow[k]
+			if out[i].InputTopIDs == nil {
+				n := h.tokensOf(i)
+				out[i].InputTopIDs, out[i].InputTopLogprobs = make([][]int32, n), make([][]float32, n)
+			}
+			out[i].InputTopIDs[j], out[i].InputTopLogprobs[j] = ids[k*k2:(k+1)*k2], lps[k*k2:(k+1)*k2]
+		}
+	}
 	return out, dev.Sync()
 }
 
 func (h *hostStep) tokensOf(seq int) int {
-	l := makeLayout(h.numTokens, h.numSeqs, h.numKV, h.numRows, h.numSample, h.topK, h.nnz)
+	l := h.layout()
 	return int(h.ints[l.qptr+seq+1] - h.ints[l.qptr+seq])
 }
 

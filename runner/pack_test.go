@@ -19,18 +19,33 @@ func TestKeysAreSeeded(t *testing.T) {
 }
 
 func TestLayoutFieldsDoNotOverlap(t *testing.T) {
-	l := makeLayout(10, 3, 40, 5, 3, 2, 7)
+	// 5 logit rows, 3 sampled with 2 top logprobs, 2 prompt rows with 4.
+	l := makeLayout(10, 3, 40, 5, 3, 2, 4, 7)
 	ints := []struct{ off, n int }{{l.tokens, 10}, {l.positions, 10}, {l.slots, 10}, {l.qptr, 4}, {l.kvptr, 4},
-		{l.kvidx, 40}, {l.lastQptr, 4}, {l.rows, 5}, {l.topK, 3}, {l.keys, 6}, {l.targets, 2}, {l.penPtr, 4}, {l.penTok, 7}, {l.penCnt, 7}, {l.outIDs, 3}, {l.outTop, 6}}
-	end := 0
-	for i, f := range ints {
-		if f.off != end {
-			t.Fatalf("int field %d at %d, want %d", i, f.off, end)
+		{l.kvidx, 40}, {l.lastQptr, 4}, {l.rows, 5}, {l.topK, 3}, {l.keys, 6}, {l.targets, 2}, {l.penPtr, 4}, {l.penTok, 7}, {l.penCnt, 7}, {l.outIDs, 3}, {l.outTop, 6},
+		{l.inTopK, 2}, {l.inKeys, 4}, {l.inIDs, 2}, {l.inTop, 8}}
+	floats := []struct{ off, n int }{{l.temp, 3}, {l.topP, 3}, {l.minP, 3}, {l.rep, 3}, {l.freq, 3}, {l.pres, 3},
+		{l.outLp, 3}, {l.outTopLp, 6}, {l.outTL, 2}, {l.penBias, 7}, {l.inTemp, 2}, {l.inTopP, 2}, {l.inMinP, 2},
+		{l.inLp, 2}, {l.inTopLp, 8}}
+	for _, c := range []struct {
+		name   string
+		fields []struct{ off, n int }
+		length int
+	}{{"int", ints, l.intsLen}, {"float", floats, l.floatsLen}} {
+		end := 0
+		for i, f := range c.fields {
+			if f.off != end {
+				t.Fatalf("%s field %d at %d, want %d", c.name, i, f.off, end)
+			}
+			end += f.n
 		}
-		end += f.n
+		if end != c.length {
+			t.Fatalf("%s length %d, fields end at %d", c.name, c.length, end)
+		}
 	}
-	if end != l.intsLen {
-		t.Fatalf("ints length %d, fields end at %d", l.intsLen, end)
+	// Without top logprobs at the prompt rows their fields take no room.
+	if l0 := makeLayout(10, 3, 40, 5, 3, 2, 0, 7); l0.intsLen != l.intsLen-16 || l0.floatsLen != l.floatsLen-16 {
+		t.Fatalf("no prompt top logprobs: %d ints, %d floats", l0.intsLen, l0.floatsLen)
 	}
 }
 

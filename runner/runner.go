@@ -48,6 +48,10 @@ type SeqStep struct {
 	// NextTokens, when set, asks for the logprob of NextTokens[i] at row i
 	// of this step (teacher forcing / prompt logprobs); -1 skips a row.
 	NextTokens []int32
+	// InputTopK asks, with NextTokens, for the InputTopK most likely tokens
+	// and their logprobs at each row not skipped (SGLang's
+	// input_top_logprobs).
+	InputTopK int
 	// Follows, when positive, says that this sequence's one token is the
 	// one sampled at row Follows-1 of the step launched just before, whose
 	// result may not be back yet (overlapped scheduling); Tokens[0] is then
@@ -70,6 +74,10 @@ type SeqResult struct {
 	TopLogprobs []float32
 	// InputLogprobs holds the logprobs of NextTokens (NaN where skipped).
 	InputLogprobs []float32
+	// InputTopIDs and InputTopLogprobs hold each row's most likely tokens
+	// where InputTopK asked (nil rows where skipped).
+	InputTopIDs      [][]int32
+	InputTopLogprobs [][]float32
 }
 
 // Limits bound a step.
@@ -194,7 +202,7 @@ func WorkspaceBytes(m *model.Model, l Limits) int64 {
 	l.MaxLogitRows = max(l.MaxLogitRows, l.MaxSeqs)
 	l.MaxTopK = max(l.MaxTopK, 1)
 	scratch := m.ScratchBytes(l.MaxTokens, l.MaxLogitRows) + routedBytes(m.Config, l.MaxTokens)
-	return scratch + inputBytes(l.MaxTokens, l.MaxSeqs, l.MaxTokens+l.MaxSeqs*m.ContextLen(), l.MaxLogitRows, l.MaxTopK, 0) + 4<<20
+	return scratch + inputBytes(l.MaxTokens, l.MaxSeqs, l.MaxTokens+l.MaxSeqs*m.ContextLen(), l.MaxLogitRows, l.MaxTopK, l.MaxTopK, 0) + 4<<20
 }
 
 // Step runs one forward over seqs and samples where asked.
@@ -304,10 +312,32 @@ func (r *Runner) eager(seqs []SeqStep) ([]SeqResult, error) {
 	if tl.Valid() {
 		r.dev.TokenLogprobs(tl, logits.Rows(h.numSample, h.numRows), h.targetsTensor)
 	}
+	if h.inTopK > 0 {
+		r.inputTop(logits.Rows(h.numSample, h.numRows), h.inTop)
+	}
 	if err := r.routed.collect(r.dev, in.Routed, seqs); err != nil {
 		return nil, err
 	}
 	return h.results(r.dev, samp, tl)
+}
+
+// inputTopRows is the most prompt rows one Sample call takes for their top
+// logprobs: as many as a decode batch has, which every device's sampling
+// buffers hold (deterministic sampling refuses more than its buffer).
+const inputTopRows = 256
+
+// inputTop samples the prompt-logprob rows greedily for their top
+// logprobs (those of the unscaled distribution), a batch of rows at a time.
+func (r *Runner) inputTop(logits device.Tensor, a device.SampleArgs) {
+	rows := logits.Dim(0)
+	for r0 := 0; r0 < rows; r0 += inputTopRows {
+		r1 := min(rows, r0+inputTopRows)
+		r.dev.Sample(logits.Rows(r0, r1), device.SampleArgs{
+			Temperature: a.Temperature.Rows(r0, r1), TopP: a.TopP.Rows(r0, r1), TopK: a.TopK.Rows(r0, r1),
+			MinP: a.MinP.Rows(r0, r1), Keys: a.Keys.Rows(2*r0, 2*r1), IDs: a.IDs.Rows(r0, r1),
+			Logprobs: a.Logprobs.Rows(r0, r1), TopIDs: a.TopIDs.Rows(r0, r1), TopLogprobs: a.TopLogprobs.Rows(r0, r1),
+		})
+	}
 }
 
 // WarmUp runs one eager prefill step of each of sizes tokens (spread over

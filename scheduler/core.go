@@ -468,7 +468,7 @@ func (c *Core) seqStep(r *request, n int) runner.SeqStep {
 		s.Adjust = r.adjust(c.opts.EOS)
 	}
 	if r.wantsInputLogprobs() {
-		s.NextTokens = make([]int32, n)
+		s.NextTokens, s.InputTopK = make([]int32, n), r.TopLogprobsNum
 		first := max(r.LogprobStartLen, 1)
 		for j := range s.NextTokens {
 			s.NextTokens[j] = -1
@@ -495,6 +495,14 @@ func (c *Core) absorb(r *request, s runner.SeqStep, res runner.SeqResult) (Event
 				r.inputLP[s.Start+j+1] = v
 			}
 		}
+		if res.InputTopIDs != nil && r.inputTopIDs == nil {
+			r.inputTopIDs, r.inputTopLP = make([][]int32, len(r.InputIDs)), make([][]float32, len(r.InputIDs))
+		}
+		for j, ids := range res.InputTopIDs {
+			if s.NextTokens[j] >= 0 {
+				r.inputTopIDs[s.Start+j+1], r.inputTopLP[s.Start+j+1] = ids, res.InputTopLogprobs[j]
+			}
+		}
 	}
 	promptDone := len(r.output) == 0 && s.Sample
 	if len(r.output) == 0 {
@@ -508,6 +516,9 @@ func (c *Core) absorb(r *request, s runner.SeqStep, res runner.SeqResult) (Event
 		r.inputDone = true
 		ev.InputLogprobs = r.inputLP[r.LogprobStartLen:]
 		ev.InputTokenIDs = r.InputIDs[r.LogprobStartLen:]
+		if r.inputTopIDs != nil {
+			ev.InputTopIDs, ev.InputTopLogprobs = r.inputTopIDs[r.LogprobStartLen:], r.inputTopLP[r.LogprobStartLen:]
+		}
 	}
 	if promptDone && r.Params.MaxNewTokens == 0 {
 		return c.finishWith(r, ev, ioschema.FinishLength(0)), true
@@ -539,6 +550,7 @@ func (c *Core) finishWith(r *request, ev Event, fr *ioschema.FinishReason) Event
 	fin.NewTokens, fin.OutputLogprobs = ev.NewTokens, ev.OutputLogprobs
 	fin.OutputTopIDs, fin.OutputTopLogprobs = ev.OutputTopIDs, ev.OutputTopLogprobs
 	fin.InputLogprobs, fin.InputTokenIDs = ev.InputLogprobs, ev.InputTokenIDs
+	fin.InputTopIDs, fin.InputTopLogprobs = ev.InputTopIDs, ev.InputTopLogprobs
 	return fin
 }
 

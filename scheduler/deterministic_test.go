@@ -17,6 +17,8 @@ type detOutput struct {
 	tokens                []int32
 	out, top, input       []uint32
 	inputIDs, topIDsFlat  []int32
+	inputTop              []uint32 // the prompt's top logprobs (a position's two best)
+	inputTopIDs           []int32
 	finished              bool
 	promptLen, cachedToks int
 }
@@ -92,6 +94,10 @@ func (h *harness) collect(outs map[string]*detOutput) {
 				}
 				d.input = append(d.input, f32bits(m.InputTokenLogprobsVal[i])...)
 				d.inputIDs = append(d.inputIDs, m.InputTokenLogprobsIdx[i]...)
+				for j, top := range m.InputTopLogprobsVal[i] {
+					d.inputTop = append(d.inputTop, f32bits(top)...)
+					d.inputTopIDs = append(d.inputTopIDs, m.InputTopLogprobsIdx[i][j]...)
+				}
 				d.promptLen, d.cachedToks = m.PromptTokens[i], m.CachedTokens[i]
 				d.finished = d.finished || m.FinishedReasons[i] != nil
 			}
@@ -113,6 +119,8 @@ func sameOutput(t *testing.T, what string, got, want *detOutput) {
 		t.Fatalf("%s: top logprobs differ from the request alone", what)
 	case !slices.Equal(got.input, want.input) || !slices.Equal(got.inputIDs, want.inputIDs):
 		t.Fatalf("%s: input logprob bits %x, alone %x", what, got.input, want.input)
+	case !slices.Equal(got.inputTop, want.inputTop) || !slices.Equal(got.inputTopIDs, want.inputTopIDs):
+		t.Fatalf("%s: the prompt's top logprobs differ from the request alone", what)
 	}
 }
 
@@ -135,11 +143,13 @@ func TestDeterministicInference(t *testing.T) {
 			return r
 		}
 		alone := runDet(detHarness(t, 8192, true), mk(false))["target"]
-		if len(alone.tokens) != 24 || len(alone.out) != 24 || len(alone.input) != len(target) {
-			t.Fatalf("alone: %d tokens, %d output and %d input logprobs", len(alone.tokens), len(alone.out), len(alone.input))
+		if len(alone.tokens) != 24 || len(alone.out) != 24 || len(alone.input) != len(target) ||
+			len(alone.inputTop) != 2*(len(target)-1) {
+			t.Fatalf("alone: %d tokens, %d output, %d input and %d input top logprobs", len(alone.tokens), len(alone.out),
+				len(alone.input), len(alone.inputTop))
 		}
 		aloneOut := *alone
-		aloneOut.input, aloneOut.inputIDs = nil, nil
+		aloneOut.input, aloneOut.inputIDs, aloneOut.inputTop, aloneOut.inputTopIDs = nil, nil, nil, nil
 		sameOutput(t, "alone without prompt logprobs", runDet(detHarness(t, 8192, true), mk(true))["target"], &aloneOut)
 		rng := rand.New(rand.NewPCG(uint64(temp*10), 3))
 		for _, others := range []int{1, 7, 31} {

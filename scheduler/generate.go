@@ -16,6 +16,8 @@ type Output struct {
 	OutputTopLogprobs [][]float32
 	InputLogprobs     []float32
 	InputTokenIDs     []int32
+	InputTopIDs       [][]int32 // with top logprobs asked: each prompt position's most likely tokens
+	InputTopLogprobs  [][]float32
 	FinishReason      *ioschema.FinishReason
 	PromptTokens      int
 	CompletionTokens  int
@@ -77,6 +79,7 @@ func generateOn(core *Core, reqs []Request) ([]Output, error) {
 			o.OutputTopLogprobs = append(o.OutputTopLogprobs, ev.OutputTopLogprobs...)
 			if ev.InputLogprobs != nil {
 				o.InputLogprobs, o.InputTokenIDs = ev.InputLogprobs, ev.InputTokenIDs
+				o.InputTopIDs, o.InputTopLogprobs = ev.InputTopIDs, ev.InputTopLogprobs
 			}
 			if ev.Finished {
 				o.FinishReason = ev.FinishReason

@@ -31,8 +31,13 @@ type Event struct {
 	OutputTopLogprobs [][]float32
 	// InputLogprobs is set once, when the prompt is done: the logprob of
 	// each prompt token from LogprobStartLen (NaN for the first token).
-	InputLogprobs    []float32
-	InputTokenIDs    []int32
+	InputLogprobs []float32
+	InputTokenIDs []int32
+	// InputTopIDs and InputTopLogprobs, set with InputLogprobs where the
+	// request asked for top logprobs, are each prompt position's most
+	// likely tokens (nil for the first token).
+	InputTopIDs      [][]int32
+	InputTopLogprobs [][]float32
 	Finished         bool
 	FinishReason     *ioschema.FinishReason
 	PromptTokens     int
@@ -59,6 +64,8 @@ type request struct {
 	seed                uint64
 	counts              map[int32]int32 // output token counts, for penalties
 	inputLP             []float32
+	inputTopIDs         [][]int32 // with inputLP, where top logprobs are asked
+	inputTopLP          [][]float32
 	inputDone           bool
 	// ahead counts launched steps whose token is not absorbed yet; epoch
 	// changes whenever r stops running, so results of steps launched

@@ -379,13 +379,11 @@ func (s *Server) emit(events []Event) {
 		o.CachedTokens = append(o.CachedTokens, ev.CachedTokens)
 		o.OutputTokenLogprobsVal = append(o.OutputTokenLogprobsVal, ev.OutputLogprobs)
 		o.OutputTopLogprobsVal = append(o.OutputTopLogprobsVal, ev.OutputTopLogprobs)
-		top := make([]ioschema.Int32s, len(ev.OutputTopIDs))
-		for i, ids := range ev.OutputTopIDs {
-			top[i] = ids
-		}
-		o.OutputTopLogprobsIdx = append(o.OutputTopLogprobsIdx, top)
+		o.OutputTopLogprobsIdx = append(o.OutputTopLogprobsIdx, int32Lists(ev.OutputTopIDs))
 		o.InputTokenLogprobsVal = append(o.InputTokenLogprobsVal, ev.InputLogprobs)
 		o.InputTokenLogprobsIdx = append(o.InputTokenLogprobsIdx, ev.InputTokenIDs)
+		o.InputTopLogprobsVal = append(o.InputTopLogprobsVal, ev.InputTopLogprobs)
+		o.InputTopLogprobsIdx = append(o.InputTopLogprobsIdx, int32Lists(ev.InputTopIDs))
 		o.RoutedExperts = append(o.RoutedExperts, ev.RoutedExperts)
 		b.SkipSpecialTokens = append(b.SkipSpecialTokens, f.skipSpecial)
 		b.SpacesBetweenSpecialTokens = append(b.SpacesBetweenSpecialTokens, f.spacesBetween)
@@ -487,4 +485,13 @@ func (s *Server) Info() map[string]any {
 		"weights_stale": e.Dev.Memory().State(memory.Weights) == memory.Stale,
 		"scheduler_pid": os.Getpid(),
 	}
+}
+
+// int32Lists converts lists of ids to the wire's type.
+func int32Lists(ids [][]int32) []ioschema.Int32s {
+	out := make([]ioschema.Int32s, len(ids))
+	for i, l := range ids {
+		out[i] = l
+	}
+	return out
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strings"
 	"time"
@@ -156,6 +157,10 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 	}
 	if req.Logprobs != nil {
 		in.ReturnLogprob, in.TopLogprobsNum = true, *req.Logprobs
+		if req.Echo && !req.Stream { // the prompt's logprobs too, as SGLang asks for them
+			zero := 0
+			in.LogprobStartLen = &zero
+		}
 	}
 	in.ReturnRoutedExperts = req.ReturnRoutedExperts
 	reply := m.newOpenAIReply("cmpl-", "text_completion")
@@ -170,7 +175,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 			c["matched_stop"] = s.Finish.Matched
 		}
 		if req.Logprobs != nil {
-			c["logprobs"] = m.completionLogprobs(s)
+			c["logprobs"] = m.completionLogprobs(s, req.Echo && !req.Stream)
 		}
 		return c
 	}
@@ -226,23 +231,57 @@ func (m *Manager) tokenText(id int32) string {
 	return m.Tokenizer.Decode([]int32{id}, false)
 }
 
-// completionLogprobs is the legacy completions logprobs object.
-func (m *Manager) completionLogprobs(s snapshot) map[string]any {
-	tokens := make([]string, len(s.OutputIDs))
-	lps := make([]any, len(s.OutputIDs))
-	var top []any
-	for i, id := range s.OutputIDs {
-		tokens[i] = m.tokenText(id)
-		if i < len(s.OutLogprobs) {
-			lps[i] = float64(s.OutLogprobs[i])
+// completionLogprobs is the legacy completions logprobs object; with echo
+// the prompt's tokens come first (null where a token has no logprob: the
+// first), as SGLang returns them.
+func (m *Manager) completionLogprobs(s snapshot, echo bool) map[string]any {
+	var tokens []string
+	var lps, top []any
+	withTop := len(s.OutTopVals) > 0 || s.InTopVals != nil
+	add := func(id int32, lp float32, has bool, topVals []float32, topIdx []int32) {
+		tokens = append(tokens, m.tokenText(id))
+		var v any
+		if has && !math.IsNaN(float64(lp)) && !math.IsInf(float64(lp), 0) {
+			v = float64(lp)
 		}
-		if i < len(s.OutTopVals) {
-			alt := map[string]float64{}
-			for j, v := range s.OutTopVals[i] {
-				alt[m.tokenText(s.OutTopIdx[i][j])] = float64(v)
+		lps = append(lps, v)
+		if !withTop {
+			return
+		}
+		var alt any
+		if topVals != nil {
+			a := map[string]float64{}
+			for j, v := range topVals {
+				a[m.tokenText(topIdx[j])] = float64(v)
 			}
-			top = append(top, alt)
+			alt = a
 		}
+		top = append(top, alt)
+	}
+	if echo {
+		for i, id := range s.InIdx {
+			var tv []float32
+			var ti []int32
+			if i < len(s.InTopVals) {
+				tv, ti = s.InTopVals[i], s.InTopIdx[i]
+			}
+			add(id, s.InLogprobs[i], true, tv, ti)
+		}
+	}
+	for i, id := range s.OutputIDs {
+		var tv []float32
+		var ti []int32
+		if i < len(s.OutTopVals) {
+			tv, ti = s.OutTopVals[i], s.OutTopIdx[i]
+		}
+		var lp float32
+		if i < len(s.OutLogprobs) {
+			lp = s.OutLogprobs[i]
+		}
+		add(id, lp, i < len(s.OutLogprobs), tv, ti)
+	}
+	if tokens == nil {
+		tokens, lps = []string{}, []any{}
 	}
 	return map[string]any{"tokens": tokens, "token_logprobs": lps, "top_logprobs": top}
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"ebb/ioschema"
+	"ebb/tokenizer"
 )
 
 const scriptedCall = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>"
@@ -299,5 +301,30 @@ func TestCompletionEcho(t *testing.T) {
 	}
 	if len(chunks) == 0 || !strings.HasPrefix(chunks[0], "Say hi.") || strings.Join(chunks, "") != "Say hi.Hello there!" {
 		t.Fatalf("streamed echo: %q", chunks)
+	}
+}
+
+// TestCompletionLogprobsEcho: with echo the legacy logprobs object starts
+// with the prompt's tokens, null where a token has no logprob (the first)
+// or no alternatives, then the completion's.
+func TestCompletionLogprobsEcho(t *testing.T) {
+	tok, err := tokenizer.Embedded("qwen3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &Manager{Tokenizer: tok, log: zap.NewNop()}
+	nan := float32(math.NaN())
+	s := snapshot{InIdx: []int32{9707, 1879}, InLogprobs: []float32{nan, -1.5},
+		InTopVals: [][]float32{nil, {-0.5, -1.5}}, InTopIdx: [][]int32{nil, {11, 1879}},
+		OutputIDs: []int32{0}, OutLogprobs: []float32{-0.25}, OutTopVals: [][]float32{{-0.25, -3}}, OutTopIdx: [][]int32{{0, 11}}}
+	for _, echo := range []bool{true, false} {
+		got, _ := json.Marshal(m.completionLogprobs(s, echo))
+		want := `{"token_logprobs":[null,-1.5,-0.25],"tokens":["Hello"," world","!"],"top_logprobs":[null,{" world":-1.5,",":-0.5},{"!":-0.25,",":-3}]}`
+		if !echo {
+			want = `{"token_logprobs":[-0.25],"tokens":["!"],"top_logprobs":[{"!":-0.25,",":-3}]}`
+		}
+		if string(got) != want {
+			t.Errorf("echo %v:\n got %s\nwant %s", echo, got, want)
+		}
 	}
 }

@@ -29,6 +29,8 @@ type reqState struct {
 	outTopIdx     [][]int32
 	inLogprobs    []float32
 	inIdx         []int32
+	inTopVals     [][]float32 // per prompt position, where top logprobs were asked (nil for the first token)
+	inTopIdx      [][]int32
 	promptTokens  int
 	completion    int
 	cached        int
@@ -82,6 +84,13 @@ func (r *reqState) absorb(o *ioschema.BatchStrOutput, i int, m *Manager) {
 	if i < len(o.InputTokenLogprobsVal) && o.InputTokenLogprobsVal[i] != nil {
 		r.inLogprobs, r.inIdx = o.InputTokenLogprobsVal[i], o.InputTokenLogprobsIdx[i]
 	}
+	if i < len(o.InputTopLogprobsVal) && o.InputTopLogprobsVal[i] != nil {
+		r.inTopVals = o.InputTopLogprobsVal[i]
+		r.inTopIdx = make([][]int32, len(o.InputTopLogprobsIdx[i]))
+		for j, ids := range o.InputTopLogprobsIdx[i] {
+			r.inTopIdx[j] = ids
+		}
+	}
 	if i < len(o.PromptTokens) {
 		r.promptTokens, r.completion, r.cached = o.PromptTokens[i], o.CompletionTokens[i], o.CachedTokens[i]
 	}
@@ -121,6 +130,8 @@ type snapshot struct {
 	OutTopIdx     [][]int32
 	InLogprobs    []float32
 	InIdx         []int32
+	InTopVals     [][]float32
+	InTopIdx      [][]int32
 	PromptTokens  int
 	Completion    int
 	Cached        int
@@ -138,8 +149,26 @@ func (r *reqState) snapshot() snapshot {
 	return snapshot{Rid: r.rid, Text: r.text.String(), OutputIDs: append([]int32(nil), r.outputIDs...),
 		OutLogprobs: append([]float32(nil), r.outLogprobs...), OutTopVals: append([][]float32(nil), r.outTopVals...),
 		OutTopIdx: append([][]int32(nil), r.outTopIdx...), InLogprobs: r.inLogprobs, InIdx: r.inIdx,
+		InTopVals: r.inTopVals, InTopIdx: r.inTopIdx,
 		PromptTokens: r.promptTokens, Completion: r.completion, Cached: r.cached, Routed: r.routed, Finish: r.finish,
 		WeightVersion: r.weightVersion, Err: r.err, Done: r.done, Latency: time.Since(r.created)}
+}
+
+// topEntries renders top logprobs: a list of triples a position, null
+// where a position has none (a prompt's first token).
+func (m *Manager) topEntries(vals [][]float32, idx [][]int32, withText bool) []any {
+	top := make([]any, len(vals))
+	for i, v := range vals {
+		if v == nil {
+			continue
+		}
+		entries := make([][]any, len(v))
+		for j, lp := range v {
+			entries[j] = m.logprobEntry(lp, idx[i][j], withText)
+		}
+		top[i] = entries
+	}
+	return top
 }
 
 // logprobEntry renders SGLang's [logprob, token_id, text] triple.
@@ -176,13 +205,10 @@ func (m *Manager) generateResult(s snapshot, withText bool) map[string]any {
 		}
 		meta["input_token_logprobs"] = in
 		if len(s.OutTopVals) > 0 {
-			top := make([][][]any, len(s.OutTopVals))
-			for i, vals := range s.OutTopVals {
-				for j, v := range vals {
-					top[i] = append(top[i], m.logprobEntry(v, s.OutTopIdx[i][j], withText))
-				}
-			}
-			meta["output_top_logprobs"] = top
+			meta["output_top_logprobs"] = m.topEntries(s.OutTopVals, s.OutTopIdx, withText)
+		}
+		if s.InTopVals != nil {
+			meta["input_top_logprobs"] = m.topEntries(s.InTopVals, s.InTopIdx, withText)
 		}
 	}
 	var text any
