@@ -17,8 +17,8 @@
 #
 # Steps: the CUDA kernel tests against the CPU reference; the goldens on
 # CUDA; a Qwen3-0.6B-shaped model (tools/qwen3_06b.py) served with a KV
-# cache of 200k tokens, then through it prompts of 1 to 40,000 tokens, KV
-# demand 1.6x the cache from rollouts that may stop early (so some are
+# cache of 200k tokens, then through it prompts of 1 to 40,000 tokens, a
+# 2,000-token prompt's top logprobs (input_top_logprobs), KV demand 1.6x the cache from rollouts that may stop early (so some are
 # retracted), and a soak of GRPO-shaped rollouts (groups of 8, log-normal
 # lengths, the model's own top_k/top_p) for SOAK seconds; then the same
 # model served with --enable-deterministic-inference and checked by
@@ -53,6 +53,7 @@ note() {
 	serving-*) grep -hE '^throughput|^bandwidth floor|retracted|^checks' "$out/$1.log" | sed 's/^/  /' | tr '\n' ';' | sed 's/^/: /' ;;
 	kernels | goldens) grep -cE '^--- PASS' "$out/$1.log" | sed 's/^/: /; s/$/ tests passed/' ;;
 	deterministic) grep -hE '^decode vs prefill' "$out/$1.log" | sed 's/^/: /' ;;
+	input-top) tail -n 1 "$out/$1.log" | sed 's/^/: /' ;;
 	esac
 }
 
@@ -90,6 +91,28 @@ else
 	for len in 1 8191 8193 16384 32000 40000; do
 		bench "prompt-$len" --dataset fixed --input-len "$len" --output-len 64 --num-prompts 2 --temperature 1
 	done
+	# The prompt's top logprobs (input_top_logprobs) over 2,000 positions:
+	# more rows than one sampling call takes, each list in order and holding
+	# the prompt token's own logprob where the token is among them.
+	step input-top python3 - "http://127.0.0.1:$port" <<'PY'
+import json, random, sys, urllib.request
+random.seed(7)
+ids = [random.randrange(1000, 20000) for _ in range(2000)]
+body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+req = urllib.request.Request(sys.argv[1] + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+meta = json.loads(urllib.request.urlopen(req, timeout=600).read())["meta_info"]
+inp, top = meta["input_token_logprobs"], meta["input_top_logprobs"]
+assert len(inp) == len(ids) and len(top) == len(ids) and top[0] is None, (len(inp), len(top))
+bad = 0
+for pos in range(1, len(ids)):
+    lps = [e[0] for e in top[pos]]
+    own = {e[1]: e[0] for e in top[pos]}.get(ids[pos])
+    if len(lps) != 5 or lps != sorted(lps, reverse=True) or lps[0] < inp[pos][0] or (own is not None and own != inp[pos][0]):
+        bad += 1
+print(f"{len(ids) - 1} positions, {bad} out of order or off the token's own logprob")
+sys.exit(1 if bad else 0)
+PY
 	# 70 x (512 + 4096) tokens = 1.6x the cache; may stop at EOS, so the
 	# scheduler expects less than all of it and must retract.
 	bench pressure --dataset fixed --input-len 512 --output-len 4096 --num-prompts 70 --temperature 1 \
