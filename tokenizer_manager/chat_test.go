@@ -20,19 +20,7 @@ func TestChatTemplatesRenderLikeTransformers(t *testing.T) {
 		{"llama3", nil, "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"},
 	}
 	for _, c := range cases {
-		raw, err := assets.TokenizerConfig(c.family)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg, err := tokenizer.ParseConfig(raw)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tpl, err := newChatTemplate(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		got, err := tpl.render(msgs, nil, c.kwargs)
+		got, err := embeddedTemplate(t, c.family).render(msgs, nil, c.kwargs)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -45,18 +33,7 @@ func TestChatTemplatesRenderLikeTransformers(t *testing.T) {
 // TestChatRoles: roles are taken in any case, as SGLang takes them, and a
 // role its chat endpoint does not know is an error naming the ones it does.
 func TestChatRoles(t *testing.T) {
-	raw, err := assets.TokenizerConfig("qwen3")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := tokenizer.ParseConfig(raw)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tpl, err := newChatTemplate(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tpl := embeddedTemplate(t, "qwen3")
 	for _, c := range []struct {
 		role, wantErr string
 	}{
@@ -78,4 +55,22 @@ func TestChatRoles(t *testing.T) {
 			t.Errorf("role %q: %q, %v; want %q", c.role, got, err, want)
 		}
 	}
+}
+
+// embeddedTemplate is the chat template of an embedded tokenizer family.
+func embeddedTemplate(t *testing.T, family string) *chatTemplate {
+	t.Helper()
+	raw, err := assets.TokenizerConfig(family)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := tokenizer.ParseConfig(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tpl, err := newChatTemplate(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tpl
 }

@@ -152,14 +152,8 @@ func TestChatToolCalls(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
 	var content, name, args2, finish string
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		line := strings.TrimPrefix(sc.Text(), "data: ")
-		if line == "" || line == "[DONE]" || line == sc.Text() {
-			continue
-		}
+	for _, line := range sseData(t, resp) {
 		var chunk struct {
 			Choices []struct {
 				Delta struct {
@@ -279,14 +273,8 @@ func TestCompletionEcho(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
 	var chunks []string
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		line := strings.TrimPrefix(sc.Text(), "data: ")
-		if line == "" || line == "[DONE]" || line == sc.Text() {
-			continue
-		}
+	for _, line := range sseData(t, resp) {
 		var chunk struct {
 			Choices []struct {
 				Text string `json:"text"`
@@ -327,4 +315,24 @@ func TestCompletionLogprobsEcho(t *testing.T) {
 			t.Errorf("echo %v:\n got %s\nwant %s", echo, got, want)
 		}
 	}
+}
+
+// sseData reads a streamed response to its end: the data of each event
+// but the closing [DONE].
+func sseData(t *testing.T, resp *http.Response) []string {
+	t.Helper()
+	defer resp.Body.Close()
+	var lines []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := strings.TrimPrefix(sc.Text(), "data: ")
+		if line == "" || line == "[DONE]" || line == sc.Text() {
+			continue
+		}
+		lines = append(lines, line)
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return lines
 }
