@@ -66,7 +66,9 @@ func (m ChatMessage) text() (string, error) {
 	return "", fmt.Errorf("content must be a string or a list of parts")
 }
 
-// chatRoles are the message roles SGLang's chat endpoint accepts.
+// chatRoles are the message roles SGLang's chat endpoint accepts (system,
+// user, assistant, tool, function) and OpenAI's developer; the template
+// decides what a role becomes.
 var chatRoles = []string{"system", "developer", "user", "assistant", "tool", "function"}
 
 // render applies the template with add_generation_prompt and any extra

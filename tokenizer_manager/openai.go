@@ -157,7 +157,10 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 	}
 	if req.Logprobs != nil {
 		in.ReturnLogprob, in.TopLogprobsNum = true, *req.Logprobs
-		if req.Echo && !req.Stream { // the prompt's logprobs too, as SGLang asks for them
+		// The prompt's logprobs too, as OpenAI's legacy completions return
+		// them (lm-evaluation-harness scores prompts so); SGLang's older
+		// adapter asked for them, its current server warns and leaves them out.
+		if req.Echo && !req.Stream {
 			zero := 0
 			in.LogprobStartLen = &zero
 		}
@@ -233,7 +236,7 @@ func (m *Manager) tokenText(id int32) string {
 
 // completionLogprobs is the legacy completions logprobs object; with echo
 // the prompt's tokens come first (null where a token has no logprob: the
-// first), as SGLang returns them.
+// first), in the shape of SGLang's to_openai_style_logprobs.
 func (m *Manager) completionLogprobs(s snapshot, echo bool) map[string]any {
 	var tokens []string
 	var lps, top []any
