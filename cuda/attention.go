@@ -23,7 +23,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	if meta.MaxQLen > 1 && meta.Decodes > 0 && meta.Decodes < meta.NumSeqs {
 		// A mixed step: the prefill kernel would give each decode a whole
 		// tile of queries; the decodes go to the decode kernel instead.
-		if _, _, ok := d.splitDecodeKernel(g, dim); ok {
+		if _, _, ok := d.splitDecodeKernel(g, dim, meta.Decodes*hk); ok {
 			dec, pre := meta, meta
 			dec.NumSeqs, dec.MaxQLen = meta.Decodes, 1
 			pre.NumSeqs, pre.Decodes = meta.NumSeqs-meta.Decodes, 0
@@ -35,8 +35,8 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 		}
 	}
 	if meta.MaxQLen == 1 && !meta.Sparse {
-		if name, _, ok := d.splitDecodeKernel(g, dim); ok {
-			waves, splits := d.decodeVecGrid(meta.NumSeqs*hk, d.gqaDecode(g, dim))
+		if name, _, ok := d.splitDecodeKernel(g, dim, meta.NumSeqs*hk); ok {
+			waves, splits := d.decodeVecGrid(meta.NumSeqs*hk, g, d.gqaDecode(g, dim, meta.NumSeqs*hk))
 			d.attnDecode(name, waves, splits, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
 			return
 		}
@@ -85,11 +85,18 @@ const decodeVecMaxSplits = 128
 // the last block's merge) is most of its time at short contexts, so it
 // does not take the vector kernel's eight waves where the pairs fill half
 // to all of one: that cut 64 sequences of 132 positions in two splits each
-// for nothing. EBB_GQA_WAVES sets its waves for A/B runs.
-func (d *Device) decodeVecGrid(pairs int, gqa bool) (waves, splits int) {
+// for nothing. Where it takes the small batches of g (one or two) heads a
+// kv head that the vector kernel takes otherwise, it fills the GPU once
+// (two waves of one block an SM): 8 pairs of 32,000 positions 55.7 us with
+// four, 51.5 with two; 64 pairs of 4,000 51.9 / 48.3; from 64 pairs of 512
+// up the same. EBB_GQA_WAVES sets its waves for A/B runs.
+func (d *Device) decodeVecGrid(pairs, g int, gqa bool) (waves, splits int) {
 	waves, splits = decodeVecWaves(pairs, d.ctx.SMs), 64
 	if gqa {
 		waves = 4
+		if g < gqaDecodeFrom {
+			waves = 2
+		}
 		if d.gqaWaves > 0 {
 			waves = d.gqaWaves
 		}
@@ -113,14 +120,14 @@ func decodeVecMinSplit(splits int) int {
 }
 
 // splitDecodeKernel picks the split decode kernel for g query heads a kv
-// head and the head size: attention_gqa.cu's tensor-core kernel for 3 to 8
-// heads of 128 dims (EBB_DECODE_GQA, for A/B runs: 0 for none, all for 1
-// to 8), where the vector kernel's work a row grows with the heads until it
-// outweighs the loads; attention_fast.cu's vector kernel for head sizes of
-// 32 to 256 lanes' worth of 16-byte loads and up to 8 heads. raw is the
-// kernel that also prepares the step's queries and newest K and V.
-func (d *Device) splitDecodeKernel(g, dim int) (name, raw string, ok bool) {
-	if d.gqaDecode(g, dim) {
+// head, the head size and a step's pairs (sequence, kv head):
+// attention_gqa.cu's tensor-core kernel for 3 to 8 heads of 128 dims, and
+// for fewer where the pairs are few (gqaDecode); attention_fast.cu's vector
+// kernel for head sizes of 32 to 256 lanes' worth of 16-byte loads and up
+// to 8 heads. raw is the kernel that also prepares the step's queries and
+// newest K and V.
+func (d *Device) splitDecodeKernel(g, dim, pairs int) (name, raw string, ok bool) {
+	if d.gqaDecode(g, dim, pairs) {
 		return "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", true
 	}
 	mg := 1
@@ -156,13 +163,24 @@ func gqaFromEnv(v string) int {
 }
 
 // gqaDecode says whether g query heads a kv head of dim take
-// attn_decode_gqa.
-func (d *Device) gqaDecode(g, dim int) bool {
-	from := d.gqaFrom
-	if from == 0 {
-		from = gqaDecodeFrom
+// attn_decode_gqa in a step of pairs (sequence, kv head): from three heads
+// always, where the vector kernel's work a row grows with the heads until
+// it outweighs the loads; one or two heads where the pairs are at most
+// 4.5 waves of SMs, where the vector kernel's fixed cost a block is what
+// shows (EBB_DECODE_GQA, for A/B runs: 0 for none, all for 1 to 8 at any
+// batch). The 0.6B shape (two heads, 8 kv heads), H100, us: 1 x 32,000
+// 52.6 -> 51.5, 1 x 4,000 11.4 -> 10.2, 71 x 512 64.0 -> 59.9, 71 x 8,192
+// 855.5 -> 822.0; a decode step at batch 1, 128 positions 0.90 -> 0.83 ms.
+// At 256 sequences the vector kernel is faster (512 positions 176.9 against
+// 187.5, and the step 3.32 ms against 3.63).
+func (d *Device) gqaDecode(g, dim, pairs int) bool {
+	if dim != 128 || g > gqaDecodeHeads {
+		return false
 	}
-	return dim == 128 && g >= from && g <= gqaDecodeHeads
+	if d.gqaFrom != 0 {
+		return g >= d.gqaFrom
+	}
+	return g >= gqaDecodeFrom || (d.ctx != nil && 2*pairs <= 9*d.ctx.SMs)
 }
 
 // PrepareAttention implements device.AttentionPreparer. A decode step's
@@ -187,7 +205,7 @@ func (d *Device) PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, k
 		return false
 	}
 	pre, decodes := meta, 0
-	if _, _, ok := d.splitDecodeKernel(hq/hk, dim); ok && meta.Decodes > 0 {
+	if _, _, ok := d.splitDecodeKernel(hq/hk, dim, meta.Decodes*hk); ok && meta.Decodes > 0 {
 		// As Attention splits a mixed step: the decodes, their queries
 		// prepared, to the decode kernel.
 		decodes = meta.Decodes
@@ -219,11 +237,11 @@ type decodeRaw struct {
 // attn_decode_vec takes the step (EBB_DECODE_PREPARE=separate leaves it
 // to prepare_qkv, for A/B runs).
 func (d *Device) prepareDecode(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int, raw *decodeRaw) bool {
-	_, name, ok := d.splitDecodeKernel(hq/hk, dim)
+	_, name, ok := d.splitDecodeKernel(hq/hk, dim, meta.NumSeqs*hk)
 	if !ok || meta.Sparse || !d.rawDecode || dim%16 != 0 || raw.positions.Numel() != meta.NumSeqs {
 		return false
 	}
-	waves, splits := d.decodeVecGrid(meta.NumSeqs*hk, d.gqaDecode(hq/hk, dim))
+	waves, splits := d.decodeVecGrid(meta.NumSeqs*hk, hq/hk, d.gqaDecode(hq/hk, dim, meta.NumSeqs*hk))
 	d.attnDecode(name, waves, splits, true,
 		out, qkv, kc, vc, meta, scale, hq, hk, dim, raw)
 	return true

@@ -136,16 +136,17 @@ func TestPrepareDecode(t *testing.T) {
 		{"qwen3-30b-a3b-g8", 32, 4, 128, true, []int{700, 1, 65, 16, 17, 3000}},
 		{"qwen3-8b-g4-ragged", 32, 8, 128, true, raggedContexts(80)},
 		{"g3-no-norm", 12, 4, 128, false, []int{90, 400, 7}},
-		{"gqa-all-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
-		{"gqa-all-g1-no-norm", 8, 8, 128, false, []int{90, 400, 7}},
+		// EBB_DECODE_GQA=0: small batches of one and two heads a kv head
+		// on the vector kernel, which takes them beyond 4.5 waves' pairs.
+		{"vector-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
+		{"vector-g1-no-norm", 8, 8, 128, false, []int{90, 400, 7}},
+		{"gqa-all-qwen3-ragged-full-gpu", 16, 8, 128, true, raggedContexts(80)},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			p.gpu.rawDecode = true
-			if strings.HasPrefix(tc.name, "gqa-all") {
-				p.gpu.gqaFrom = gqaFromEnv("all")
-			}
+			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			qlens := repeat(1, len(tc.kvlens))
 			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
 			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
@@ -333,10 +334,17 @@ func TestAttention(t *testing.T) {
 		{"decode-gqa-g3-ragged", 12, 4, 128, repeat(1, 80), raggedContexts(80)},
 		{"decode-gqa-g5-many", 40, 8, 128, repeat(1, 200), repeat(130, 200)},
 		{"mixed-gqa-g8", 32, 4, 128, []int{1, 1, 70, 1}, []int{2000, 3, 70, 64}},
-		// EBB_DECODE_GQA=all: one and two heads a kv head on it too.
-		{"gqa-all-g2", 16, 8, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
-		{"gqa-all-g2-long", 16, 8, 128, []int{1}, []int{32000}},
+		// One and two heads a kv head on it where the pairs are few, and
+		// with EBB_DECODE_GQA=all at any batch.
+		{"decode-gqa-g2", 16, 8, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
+		{"decode-gqa-g2-long", 16, 8, 128, []int{1}, []int{32000}},
 		{"gqa-all-g1-ragged", 8, 8, 128, repeat(1, 80), raggedContexts(80)},
+		// EBB_DECODE_GQA=0: the vector kernel's small batches.
+		{"vector-g2", 16, 8, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
+		{"vector-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
+		{"vector-b1-long", 16, 8, 128, []int{1}, []int{24000}},
+		{"vector-ragged-small-batch", 16, 8, 128, []int{1, 1, 1, 1}, []int{4000, 100, 65, 1}},
+		{"vector-ragged-one-wave", 16, 8, 128, repeat(1, 48), raggedContexts(48)},
 		{"decode-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
 		{"decode-b1-long", 16, 8, 128, []int{1}, []int{24000}}, // up to 128 splits (EBB_DECODE_SPLITS)
 		// Contexts of very different lengths: long ones take more than one
@@ -362,9 +370,7 @@ func TestAttention(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
-			if strings.HasPrefix(tc.name, "gqa-all") {
-				p.gpu.gqaFrom = gqaFromEnv("all")
-			}
+			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
 			if strings.HasPrefix(tc.name, "sparse") {
 				for i := range meta {
@@ -390,27 +396,31 @@ func TestDecodeVecWaves(t *testing.T) {
 }
 
 // TestDecodeGrid (no GPU): attn_decode_gqa keeps four waves where the
-// vector kernel takes eight (pairs filling half to all of one wave),
-// EBB_GQA_WAVES sets its waves alone, and EBB_DECODE_SPLITS adds the waves
-// its splits need to both.
+// vector kernel takes eight (pairs filling half to all of one wave), and
+// two where it takes one or two heads a kv head; EBB_GQA_WAVES sets its
+// waves alone, and EBB_DECODE_SPLITS adds the waves its splits need to
+// both.
 func TestDecodeGrid(t *testing.T) {
 	for _, c := range []struct {
 		name                     string
-		pairs                    int
+		pairs, heads             int
 		gqa                      bool
 		gqaWaves, decodeSplits   int
 		wantWaves, wantMaxSplits int
 	}{
-		{"vector, short batch", 64, false, 0, 0, 4, 64},
-		{"vector, half to one wave", 512, false, 0, 0, 8, 64},
-		{"gqa, half to one wave", 512, true, 0, 0, 4, 64},
-		{"gqa, large batch", 2048, true, 0, 0, 4, 64},
-		{"gqa, EBB_GQA_WAVES", 512, true, 8, 0, 8, 64},
-		{"vector ignores EBB_GQA_WAVES", 64, false, 2, 0, 4, 64},
-		{"gqa, EBB_DECODE_SPLITS", 512, true, 0, 4, 16, 4},
+		{"vector, short batch", 64, 2, false, 0, 0, 4, 64},
+		{"vector, half to one wave", 512, 2, false, 0, 0, 8, 64},
+		{"gqa, half to one wave", 512, 4, true, 0, 0, 4, 64},
+		{"gqa, large batch", 2048, 8, true, 0, 0, 4, 64},
+		{"gqa, two heads", 8, 2, true, 0, 0, 2, 64},
+		{"gqa, one head", 512, 1, true, 0, 0, 2, 64},
+		{"gqa, EBB_GQA_WAVES", 512, 4, true, 8, 0, 8, 64},
+		{"gqa, two heads, EBB_GQA_WAVES", 8, 2, true, 4, 0, 4, 64},
+		{"vector ignores EBB_GQA_WAVES", 64, 2, false, 2, 0, 4, 64},
+		{"gqa, EBB_DECODE_SPLITS", 512, 4, true, 0, 4, 16, 4},
 	} {
 		d := &Device{ctx: &Context{SMs: 132}, gqaWaves: c.gqaWaves, decodeSplits: c.decodeSplits}
-		waves, splits := d.decodeVecGrid(c.pairs, c.gqa)
+		waves, splits := d.decodeVecGrid(c.pairs, c.heads, c.gqa)
 		if waves != c.wantWaves || splits != c.wantMaxSplits {
 			t.Errorf("%s: %d waves, %d splits; want %d, %d", c.name, waves, splits, c.wantWaves, c.wantMaxSplits)
 		}
@@ -418,7 +428,8 @@ func TestDecodeGrid(t *testing.T) {
 }
 
 // TestDecodeKernelChoice (no GPU): 3 to 8 query heads a kv head at 128
-// dims take the tensor-core kernel (a loaded kernel), 1 to 8 with
+// dims take the tensor-core kernel (a loaded kernel), and 1 or 2 where the
+// step's pairs are at most 4.5 waves of SMs; 1 to 8 at any batch with
 // EBB_DECODE_GQA=all and none with 0; every other head count up to 8 takes
 // the vector kernel whose register tiles hold it (the power of two above),
 // plain and raw alike; more than 8 take none.
@@ -428,13 +439,14 @@ func TestDecodeKernelChoice(t *testing.T) {
 		loaded[n] = true
 	}
 	for _, mode := range []struct {
-		env  string
-		from int // fewest heads on the tensor-core kernel at 128 dims
-	}{{"", 3}, {"0", 9}, {"all", 1}} {
-		d := &Device{gqaFrom: gqaFromEnv(mode.env)}
+		env   string
+		pairs int
+		from  int // fewest heads on the tensor-core kernel at 128 dims
+	}{{"", 8, 1}, {"", 594, 1}, {"", 595, 3}, {"", 2048, 3}, {"0", 8, 9}, {"all", 2048, 1}} {
+		d := &Device{ctx: &Context{SMs: 132}, gqaFrom: gqaFromEnv(mode.env)}
 		for _, dim := range []int{32, 64, 128, 256} {
 			for g := 1; g <= 16; g++ {
-				name, raw, ok := d.splitDecodeKernel(g, dim)
+				name, raw, ok := d.splitDecodeKernel(g, dim, mode.pairs)
 				if g > 8 {
 					if ok {
 						t.Errorf("%d heads a kv head, %d dims: %q, want none", g, dim, name)
@@ -443,7 +455,7 @@ func TestDecodeKernelChoice(t *testing.T) {
 				}
 				if dim == 128 && g >= mode.from {
 					if name != "attn_decode_gqa_d128" || raw != "attn_decode_gqa_raw_d128" || !loaded[name] || !loaded[raw] {
-						t.Errorf("%d heads, %d dims, EBB_DECODE_GQA=%q: %q / %q, want the loaded tensor-core kernels", g, dim, mode.env, name, raw)
+						t.Errorf("%d heads, %d dims, %d pairs, EBB_DECODE_GQA=%q: %q / %q, want the loaded tensor-core kernels", g, dim, mode.pairs, mode.env, name, raw)
 					}
 					continue
 				}
@@ -453,11 +465,24 @@ func TestDecodeKernelChoice(t *testing.T) {
 				}
 				want := fmt.Sprintf("attn_decode_vec_d%d_g%d", dim, mg)
 				if !ok || name != want || raw != strings.Replace(want, "vec_", "vec_raw_", 1) {
-					t.Errorf("%d heads, %d dims, EBB_DECODE_GQA=%q: %q / %q, want %q", g, dim, mode.env, name, raw, want)
+					t.Errorf("%d heads, %d dims, %d pairs, EBB_DECODE_GQA=%q: %q / %q, want %q", g, dim, mode.pairs, mode.env, name, raw, want)
 				}
 			}
 		}
 	}
+}
+
+// decodeKernelMode is the EBB_DECODE_GQA setting a case's name asks for:
+// "gqa-all-" all, "vector-" none (the vector kernel), otherwise the
+// default.
+func decodeKernelMode(name string) int {
+	switch {
+	case strings.HasPrefix(name, "gqa-all-"):
+		return gqaFromEnv("all")
+	case strings.HasPrefix(name, "vector-"):
+		return gqaFromEnv("0")
+	}
+	return 0
 }
 
 // raggedContexts is one context in eight of 3,000 positions, the rest short.

@@ -221,7 +221,7 @@ func benchSlots(ctx []int, layout string) ([]int32, error) {
 func (d *Device) attentionKernelName(s AttentionBenchSpec) string {
 	g := s.QHeads / s.KVHeads
 	if s.QLen == 1 {
-		if name, _, ok := d.splitDecodeKernel(g, s.Dim); ok {
+		if name, _, ok := d.splitDecodeKernel(g, s.Dim, s.Batch*s.KVHeads); ok {
 			return name
 		}
 		if name, ok := decodeKernel(g, s.Dim); ok {
