@@ -56,8 +56,9 @@ func TestDetShapeError(t *testing.T) {
 
 // TestDeterministicProductsAreRowInvariant: a row's product has the same
 // bits whichever rows share the launch (1 to 300 of them: every batch tile
-// and past one), on matmul_wg for every count, and matches the CPU
-// reference within bf16 rounding.
+// and past one; and a prefill large enough for matmul_wg_part, which runs
+// the splits in one block), on matmul_wg for every count, and matches the
+// CPU reference within bf16 rounding.
 func TestDeterministicProductsAreRowInvariant(t *testing.T) {
 	const rows = 300
 	for _, tc := range []struct {
@@ -102,14 +103,42 @@ func TestDeterministicProductsAreRowInvariant(t *testing.T) {
 				// The last m rows: each lands at another place in its tile.
 				part := p.random(dt, 0, m, cols)
 				product(part.g, x.g.Rows(rows-m, rows))
-				got, _ := p.download(part)
-				for i := range got {
-					if math.Float32bits(got[i]) != math.Float32bits(want[(rows-m)*cols+i]) {
-						t.Fatalf("%d rows: row %d col %d: %v, %v among %d rows", m, rows-m+i/cols, i%cols, got[i], want[(rows-m)*cols+i], rows)
-					}
+				sameRows(t, p, part, want[(rows-m)*cols:], cols, fmt.Sprintf("%d rows among %d", m, rows))
+			}
+			// The fewest rows that take matmul_wg_part, whose last rows (in
+			// the middle of its last tile) and first rows must have the
+			// bits they have alone.
+			big := 0
+			for m := rows; m <= 4096 && big == 0; m++ {
+				if name, _, _, _, _ := p.gpu.matMulWGShape(m, tc.n, tc.k); name == "matmul_wg_part_n128" {
+					big = m
 				}
 			}
+			if big == 0 {
+				return // one split a tile (lm_head): nothing to run in parts
+			}
+			xb := p.random(device.BF16, 1, big, tc.k)
+			prefill := p.random(dt, 0, big, cols)
+			product(prefill.g, xb.g)
+			all, _ := p.download(prefill)
+			for _, r := range [][2]int{{big - 40, big}, {0, 33}} {
+				part := p.random(dt, 0, r[1]-r[0], cols)
+				product(part.g, xb.g.Rows(r[0], r[1]))
+				sameRows(t, p, part, all[r[0]*cols:], cols, fmt.Sprintf("rows %d-%d among %d (matmul_wg_part)", r[0], r[1], big))
+			}
 		})
+	}
+}
+
+// sameRows fails unless the GPU rows of part have exactly the bits of want
+// (rows of cols values each).
+func sameRows(t *testing.T, p *pair, part both, want []float32, cols int, what string) {
+	t.Helper()
+	got, _ := p.download(part)
+	for i := range got {
+		if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+			t.Fatalf("%s: row %d col %d: %v, want %v", what, i/cols, i%cols, got[i], want[i])
+		}
 	}
 }
 

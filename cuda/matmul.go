@@ -197,7 +197,7 @@ func (d *Device) matMulKernel(m, n, k int) string {
 		name, _ := d.matMulTCShape(m, n, k)
 		return name
 	case routeWG:
-		name, _, _, _ := d.matMulWGShape(m, n, k)
+		name, _, _, _, _ := d.matMulWGShape(m, n, k)
 		return name
 	}
 	return "cublasGemmEx"

@@ -54,6 +54,10 @@ func (d *Device) initMatMulWG() error {
 			return err
 		}
 	}
+	if err := d.k["matmul_wg_part_n128"].SetMaxDynamicShared(matMulWGShared(matMulWGPartRows)); err != nil {
+		return err
+	}
+	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
 	for _, bn := range moeWGRows {
 		if err := d.k[fmt.Sprintf("moe_wg_n%d", bn)].SetMaxDynamicShared(moeWGShared(bn)); err != nil {
 			return err
@@ -90,10 +94,17 @@ func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 		n%16 == 0 && (glu || tiles*matMulWGMaxCluster <= d.ctx.SMs)
 }
 
+// matMulWGPartRows is matmul_wg_part's batch tile.
+const matMulWGPartRows = 128
+
 // matMulWGShape picks matmul_wg's batch tile and grid (128-row tiles of
 // w, K splits): K is split over a cluster of up to 8 blocks so that the
-// grid fills the SMs once.
-func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps int) {
+// grid fills the SMs once. The splits depend on the weights' shape alone,
+// so that a row's sums are added in the same order at any batch size.
+// Where 128-row batch tiles alone fill the GPU (deterministic inference's
+// prefills), matmul_wg_part runs each tile's splits one after the other in
+// one block (kpart k-steps each, the same order of sums) instead.
+func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps, kpart int) {
 	bn = matMulWGRows[len(matMulWGRows)-1]
 	for _, b := range matMulWGRows {
 		if m <= b {
@@ -101,14 +112,17 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 			break
 		}
 	}
-	// Past the largest tile (deterministic inference's prefills), a batch
-	// tile a blockIdx.y.
-	ytiles := (m + bn - 1) / bn
 	tiles, kt := (n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK
 	splits := max(1, min(kt, matMulWGMaxCluster, d.ctx.SMs/tiles))
 	kps = (kt + splits - 1) / splits
 	splits = (kt + kps - 1) / kps
-	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), uint32(ytiles), uint32(splits)}, kps
+	if pt := (m + matMulWGPartRows - 1) / matMulWGPartRows; splits > 1 && pt*tiles >= d.ctx.SMs && !d.noPart {
+		return "matmul_wg_part_n128", matMulWGPartRows, Dim3{uint32(tiles), uint32(pt), 1}, kt, kps
+	}
+	// Past the largest tile (deterministic inference's prefills), a batch
+	// tile a blockIdx.y.
+	ytiles := (m + bn - 1) / bn
+	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), uint32(ytiles), uint32(splits)}, kps, 0
 }
 
 // matMulWG launches matmul_wg; with glu w is [gate | up] and out takes
@@ -117,10 +131,10 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 	if d.err != nil {
 		return
 	}
-	name, bn, grid, kps := d.matMulWGShape(m, n, k)
+	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
 	d.launchWG(name, grid, matMulWGShared(bn), int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
-		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps))
+		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps), I(kpart))
 }
 
 // wgOperands are the two operands of a matmul_wg or moe_wg launch: w

@@ -23,6 +23,13 @@
 // block r of the cluster adds fragments r, r + splits, ... of all blocks in
 // rank order (distributed shared memory), so every run gives the same bits.
 //
+// matmul_wg_part takes deterministic inference's prefills, whose batch
+// tiles fill the GPU without splits: one block runs all of K, and at every
+// kpart k-steps (a split's length) adds its accumulators into a running
+// sum, 0 + p0 + p1 + ... as the cluster adds its ranks. A row gets the bits
+// a decode step's split product gives it, without a cluster's pipeline
+// refilled every few k-steps and its sums passed through shared memory.
+//
 // w's tensor map is 4-d (k, row within 8, gate or up, group of 8 rows), so
 // that with glu each 16-row group of the tile is 8 gates and their 8 ups:
 // a warp's accumulator rows g and g + 8 are a gate and its up, and the
@@ -232,9 +239,10 @@ template <int BN> __device__ __forceinline__ void mwg_stage(float *d, unsigned s
 #endif
 }
 
-template <int BN>
+template <int BN, bool PART>
 __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *out, int out_f32, int m, int N, int K,
-                               int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps) {
+                               int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps,
+                               int kpart) {
 #ifdef MWG_ON
 	constexpr int WBYTES = MWG_ROWS * 128, STAGE = WBYTES + BN * 128, S = mwg_stages(BN);
 	constexpr int NU = (BN * 8 + MWG_CONSUMERS - 1) / MWG_CONSUMERS; // x chunks a consumer normalises
@@ -248,7 +256,8 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	__shared__ float warp_sq[MWG_CONSUMERS / 32][FOLD ? BN : 1]; // add mode: each warp's 16 columns' squares
 	// Batches past BN rows (deterministic inference's prefills) take a
 	// batch tile a blockIdx.y; the fold modes are for one tile.
-	if ((!FOLD && (residual || norm_w)) || gridDim.z > MWG_MAX_CLUSTER || (gridDim.y > 1 && (residual || norm_w)))
+	if ((!FOLD && (residual || norm_w)) || gridDim.z > MWG_MAX_CLUSTER || (gridDim.y > 1 && (residual || norm_w)) ||
+	    (PART && (gridDim.z > 1 || residual || norm_w || kpart < 1)))
 		__trap();
 	const int row0 = blockIdx.y * BN;
 	const int tid = threadIdx.x, lane = tid & 31;
@@ -271,8 +280,12 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
 	float hpre[2][4]; // add mode: see below
 	float d[BN / 2];
+	float run[PART ? BN / 2 : 1]; // PART: the sum of the splits before this one
 #pragma unroll
 	for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
+	if (PART)
+#pragma unroll
+		for (int i = 0; i < BN / 2; i++) run[i] = 0.f;
 	if (!consumer) {
 		const bool issue = lane == 0;
 		if (issue) {
@@ -342,10 +355,24 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 			mbar_wait(full + 8 * s, (t / S) & 1);
 			mwg_stage<BN>(d, base + s * STAGE, WBYTES, wg);
 			if (t > 0 && !(FOLD && norm_w && s == 0)) mbar_arrive(empty + 8 * ((t - 1) % S));
+			if (PART && (t + 1) % kpart == 0 && t + 1 < nt) {
+				// A split ends: its sums join the running sum, and the next
+				// split's start from zero, as a cluster block's do.
+				asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+				for (int i = 0; i < BN / 2; i++) {
+					asm volatile("" : "+f"(d[i])::"memory");
+					run[i] += d[i];
+					d[i] = 0.f;
+				}
+			}
 		}
 		asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
 		for (int i = 0; i < BN / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
+		if (PART && kpart < nt)
+#pragma unroll
+			for (int i = 0; i < BN / 2; i++) d[i] = run[i] + d[i];
 	}
 
 	const long long half = N / 2;
@@ -451,16 +478,18 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 #endif
 }
 
-#define MATMUL_WG(BN)                                                                                                  \
+#define MATMUL_WG(NAME, BN, PART)                                                                                     \
 	extern "C" __global__ void __launch_bounds__(MWG_THREADS, 1)                                                       \
-	    matmul_wg_n##BN(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, void *out, int out_f32, \
-	                    int m, int N, int K, int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, \
-	                    float eps) {                                                                                   \
-		matmul_wg_impl<BN>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps, residual, norm_w, sq, nsq, eps);             \
+	    NAME(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, void *out, int out_f32, int m,     \
+	         int N, int K, int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps,        \
+	         int kpart) {                                                                                              \
+		matmul_wg_impl<BN, PART>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps, residual, norm_w, sq, nsq, eps,       \
+		                         kpart);                                                                             \
 	}
-MATMUL_WG(32)
-MATMUL_WG(48)
-MATMUL_WG(64)
-MATMUL_WG(96)
-MATMUL_WG(128)
-MATMUL_WG(256)
+MATMUL_WG(matmul_wg_n32, 32, false)
+MATMUL_WG(matmul_wg_n48, 48, false)
+MATMUL_WG(matmul_wg_n64, 64, false)
+MATMUL_WG(matmul_wg_n96, 96, false)
+MATMUL_WG(matmul_wg_n128, 128, false)
+MATMUL_WG(matmul_wg_n256, 256, false)
+MATMUL_WG(matmul_wg_part_n128, 128, true)
