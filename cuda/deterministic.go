@@ -103,6 +103,10 @@ func detShapeError(m device.ModelShape) error {
 	if m.Experts > 0 {
 		products = append(products, product{"the router", m.Experts, m.Hidden})
 	}
+	if si := m.SharedIntermediate; si > 0 {
+		products = append(products, product{"the shared expert's gate_up_proj", 2 * si, m.Hidden},
+			product{"the shared expert's down_proj", m.Hidden, si}, product{"the shared expert's gate", 1, m.Hidden})
+	}
 	for _, p := range products {
 		if !detProductFits(p.n, p.k) {
 			return fmt.Errorf("%s is %d x %d (its products take rows in multiples of 16 and K in multiples of %d)", p.name, p.n, p.k, matMulWGBK)

@@ -43,6 +43,8 @@ func TestDetShapeError(t *testing.T) {
 		{"hidden off 64", with(func(m *device.ModelShape) { m.Hidden = 1000 }), "is 4096 x 1000"},
 		{"intermediate off 64", with(func(m *device.ModelShape) { m.Intermediate = 3000 }), "down_proj is 1024 x 3000"},
 		{"router of 60 experts", with(func(m *device.ModelShape) { m.Experts = 60 }), "the router is 60 x 1024"},
+		{"qwen2-moe's shared expert", with(func(m *device.ModelShape) { m.Experts, m.SharedIntermediate = 64, 2048 }),
+			"the shared expert's gate is 1 x 1024"},
 	} {
 		err := detShapeError(c.shape)
 		switch {

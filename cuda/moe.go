@@ -114,6 +114,24 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
 }
 
+// MoESharedAdd implements device.MoE.
+func (d *Device) MoESharedAdd(out, y, gate device.Tensor) {
+	if d.err != nil {
+		return
+	}
+	t, h := y.Dim(0), y.Dim(-1)
+	if out.Numel() != t*h || gate.Numel() != t || y.DType != device.BF16 || gate.DType != device.BF16 ||
+		(out.DType != device.BF16 && out.DType != device.F32) || h%8 != 0 || y.Ptr%16 != 0 || out.Ptr%16 != 0 {
+		d.fail(fmt.Errorf("moe shared add: out %v, y %v, gate %v (bf16 y and gate, H a multiple of 8)", out, y, gate))
+		return
+	}
+	if t == 0 {
+		return
+	}
+	d.launch("moe_shared_add", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(y.Ptr),
+		P(gate.Ptr), I(h))
+}
+
 // moeTiles picks the grouped product and its tile height for p pairs over
 // e experts (EBB_MOE_TILE_ROWS=16 or 64 forces one, for A/B runs).
 func (d *Device) moeTiles(p, e int) (kernel string, rows int) {

@@ -262,3 +262,19 @@ func checkMoESort(t *testing.T, d *Device, work device.Tensor, ids []int32, rows
 		}
 	}
 }
+
+// TestMoESharedAdd: a shared expert's gated output added into bf16 and
+// float32 sums matches the CPU reference within bf16 rounding.
+func TestMoESharedAdd(t *testing.T) {
+	p := newPair(t)
+	for _, dt := range []device.DType{device.BF16, device.F32} {
+		for _, c := range []struct{ rows, hidden int }{{5, 64}, {300, 2048}} {
+			out := p.random(dt, 1, c.rows, c.hidden)
+			y := p.random(device.BF16, 1, c.rows, c.hidden)
+			gate := p.random(device.BF16, 3, c.rows, 1)
+			p.gpu.MoESharedAdd(out.g, y.g, gate.g)
+			p.cpu.MoESharedAdd(out.c, y.c, gate.c)
+			p.close(fmt.Sprintf("moe_shared_add %v %d x %d", dt, c.rows, c.hidden), out, 2e-2, 2e-2)
+		}
+	}
+}

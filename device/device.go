@@ -393,10 +393,11 @@ type Deterministic interface {
 type ModelShape struct {
 	Hidden, Intermediate, Heads, KVHeads, HeadDim, Vocab int
 	Experts                                              int // 0 for a dense model
+	SharedIntermediate                                   int // Qwen2-MoE's shared expert; 0 for none
 }
 
 // MoE is implemented by devices that run the sparse MLP of a
-// mixture-of-experts layer (Qwen3-MoE).
+// mixture-of-experts layer (Qwen3-MoE, Qwen2-MoE).
 type MoE interface {
 	// MoERoute picks each row's experts from router logits [T, E] (the
 	// activation dtype): a float32 softmax, its k largest probabilities in
@@ -416,6 +417,12 @@ type MoE interface {
 	// MoEWorkBytes is the scratch MoEExperts needs for t rows of k
 	// experts each, of experts experts of inter columns over hidden.
 	MoEWorkBytes(t, k, experts, inter, hidden int) int64
+	// MoESharedAdd adds a shared expert's output y [T, H] (the activation
+	// dtype), gated by its row's gate logit [T, 1], into out [T, H]:
+	// out[t] += sigmoid(gate[t]) * y[t], the sigmoid and the product each
+	// rounded to the activation dtype and the sum to out's, as
+	// transformers' Qwen2-MoE block rounds them.
+	MoESharedAdd(out, y, gate Tensor)
 }
 
 // Accumulating is implemented by devices that add a matmul's product into

@@ -135,7 +135,7 @@ func enableDeterministic(dev device.Device, cfg Config, m *model.Config) error {
 	shape := device.ModelShape{Hidden: m.Hidden, Intermediate: m.Intermediate, Heads: m.Heads, KVHeads: m.KVHeads,
 		HeadDim: m.HeadDim, Vocab: m.Vocab}
 	if m.MoE != nil {
-		shape.Experts = m.MoE.Experts
+		shape.Experts, shape.SharedIntermediate = m.MoE.Experts, m.MoE.SharedIntermediate
 	}
 	if err := det.EnableDeterministic(shape); err != nil {
 		return fmt.Errorf("--enable-deterministic-inference: %w", err)

@@ -1,5 +1,6 @@
 // Package model loads Hugging Face decoder-only transformers (Qwen3, Qwen2,
-// Llama) and runs their forward pass on a device.Device with a paged KV cache.
+// Llama, and the Qwen3-MoE and Qwen2-MoE mixtures of experts) and runs their
+// forward pass on a device.Device with a paged KV cache.
 package model
 
 import (
@@ -21,6 +22,7 @@ const (
 	Qwen2    Arch = "Qwen2ForCausalLM"
 	Llama    Arch = "LlamaForCausalLM"
 	Qwen3MoE Arch = "Qwen3MoeForCausalLM"
+	Qwen2MoE Arch = "Qwen2MoeForCausalLM"
 )
 
 // RopeScaling is the subset of rope_scaling / rope_parameters ebb supports.
@@ -65,15 +67,19 @@ type Config struct {
 }
 
 // MoEConfig describes the sparse MLP layers of a mixture-of-experts model
-// (Qwen3-MoE): a router picks TopK of Experts per token, each expert a
-// silu-gated MLP of Intermediate columns, and their outputs are added
-// weighted by the router's softmax (renormalised over the chosen ones when
-// NormTopK).
+// (Qwen3-MoE, Qwen2-MoE): a router picks TopK of Experts per token, each
+// expert a silu-gated MLP of Intermediate columns, and their outputs are
+// added weighted by the router's softmax (renormalised over the chosen ones
+// when NormTopK). Qwen2-MoE adds a shared expert of SharedIntermediate
+// columns that every token takes, weighted by the sigmoid of its own gate.
 type MoEConfig struct {
 	Experts      int
 	TopK         int
 	Intermediate int // this rank's share under tensor parallelism
 	NormTopK     bool
+	// SharedIntermediate is the shared expert's columns (this rank's
+	// share); 0 for none (Qwen3-MoE).
+	SharedIntermediate int
 	// SparseStep and MLPOnly pick the sparse layers as transformers does:
 	// layer i is sparse when (i+1) % SparseStep == 0 and i is not in
 	// MLPOnly; the others have a dense MLP of Config.Intermediate.
@@ -134,8 +140,8 @@ type rawConfig struct {
 	TorchDType         string          `json:"torch_dtype"`
 	DType              string          `json:"dtype"`
 	QuantizationConfig json.RawMessage `json:"quantization_config"`
-	// Mixture of experts (Qwen3-MoE). Qwen's releases write num_experts,
-	// transformers 5 num_local_experts.
+	// Mixture of experts (Qwen3-MoE, Qwen2-MoE). Qwen's releases write
+	// num_experts, transformers 5 num_local_experts.
 	NumExperts          *int  `json:"num_experts"`
 	NumLocalExperts     *int  `json:"num_local_experts"`
 	NumExpertsPerTok    int   `json:"num_experts_per_tok"`
@@ -143,6 +149,7 @@ type rawConfig struct {
 	NormTopKProb        bool  `json:"norm_topk_prob"`
 	DecoderSparseStep   *int  `json:"decoder_sparse_step"`
 	MLPOnlyLayers       []int `json:"mlp_only_layers"`
+	SharedExpertSize    *int  `json:"shared_expert_intermediate_size"`
 }
 
 // LoadConfig reads dir/config.json.
@@ -181,13 +188,14 @@ func ParseConfig(data []byte) (*Config, error) {
 		c.QKNorm = true
 		c.AttentionBias = r.AttentionBias != nil && *r.AttentionBias
 		c.OutputBias = c.AttentionBias
-	case Qwen2:
+	case Qwen2, Qwen2MoE:
 		c.AttentionBias = true // Qwen2 always has q/k/v bias and no o bias
 	case Llama:
 		c.AttentionBias = r.AttentionBias != nil && *r.AttentionBias
 		c.OutputBias = c.AttentionBias
 	default:
-		return nil, fmt.Errorf("unsupported architecture %q (supported: %s, %s, %s, %s)", c.Arch, Qwen3, Qwen3MoE, Qwen2, Llama)
+		return nil, fmt.Errorf("unsupported architecture %q (supported: %s, %s, %s, %s, %s)", c.Arch, Qwen3, Qwen3MoE, Qwen2,
+			Qwen2MoE, Llama)
 	}
 	var errs []error
 	positive := func(name string, v int) {
@@ -254,18 +262,27 @@ func ParseConfig(data []byte) (*Config, error) {
 		return nil, fmt.Errorf("eos_token_id: %w", err)
 	}
 	c.EOSTokenIDs = eos
-	if c.Arch == Qwen3MoE {
-		if c.MoE, err = parseMoE(&r, c.Layers); err != nil {
+	if c.Arch == Qwen3MoE || c.Arch == Qwen2MoE {
+		if c.MoE, err = parseMoE(&r, c.Layers, c.Arch == Qwen2MoE); err != nil {
 			return nil, err
 		}
 	}
 	return c, nil
 }
 
-// parseMoE reads the expert settings with Qwen3MoeConfig's defaults.
-func parseMoE(r *rawConfig, layers int) (*MoEConfig, error) {
+// parseMoE reads the expert settings with Qwen3MoeConfig's defaults, or
+// Qwen2MoeConfig's (60 experts, 4 a token, 1,408 columns each, a shared
+// expert of 5,632) where shared.
+func parseMoE(r *rawConfig, layers int, shared bool) (*MoEConfig, error) {
 	m := &MoEConfig{Experts: 128, TopK: r.NumExpertsPerTok, Intermediate: r.MoEIntermediateSize,
 		NormTopK: r.NormTopKProb, SparseStep: 1, MLPOnly: r.MLPOnlyLayers}
+	topK, inter := 8, 768
+	if shared {
+		m.Experts, topK, inter, m.SharedIntermediate = 60, 4, 1408, 5632
+		if r.SharedExpertSize != nil {
+			m.SharedIntermediate = *r.SharedExpertSize
+		}
+	}
 	switch {
 	case r.NumExperts != nil:
 		m.Experts = *r.NumExperts
@@ -276,12 +293,15 @@ func parseMoE(r *rawConfig, layers int) (*MoEConfig, error) {
 		m.SparseStep = *r.DecoderSparseStep
 	}
 	if m.TopK == 0 {
-		m.TopK = 8
+		m.TopK = topK
 	}
 	if m.Intermediate == 0 {
-		m.Intermediate = 768
+		m.Intermediate = inter
 	}
 	var errs []error
+	if shared && m.SharedIntermediate <= 0 {
+		errs = append(errs, fmt.Errorf("shared_expert_intermediate_size must be positive, got %d", m.SharedIntermediate))
+	}
 	if m.Experts <= 0 || m.TopK <= 0 || m.TopK > m.Experts {
 		errs = append(errs, fmt.Errorf("num_experts_per_tok %d must be in [1, num_experts %d]", m.TopK, m.Experts))
 	}
@@ -431,6 +451,9 @@ func (c *Config) DecodeWeightBytesAt(batch int) int64 {
 		m := c.MoE
 		touched := float64(m.Experts) * (1 - math.Pow(1-float64(m.TopK)/float64(m.Experts), float64(max(batch, 1))))
 		n += int64(m.Experts)*h + int64(touched*float64(3*h*int64(m.Intermediate)))
+		if m.SharedIntermediate > 0 {
+			n += h + 3*h*int64(m.SharedIntermediate) // every token takes the shared expert
+		}
 	}
 	return 2 * (n + int64(c.Vocab)*h)
 }

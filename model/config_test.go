@@ -54,6 +54,19 @@ func TestParseConfig(t *testing.T) {
 			func(c *Config) bool { return c.MoE == nil && !c.Sparse(0) }},
 		{"top-k beyond the experts", `{"architectures": ["Qwen3MoeForCausalLM"], ` + base + `, "num_experts": 4, "num_experts_per_tok": 8}`, "num_experts_per_tok", nil},
 		{"mlp_only_layers out of range", `{"architectures": ["Qwen3MoeForCausalLM"], ` + base + `, "mlp_only_layers": [5]}`, "mlp_only_layers", nil},
+		{"qwen2 moe defaults (Qwen1.5-MoE-A2.7B's)", `{"architectures": ["Qwen2MoeForCausalLM"], ` + base + `}`, "",
+			func(c *Config) bool {
+				m := c.MoE
+				return c.AttentionBias && !c.OutputBias && !c.QKNorm && m.Experts == 60 && m.TopK == 4 &&
+					m.Intermediate == 1408 && m.SharedIntermediate == 5632 && !m.NormTopK && c.Sparse(0)
+			}},
+		{"qwen2 moe shared expert size", `{"architectures": ["Qwen2MoeForCausalLM"], ` + base + `, "num_experts": 64, "num_experts_per_tok": 8,
+			"moe_intermediate_size": 2560, "shared_expert_intermediate_size": 20480}`, "",
+			func(c *Config) bool { return c.MoE.Experts == 64 && c.MoE.SharedIntermediate == 20480 }},
+		{"qwen2 moe without a shared expert", `{"architectures": ["Qwen2MoeForCausalLM"], ` + base + `, "shared_expert_intermediate_size": 0}`,
+			"shared_expert_intermediate_size", nil},
+		{"qwen3 moe has no shared expert", `{"architectures": ["Qwen3MoeForCausalLM"], ` + base + `, "shared_expert_intermediate_size": 64}`, "",
+			func(c *Config) bool { return c.MoE.SharedIntermediate == 0 }},
 	}
 	for _, c := range cases {
 		cfg, err := ParseConfig([]byte(c.json))

@@ -175,8 +175,11 @@ type activations struct {
 	h, x, qkv, attn, gateUp, act, tmp, sel, rawLogits, logits device.Tensor
 	localLogits                                               device.Tensor // this rank's part of the vocabulary, when split
 	// Sparse layers: router logits, the chosen experts and their weights,
-	// and the device's scratch for the experts.
+	// and the device's scratch for the experts; with a shared expert, its
+	// gate and up columns, their silu product, its output and its gate
+	// logit.
 	routerLogits, expertIDs, expertWeights, moeWork device.Tensor
+	sharedGateUp, sharedAct, shared, sharedGate     device.Tensor
 }
 
 func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, ...int) device.Tensor) activations {
@@ -207,9 +210,16 @@ func (m *Model) scratchLayout(t, r int, f32Logits bool, take func(device.DType, 
 		if n := m.dev.(device.MoE).MoEWorkBytes(t, k, c.MoE.Experts, c.MoE.Intermediate, c.Hidden); n > 0 {
 			moe.moeWork = take(device.I32, int((n+3)/4))
 		}
+		if si := c.MoE.SharedIntermediate; si > 0 {
+			moe.sharedGateUp = take(dt, t, 2*si)
+			moe.sharedAct = take(dt, t, si)
+			moe.shared = take(dt, t, c.Hidden)
+			moe.sharedGate = take(dt, t, 1)
+		}
 	}
 	return activations{
 		routerLogits: moe.routerLogits, expertIDs: moe.expertIDs, expertWeights: moe.expertWeights, moeWork: moe.moeWork,
+		sharedGateUp: moe.sharedGateUp, sharedAct: moe.sharedAct, shared: moe.shared, sharedGate: moe.sharedGate,
 		localLogits: local,
 		h:           take(dt, t, c.Hidden),
 		x:           take(dt, t, c.Hidden),
@@ -366,6 +376,9 @@ func (m *Model) forward(in Inputs, a activations) {
 			dev.MatMul(a.routerLogits.Rows(0, t), a.x, l.Router, device.Tensor{})
 			moe.MoERoute(ids, a.expertWeights.Rows(0, t), a.routerLogits.Rows(0, t), c.MoE.NormTopK)
 			moe.MoEExperts(a.tmp, a.x, ids, a.expertWeights.Rows(0, t), l.ExpertGateUp, l.ExpertDown, a.moeWork)
+			if l.SharedGate.Valid() {
+				m.sharedExpert(a, l, t)
+			}
 			addTmp(norm)
 			continue
 		}
@@ -419,12 +432,35 @@ func (a activations) logitRows(r int, rows device.Tensor, dev device.Device) act
 	qkv := a.act.View(a.act.Numel()).Rows(0, r*a.qkv.RowSize()).View(r, a.qkv.Dim(1), a.qkv.Dim(2))
 	dev.GatherRows(qkv, a.qkv, rows)
 	dev.GatherRows(a.sel, a.h, rows)
+	s := activations{sharedGateUp: a.sharedGateUp, sharedAct: a.sharedAct, shared: a.shared, sharedGate: a.sharedGate}
+	if s.shared.Valid() {
+		s.sharedGateUp, s.sharedAct = s.sharedGateUp.Rows(0, r), s.sharedAct.Rows(0, r)
+		s.shared, s.sharedGate = s.shared.Rows(0, r), s.sharedGate.Rows(0, r)
+	}
 	return activations{
 		h: a.sel, x: a.x.Rows(0, r), qkv: qkv, attn: a.attn.Rows(0, r),
 		gateUp: a.gateUp.Rows(0, r), act: a.act.Rows(0, r), tmp: a.tmp.Rows(0, r),
 		rawLogits: a.rawLogits, logits: a.logits, localLogits: a.localLogits,
 		routerLogits: a.routerLogits, expertIDs: a.expertIDs, expertWeights: a.expertWeights, moeWork: a.moeWork,
+		sharedGateUp: s.sharedGateUp, sharedAct: s.sharedAct, shared: s.shared, sharedGate: s.sharedGate,
 	}
+}
+
+// sharedExpert adds Qwen2-MoE's shared expert to the experts' sum in tmp
+// for the step's t rows of x: tmp += sigmoid(x . gate) * down(silu(gate_proj
+// x) * up_proj x). Under tensor parallelism each rank adds its columns'
+// share, gated alike, to its partial sum.
+func (m *Model) sharedExpert(a activations, l Layer, t int) {
+	dev := m.dev
+	act := a.sharedAct.Rows(0, t)
+	if f, ok := dev.(device.Fused); !ok || !f.MatMulSiLU(act, a.x, l.SharedGateUp) {
+		gateUp := a.sharedGateUp.Rows(0, t)
+		dev.MatMul(gateUp, a.x, l.SharedGateUp, device.Tensor{})
+		dev.SiLUMul(act, gateUp)
+	}
+	dev.MatMul(a.shared.Rows(0, t), act, l.SharedDown, device.Tensor{})
+	dev.MatMul(a.sharedGate.Rows(0, t), a.x, l.SharedGate, device.Tensor{})
+	dev.(device.MoE).MoESharedAdd(a.tmp, a.shared.Rows(0, t), a.sharedGate.Rows(0, t))
 }
 
 func f32Bytes(v []float32) []byte {

@@ -31,6 +31,9 @@ func (s Shard) LocalConfig(c *Config) (*Config, error) {
 	if c.MoE != nil && c.MoE.Intermediate%s.Size != 0 {
 		return nil, fmt.Errorf("moe_intermediate_size %d does not split over %d ranks", c.MoE.Intermediate, s.Size)
 	}
+	if c.MoE != nil && c.MoE.SharedIntermediate%s.Size != 0 {
+		return nil, fmt.Errorf("shared_expert_intermediate_size %d does not split over %d ranks", c.MoE.SharedIntermediate, s.Size)
+	}
 	l := *c
 	if c.MoE != nil {
 		// Every rank holds every expert's share of columns: the router
@@ -38,6 +41,7 @@ func (s Shard) LocalConfig(c *Config) (*Config, error) {
 		// dense MLP's do.
 		moe := *c.MoE
 		moe.Intermediate /= s.Size
+		moe.SharedIntermediate /= s.Size // the shared expert splits as a dense MLP does
 		l.MoE = &moe
 	}
 	l.Heads = c.Heads / s.Size

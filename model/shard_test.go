@@ -30,6 +30,8 @@ func TestTensorParallelMatchesOneRank(t *testing.T) {
 		{"llama", 2, func(s *tinymodel.Spec) { s.AttentionBias = true }}, // o_proj bias: added once
 		{"llama", 4, func(s *tinymodel.Spec) { s.KVHeads = 1 }},          // MQA
 		{"qwen3", 2, func(s *tinymodel.Spec) { s.Vocab = 513 }},          // vocabulary whole on each rank
+		{"qwen2_moe", 2, nil}, // routed experts and the shared expert split by columns, its gate whole
+		{"qwen2_moe", 4, func(s *tinymodel.Spec) { s.Layers, s.MLPOnly = 3, []int{1} }},
 	}
 	for _, c := range cases {
 		t.Run(fmt.Sprintf("%s-tp%d", c.arch, c.ranks), func(t *testing.T) {

@@ -22,6 +22,9 @@ type Layer struct {
 	// [E, 2I, H] (as transformers 5 fuses them) and down [E, H, I].
 	Router                   device.Tensor
 	ExpertGateUp, ExpertDown device.Tensor
+	// Qwen2-MoE's shared expert: gate and up rows [2S, H], down [H, S],
+	// and its gate [1, H].
+	SharedGateUp, SharedDown, SharedGate device.Tensor
 }
 
 // Sparse reports whether the layer has experts.
@@ -115,6 +118,16 @@ func (m *Model) Targets() []Target {
 			add(q+"gate_proj.weight", []int{gmi, c.Hidden}, gu.Rows(0, mi), ex, none)
 			add(q+"up_proj.weight", []int{gmi, c.Hidden}, gu.Rows(mi, 2*mi), ex, none)
 			add(q+"down_proj.weight", []int{c.Hidden, gmi}, l.ExpertDown.Rows(e, e+1).View(c.Hidden, mi), none, ex)
+		}
+		if si, gsi := c.MoE.SharedIntermediate, g.MoE.SharedIntermediate; si > 0 {
+			var sh span
+			if m.Shard.Sharded() {
+				sh = span{m.Shard.Rank * si, (m.Shard.Rank + 1) * si}
+			}
+			add("mlp.shared_expert.gate_proj.weight", []int{gsi, c.Hidden}, l.SharedGateUp.Rows(0, si), sh, none)
+			add("mlp.shared_expert.up_proj.weight", []int{gsi, c.Hidden}, l.SharedGateUp.Rows(si, 2*si), sh, none)
+			add("mlp.shared_expert.down_proj.weight", []int{c.Hidden, gsi}, l.SharedDown, none, sh)
+			add("mlp.shared_expert_gate.weight", []int{1, c.Hidden}, l.SharedGate, none, none)
 		}
 	}
 	return targets
@@ -232,6 +245,11 @@ func (m *Model) allocWeights(ropePositions int) error {
 			l.Router = alloc(dt, c.MoE.Experts, c.Hidden)
 			l.ExpertGateUp = alloc(dt, c.MoE.Experts, 2*mi, c.Hidden)
 			l.ExpertDown = alloc(dt, c.MoE.Experts, c.Hidden, mi)
+			if si := c.MoE.SharedIntermediate; si > 0 {
+				l.SharedGateUp = alloc(dt, 2*si, c.Hidden)
+				l.SharedDown = alloc(dt, c.Hidden, si)
+				l.SharedGate = alloc(dt, 1, c.Hidden)
+			}
 			continue
 		}
 		l.GateUp = alloc(dt, 2*c.Intermediate, c.Hidden)
@@ -258,6 +276,9 @@ func WeightBytes(c *Config, dt device.DType, ropePositions int) int64 {
 	for i := 0; i < c.Layers; i++ {
 		if c.Sparse(i) {
 			n += int64(c.MoE.Experts) * int64(c.Hidden) * int64(1+3*c.MoE.Intermediate)
+			if si := c.MoE.SharedIntermediate; si > 0 {
+				n += int64(c.Hidden) * int64(1+3*si)
+			}
 		} else {
 			n += int64(3*c.Intermediate) * int64(c.Hidden)
 		}
@@ -265,7 +286,7 @@ func WeightBytes(c *Config, dt device.DType, ropePositions int) int64 {
 	if !c.TieEmbeddings {
 		n += int64(c.LocalVocab() * c.Hidden)
 	}
-	tensors := int64(c.Layers*13 + 6)
+	tensors := int64(c.Layers*16 + 6)
 	return n*int64(dt.Size()) + int64(ropePositions*c.HeadDim)*4 + tensors*512
 }
 

@@ -17,7 +17,7 @@ import (
 
 // Spec describes a tiny model.
 type Spec struct {
-	Arch          string  `json:"arch"` // qwen3, qwen3_moe, qwen2, llama
+	Arch          string  `json:"arch"` // qwen3, qwen3_moe, qwen2, qwen2_moe, llama
 	Hidden        int     `json:"hidden"`
 	Intermediate  int     `json:"intermediate"`
 	Layers        int     `json:"layers"`
@@ -34,20 +34,24 @@ type Spec struct {
 	// Vocab overrides the tokenizer's vocabulary size (0: keep it); a
 	// smaller one makes a fast model that takes input_ids only.
 	Vocab int `json:"vocab,omitempty"`
-	// Mixture of experts (qwen3_moe): layers are sparse as
+	// Mixture of experts (qwen3_moe, qwen2_moe): layers are sparse as
 	// decoder_sparse_step and mlp_only_layers say; dense ones use
-	// Intermediate.
-	Experts         int   `json:"experts,omitempty"`
-	ExpertsPerToken int   `json:"experts_per_token,omitempty"`
-	MoEIntermediate int   `json:"moe_intermediate,omitempty"`
-	NormTopK        bool  `json:"norm_topk_prob,omitempty"`
-	SparseStep      int   `json:"decoder_sparse_step,omitempty"`
-	MLPOnly         []int `json:"mlp_only_layers,omitempty"`
+	// Intermediate. qwen2_moe adds a shared expert of SharedIntermediate.
+	Experts            int   `json:"experts,omitempty"`
+	ExpertsPerToken    int   `json:"experts_per_token,omitempty"`
+	MoEIntermediate    int   `json:"moe_intermediate,omitempty"`
+	SharedIntermediate int   `json:"shared_expert_intermediate,omitempty"`
+	NormTopK           bool  `json:"norm_topk_prob,omitempty"`
+	SparseStep         int   `json:"decoder_sparse_step,omitempty"`
+	MLPOnly            []int `json:"mlp_only_layers,omitempty"`
 }
+
+// moe reports whether the spec is a mixture of experts.
+func (s Spec) moe() bool { return s.Arch == "qwen3_moe" || s.Arch == "qwen2_moe" }
 
 // sparse reports whether layer i has experts (transformers' rule).
 func (s Spec) sparse(i int) bool {
-	if s.Arch != "qwen3_moe" {
+	if !s.moe() {
 		return false
 	}
 	for _, l := range s.MLPOnly {
@@ -89,10 +93,13 @@ func Default(arch string) (Spec, error) {
 		s.Experts, s.ExpertsPerToken, s.MoEIntermediate, s.NormTopK, s.SparseStep = 8, 2, 48, true, 1
 	case "qwen2":
 		s.HeadDim = 16
+	case "qwen2_moe":
+		s.HeadDim = 16
+		s.Experts, s.ExpertsPerToken, s.MoEIntermediate, s.SharedIntermediate, s.SparseStep = 8, 2, 48, 96, 1
 	case "llama":
 		s.HeadDim, s.Rope, s.RopeTheta = 16, "llama3", 500000
 	default:
-		return Spec{}, fmt.Errorf("unknown tiny-model arch %q (qwen3, qwen3_moe, qwen2, llama)", arch)
+		return Spec{}, fmt.Errorf("unknown tiny-model arch %q (qwen3, qwen3_moe, qwen2, qwen2_moe, llama)", arch)
 	}
 	return s, nil
 }
@@ -114,6 +121,8 @@ func familyOf(arch string) (family, error) {
 		return family{"Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", 151936, nil, 151645, []int{151645, 151643}}, nil
 	case "qwen2":
 		return family{"Qwen2ForCausalLM", "qwen2", "qwen3", 151936, nil, 151645, []int{151645, 151643}}, nil
+	case "qwen2_moe":
+		return family{"Qwen2MoeForCausalLM", "qwen2_moe", "qwen3", 151936, nil, 151645, []int{151645, 151643}}, nil
 	case "llama":
 		return family{"LlamaForCausalLM", "llama", "llama3", 128256, &bos, 128009, []int{128001, 128009}}, nil
 	}
@@ -130,9 +139,12 @@ func Write(dir string, s Spec) error {
 	if s.Heads%s.KVHeads != 0 || s.HeadDim%2 != 0 {
 		return fmt.Errorf("tiny model: kv_heads must divide heads and head_dim must be even")
 	}
-	if s.Arch == "qwen3_moe" && (s.Experts <= 0 || s.ExpertsPerToken <= 0 || s.ExpertsPerToken > s.Experts ||
+	if s.moe() && (s.Experts <= 0 || s.ExpertsPerToken <= 0 || s.ExpertsPerToken > s.Experts ||
 		s.MoEIntermediate <= 0 || s.SparseStep <= 0) {
-		return fmt.Errorf("tiny model: qwen3_moe needs experts >= experts_per_token > 0, moe_intermediate and decoder_sparse_step > 0")
+		return fmt.Errorf("tiny model: %s needs experts >= experts_per_token > 0, moe_intermediate and decoder_sparse_step > 0", s.Arch)
+	}
+	if s.Arch == "qwen2_moe" && s.SharedIntermediate <= 0 {
+		return fmt.Errorf("tiny model: qwen2_moe needs shared_expert_intermediate > 0")
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
@@ -181,8 +193,15 @@ func configJSON(s Spec, f family) map[string]any {
 		"attention_dropout": 0.0, "use_cache": true, "transformers_version": "4.51.0",
 	}
 	switch s.Arch {
-	case "qwen3_moe":
-		c["attention_bias"] = s.AttentionBias
+	case "qwen3_moe", "qwen2_moe":
+		if s.Arch == "qwen3_moe" {
+			c["attention_bias"] = s.AttentionBias
+		} else {
+			c["shared_expert_intermediate_size"] = s.SharedIntermediate
+			c["use_sliding_window"] = false
+			c["sliding_window"] = nil
+			c["max_window_layers"] = s.Layers
+		}
 		c["num_experts"] = s.Experts
 		c["num_experts_per_tok"] = s.ExpertsPerToken
 		c["moe_intermediate_size"] = s.MoEIntermediate
@@ -281,12 +300,12 @@ func weights(s Spec, f family) ([]safetensors.Writable, error) {
 		add(p+"self_attn.k_proj.weight", 0, 1/math.Sqrt(float64(h)), kv, h)
 		add(p+"self_attn.v_proj.weight", 0, 1/math.Sqrt(float64(h)), kv, h)
 		add(p+"self_attn.o_proj.weight", 0, 3/math.Sqrt(float64(q)), h, q)
-		if s.Arch == "qwen2" || s.AttentionBias {
+		if s.Arch == "qwen2" || s.Arch == "qwen2_moe" || s.AttentionBias {
 			add(p+"self_attn.q_proj.bias", 0, 0.2, q)
 			add(p+"self_attn.k_proj.bias", 0, 0.2, kv)
 			add(p+"self_attn.v_proj.bias", 0, 0.2, kv)
 		}
-		if s.Arch != "qwen2" && s.AttentionBias {
+		if s.Arch != "qwen2" && s.Arch != "qwen2_moe" && s.AttentionBias {
 			add(p+"self_attn.o_proj.bias", 0, 0.2, h)
 		}
 		if s.Arch == "qwen3" || s.Arch == "qwen3_moe" {
@@ -308,6 +327,14 @@ func weights(s Spec, f family) ([]safetensors.Writable, error) {
 			add(q+"gate_proj.weight", 0, 1/math.Sqrt(float64(h)), mi, h)
 			add(q+"up_proj.weight", 0, 1/math.Sqrt(float64(h)), mi, h)
 			add(q+"down_proj.weight", 0, 3/math.Sqrt(float64(mi)), h, mi)
+		}
+		if si := s.SharedIntermediate; s.Arch == "qwen2_moe" {
+			add(p+"mlp.shared_expert.gate_proj.weight", 0, 1/math.Sqrt(float64(h)), si, h)
+			add(p+"mlp.shared_expert.up_proj.weight", 0, 1/math.Sqrt(float64(h)), si, h)
+			add(p+"mlp.shared_expert.down_proj.weight", 0, 3/math.Sqrt(float64(si)), h, si)
+			// Gate logits of a few units either way: the shared expert
+			// counts for some tokens and hardly at all for others.
+			add(p+"mlp.shared_expert_gate.weight", 0, 2/math.Sqrt(float64(h)), 1, h)
 		}
 	}
 	add("model.norm.weight", 1, 0.1, h)

@@ -130,7 +130,7 @@ def spread(a, b):
 
 
 def vocab_limit(spec):
-    return 150000 if spec["arch"] in ("qwen3", "qwen3_moe", "qwen2") else 128000
+    return 150000 if spec["arch"] in ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe") else 128000
 
 
 def goldens(args):

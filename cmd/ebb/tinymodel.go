@@ -12,7 +12,7 @@ func tinyModelCmd() *cobra.Command {
 	var arch, specJSON string
 	var s tinymodel.Spec
 	cmd := &cobra.Command{
-		Use:   "tiny-model DIR --arch qwen3|qwen3_moe|qwen2|llama",
+		Use:   "tiny-model DIR --arch qwen3|qwen3_moe|qwen2|qwen2_moe|llama",
 		Short: "Write a small deterministic random-weight model directory",
 		Long: `Writes config.json, generation_config.json, model.safetensors and the real
 tokenizer files (Qwen3's for qwen3/qwen2, Llama-3's for llama). The weights are

@@ -470,3 +470,31 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, in
 	if (out_f32) ((float *)out)[t * H + n] = acc;
 	else ((bf16 *)out)[t * H + n] = f2bf(acc);
 }
+
+// moe_shared_add: out[t] += sigmoid(gate[t]) * y[t] (Qwen2-MoE's shared
+// expert and its gate), the sigmoid and each product rounded to bf16 as
+// transformers' bf16 tensors round them, the sum to out's dtype (float32:
+// a tensor-parallel partial sum). A block a row, eight columns a thread
+// (H % 8 == 0).
+extern "C" __global__ void moe_shared_add(void *out, int out_f32, const bf16 *y, const bf16 *gate, int H) {
+	const long long t = blockIdx.x;
+	DEP();
+	const float g = bf2f(gate[t]);
+	const float s = rbf(1.f / (1.f + expf(-g)));
+	for (int h = 8 * threadIdx.x; h < H; h += 8 * blockDim.x) {
+		float f[8];
+		unpack8(__ldcs((const uint4 *)(y + t * H + h)), f);
+		if (out_f32) {
+			float *o = (float *)out + t * H + h;
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[e] += rbf(s * f[e]);
+			continue;
+		}
+		uint4 *o = (uint4 *)((bf16 *)out + t * H + h);
+		float a[8];
+		unpack8(*o, a);
+#pragma unroll
+		for (int e = 0; e < 8; e++) a[e] += rbf(s * f[e]);
+		*o = pack8(a);
+	}
+}

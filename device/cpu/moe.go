@@ -133,3 +133,19 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		}
 	}
 }
+
+// MoESharedAdd implements device.MoE.
+func (d *Device) MoESharedAdd(out, y, gate device.Tensor) {
+	t, h := y.Dim(0), y.Dim(-1)
+	if out.Numel() != t*h || gate.Numel() != t {
+		d.fail(fmt.Errorf("moe shared add: out %v, y %v, gate %v", out, y, gate))
+		return
+	}
+	o, ys, gs := F32(out), F32(y), F32(gate)
+	for r := 0; r < t; r++ {
+		s := float32(1 / (1 + math.Exp(-float64(gs[r]))))
+		for c := r * h; c < (r+1)*h; c++ {
+			o[c] += s * ys[c]
+		}
+	}
+}
