@@ -180,7 +180,7 @@ func (d *Device) gqaDecode(g, dim, pairs int) bool {
 	if d.gqaFrom != 0 {
 		return g >= d.gqaFrom
 	}
-	return g >= gqaDecodeFrom || (d.ctx != nil && 2*pairs <= 9*d.ctx.SMs)
+	return g >= gqaDecodeFrom || 2*pairs <= 9*d.ctx.SMs
 }
 
 // PrepareAttention implements device.AttentionPreparer. A decode step's

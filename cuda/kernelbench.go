@@ -28,14 +28,10 @@ type AttentionBenchSpec struct {
 // AttentionBenchResult is the median of Iters launches, timed by events.
 type AttentionBenchResult struct {
 	AttentionBenchSpec
-	Kernel      string  `json:"kernel"`
-	MedianUs    float64 `json:"median_us"`
-	MinUs       float64 `json:"min_us"`
-	Bytes       int64   `json:"bytes"` // K and V read once, plus queries and outputs
-	GBPerS      float64 `json:"gb_per_s"`
-	PeakGBPerS  float64 `json:"peak_gb_per_s"` // from NVML's memory clock and bus width; 0 if unknown
-	PeakPercent float64 `json:"peak_percent"`
-	TFLOPS      float64 `json:"tflops"` // prefill: 4·hq·dim per visible (query, key) pair
+	Kernel string `json:"kernel"`
+	// Bytes: K and V read once, plus queries and outputs; TFLOPS for a
+	// prefill: 4·hq·dim per visible (query, key) pair.
+	KernelTiming
 	// The step's whole attention is also timed with the query and key
 	// preparation (per-head norm, rotary, cache store): prepare_qkv then
 	// the kernel, and the kernel preparing its own queries where it does
@@ -103,16 +99,13 @@ func BenchAttention(d *Device, s AttentionBenchSpec) (AttentionBenchResult, erro
 	if err != nil {
 		return res, err
 	}
-	res.MedianUs, res.MinUs = us[len(us)/2], us[0]
 	res.Kernel = d.attentionKernelName(s)
-	res.Bytes = 2*int64(slots)*int64(s.KVHeads*s.Dim)*2 + int64(tokens)*int64(2*s.QHeads+2*s.KVHeads)*int64(s.Dim)*2
-	res.GBPerS = float64(res.Bytes) / res.MedianUs / 1e3
 	pairs := 0.0
 	for _, c := range ctx {
 		pairs += float64(s.QLen)*float64(c-s.QLen) + float64(s.QLen)*float64(s.QLen+1)/2
 	}
-	res.TFLOPS = 4 * float64(s.QHeads*s.Dim) * pairs / res.MedianUs / 1e6
-	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
+	res.set(d, us, 2*int64(slots)*int64(s.KVHeads*s.Dim)*2+int64(tokens)*int64(2*s.QHeads+2*s.KVHeads)*int64(s.Dim)*2,
+		4*float64(s.QHeads*s.Dim)*pairs)
 	if res.WithPrepareUs, res.FusedUs, err = benchPrepare(d, a, s, ctx, idx, kvInd, qkv, out, kc, vc, meta); err != nil {
 		return res, err
 	}
@@ -311,6 +304,29 @@ func timeLaunches(d *Device, iters, perGraph int, launch func(i int)) ([]float64
 	return us, nil
 }
 
+// KernelTiming is what a kernel benchmark reports of its launches: the
+// median and fastest time, the bytes they move once, and the speed and
+// share of HBM's peak (from NVML's memory clock and bus width; 0 if
+// unknown) and tensor throughput that follow.
+type KernelTiming struct {
+	MedianUs    float64 `json:"median_us"`
+	MinUs       float64 `json:"min_us"`
+	Bytes       int64   `json:"bytes"`
+	GBPerS      float64 `json:"gb_per_s"`
+	PeakGBPerS  float64 `json:"peak_gb_per_s"`
+	PeakPercent float64 `json:"peak_percent"`
+	TFLOPS      float64 `json:"tflops"`
+}
+
+// set fills t from sorted launch times us (microseconds), the bytes a
+// launch moves and the floating-point operations it does.
+func (t *KernelTiming) set(d *Device, us []float64, bytes int64, flops float64) {
+	t.MedianUs, t.MinUs, t.Bytes = us[len(us)/2], us[0], bytes
+	t.GBPerS = float64(bytes) / t.MedianUs / 1e3
+	t.TFLOPS = flops / t.MedianUs / 1e6
+	t.PeakGBPerS, t.PeakPercent = d.peakShare(t.GBPerS)
+}
+
 // peakShare is the HBM peak from NVML (GB/s) and gbps as a percentage of
 // it; zeros where NVML does not know the peak.
 func (d *Device) peakShare(gbps float64) (peak, percent float64) {
@@ -339,14 +355,8 @@ type MatMulBenchSpec struct {
 // not from L2 (unless FromL2).
 type MatMulBenchResult struct {
 	MatMulBenchSpec
-	Kernel      string  `json:"kernel"`
-	MedianUs    float64 `json:"median_us"`
-	MinUs       float64 `json:"min_us"`
-	Bytes       int64   `json:"bytes"` // weights, inputs and outputs once
-	GBPerS      float64 `json:"gb_per_s"`
-	PeakGBPerS  float64 `json:"peak_gb_per_s"`
-	PeakPercent float64 `json:"peak_percent"`
-	TFLOPS      float64 `json:"tflops"`
+	Kernel       string `json:"kernel"`
+	KernelTiming        // Bytes: weights, inputs and outputs once
 }
 
 // BenchMatMul times d.MatMul on the spec's shape with bf16 output.
@@ -381,11 +391,7 @@ func BenchMatMul(d *Device, s MatMulBenchSpec) (MatMulBenchResult, error) {
 	if err != nil {
 		return res, err
 	}
-	res.MedianUs, res.MinUs = us[len(us)/2], us[0]
 	res.Kernel = d.matMulKernel(s.M, s.N, s.K)
-	res.Bytes = wBytes + int64(s.M)*int64(s.K+s.N)*2
-	res.GBPerS = float64(res.Bytes) / res.MedianUs / 1e3
-	res.TFLOPS = 2 * float64(s.M) * float64(s.N) * float64(s.K) / res.MedianUs / 1e6
-	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
+	res.set(d, us, wBytes+int64(s.M)*int64(s.K+s.N)*2, 2*float64(s.M)*float64(s.N)*float64(s.K))
 	return res, d.Sync()
 }

@@ -22,15 +22,9 @@ type MoEBenchSpec struct {
 // the experts the routing touches, once, and the tokens in and out.
 type MoEBenchResult struct {
 	MoEBenchSpec
-	Path        string  `json:"path"`
-	Touched     int     `json:"touched_experts"`
-	MedianUs    float64 `json:"median_us"`
-	MinUs       float64 `json:"min_us"`
-	Bytes       int64   `json:"bytes"`
-	GBPerS      float64 `json:"gb_per_s"`
-	PeakGBPerS  float64 `json:"peak_gb_per_s"`
-	PeakPercent float64 `json:"peak_percent"`
-	TFLOPS      float64 `json:"tflops"`
+	Path    string `json:"path"`
+	Touched int    `json:"touched_experts"`
+	KernelTiming
 }
 
 // BenchMoE times d.MoEExperts (the experts' products and the weighted sum;
@@ -81,14 +75,11 @@ func BenchMoE(d *Device, s MoEBenchSpec) (MoEBenchResult, error) {
 	if err != nil {
 		return res, err
 	}
-	res.MedianUs, res.MinUs = us[len(us)/2], us[0]
 	res.Path = d.moePath(s.Tokens, s.TopK, s.Experts, s.Inter, s.Hidden)
 	res.Touched = len(touched)
 	expert := int64(3) * int64(s.Inter) * int64(s.Hidden) * 2
-	res.Bytes = int64(res.Touched)*expert + 2*int64(s.Tokens)*int64(s.Hidden)*2
-	res.GBPerS = float64(res.Bytes) / res.MedianUs / 1e3
-	res.TFLOPS = 2 * 3 * float64(s.Tokens*s.TopK) * float64(s.Inter) * float64(s.Hidden) / res.MedianUs / 1e6
-	res.PeakGBPerS, res.PeakPercent = d.peakShare(res.GBPerS)
+	res.set(d, us, int64(res.Touched)*expert+2*int64(s.Tokens)*int64(s.Hidden)*2,
+		2*3*float64(s.Tokens*s.TopK)*float64(s.Inter)*float64(s.Hidden))
 	return res, d.Sync()
 }
 

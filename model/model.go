@@ -377,7 +377,7 @@ func (m *Model) forward(in Inputs, a activations) {
 			moe.MoERoute(ids, a.expertWeights.Rows(0, t), a.routerLogits.Rows(0, t), c.MoE.NormTopK)
 			moe.MoEExperts(a.tmp, a.x, ids, a.expertWeights.Rows(0, t), l.ExpertGateUp, l.ExpertDown, a.moeWork)
 			if l.SharedGate.Valid() {
-				m.sharedExpert(a, l, t)
+				m.sharedExpert(a, l, t, moe, fusedDev)
 			}
 			addTmp(norm)
 			continue
@@ -432,17 +432,18 @@ func (a activations) logitRows(r int, rows device.Tensor, dev device.Device) act
 	qkv := a.act.View(a.act.Numel()).Rows(0, r*a.qkv.RowSize()).View(r, a.qkv.Dim(1), a.qkv.Dim(2))
 	dev.GatherRows(qkv, a.qkv, rows)
 	dev.GatherRows(a.sel, a.h, rows)
-	s := activations{sharedGateUp: a.sharedGateUp, sharedAct: a.sharedAct, shared: a.shared, sharedGate: a.sharedGate}
-	if s.shared.Valid() {
-		s.sharedGateUp, s.sharedAct = s.sharedGateUp.Rows(0, r), s.sharedAct.Rows(0, r)
-		s.shared, s.sharedGate = s.shared.Rows(0, r), s.sharedGate.Rows(0, r)
+	first := func(t device.Tensor) device.Tensor { // a model without a shared expert has none of its buffers
+		if !t.Valid() {
+			return t
+		}
+		return t.Rows(0, r)
 	}
 	return activations{
 		h: a.sel, x: a.x.Rows(0, r), qkv: qkv, attn: a.attn.Rows(0, r),
 		gateUp: a.gateUp.Rows(0, r), act: a.act.Rows(0, r), tmp: a.tmp.Rows(0, r),
 		rawLogits: a.rawLogits, logits: a.logits, localLogits: a.localLogits,
 		routerLogits: a.routerLogits, expertIDs: a.expertIDs, expertWeights: a.expertWeights, moeWork: a.moeWork,
-		sharedGateUp: s.sharedGateUp, sharedAct: s.sharedAct, shared: s.shared, sharedGate: s.sharedGate,
+		sharedGateUp: first(a.sharedGateUp), sharedAct: first(a.sharedAct), shared: first(a.shared), sharedGate: first(a.sharedGate),
 	}
 }
 
@@ -450,17 +451,17 @@ func (a activations) logitRows(r int, rows device.Tensor, dev device.Device) act
 // for the step's t rows of x: tmp += sigmoid(x . gate) * down(silu(gate_proj
 // x) * up_proj x). Under tensor parallelism each rank adds its columns'
 // share, gated alike, to its partial sum.
-func (m *Model) sharedExpert(a activations, l Layer, t int) {
+func (m *Model) sharedExpert(a activations, l Layer, t int, moe device.MoE, fused device.Fused) {
 	dev := m.dev
 	act := a.sharedAct.Rows(0, t)
-	if f, ok := dev.(device.Fused); !ok || !f.MatMulSiLU(act, a.x, l.SharedGateUp) {
+	if fused == nil || !fused.MatMulSiLU(act, a.x, l.SharedGateUp) {
 		gateUp := a.sharedGateUp.Rows(0, t)
 		dev.MatMul(gateUp, a.x, l.SharedGateUp, device.Tensor{})
 		dev.SiLUMul(act, gateUp)
 	}
 	dev.MatMul(a.shared.Rows(0, t), act, l.SharedDown, device.Tensor{})
 	dev.MatMul(a.sharedGate.Rows(0, t), a.x, l.SharedGate, device.Tensor{})
-	dev.(device.MoE).MoESharedAdd(a.tmp, a.shared.Rows(0, t), a.sharedGate.Rows(0, t))
+	moe.MoESharedAdd(a.tmp, a.shared.Rows(0, t), a.sharedGate.Rows(0, t))
 }
 
 func f32Bytes(v []float32) []byte {

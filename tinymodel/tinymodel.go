@@ -328,7 +328,8 @@ func weights(s Spec, f family) ([]safetensors.Writable, error) {
 			add(q+"up_proj.weight", 0, 1/math.Sqrt(float64(h)), mi, h)
 			add(q+"down_proj.weight", 0, 3/math.Sqrt(float64(mi)), h, mi)
 		}
-		if si := s.SharedIntermediate; s.Arch == "qwen2_moe" {
+		if s.Arch == "qwen2_moe" {
+			si := s.SharedIntermediate
 			add(p+"mlp.shared_expert.gate_proj.weight", 0, 1/math.Sqrt(float64(h)), si, h)
 			add(p+"mlp.shared_expert.up_proj.weight", 0, 1/math.Sqrt(float64(h)), si, h)
 			add(p+"mlp.shared_expert.down_proj.weight", 0, 3/math.Sqrt(float64(si)), h, si)

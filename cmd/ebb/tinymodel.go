@@ -67,7 +67,7 @@ random: the model runs like a real one but its text is gibberish.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&arch, "arch", "qwen3", "qwen3, qwen2 or llama")
+	f.StringVar(&arch, "arch", "qwen3", "qwen3, qwen3_moe, qwen2, qwen2_moe or llama")
 	f.IntVar(&s.Hidden, "hidden", 0, "hidden size")
 	f.IntVar(&s.Intermediate, "intermediate", 0, "MLP intermediate size")
 	f.IntVar(&s.Layers, "layers", 0, "decoder layers")
