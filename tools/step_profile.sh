@@ -37,7 +37,9 @@ rows = list(csv.reader(open(sys.argv[1])))
 head = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
 names, units, data = rows[head], rows[head + 1], rows[head + 2:]
 col = {n: i for i, n in enumerate(names)}
+# ncu names its units either way depending on its version.
 scale = {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3, "second": 1e6,
+         "ns": 1e-3, "us": 1, "ms": 1e3, "s": 1e6,
          "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
 
 def value(r, metric):
