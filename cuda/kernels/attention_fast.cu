@@ -309,14 +309,17 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	const int lrow = lane / LPR;
 	uint4 kr[DV_UNROLL], vr[DV_UNROLL];
 	// Every slot index is requested before any row, so that the rows'
-	// loads wait for one round trip, not one each.
-	auto load = [&](int cb, int lim, uint4 *kd, uint4 *vd) {
-		int slot[DV_UNROLL];
+	// loads wait for one round trip, not one each; in the loop a step's
+	// slots are requested a step ahead of its rows (slots, fetch), so
+	// that its rows wait for none.
+	auto slots = [&](int cb, int lim, int *slot) {
 #pragma unroll
 		for (int u = 0; u < DV_UNROLL; u++) {
 			const int pos = cb + lrow + u * GROUPS;
 			slot[u] = pos < lim ? kvidx[kv0 + pos] : -1;
 		}
+	};
+	auto fetch = [&](const int *slot, uint4 *kd, uint4 *vd) {
 #pragma unroll
 		for (int u = 0; u < DV_UNROLL; u++) {
 			kd[u] = vd[u] = make_uint4(0, 0, 0, 0);
@@ -327,7 +330,11 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 			}
 		}
 	};
-	load(c0 + warp * RPW, min(c1, kvlen - 1), kr, vr);
+	{
+		int slot[DV_UNROLL];
+		slots(c0 + warp * RPW, min(c1, kvlen - 1), slot);
+		fetch(slot, kr, vr);
+	}
 	// RAW: a lane holds dims c8..c8+7 of both halves of a head (the
 	// 16-byte layout, so the two lanes sub and sub ^ HH hold the same) and
 	// keeps the half at its own dims. The position's rotation, the norm
@@ -397,9 +404,12 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 #pragma unroll
 		for (int e = 0; e < 8; e++) o[r][e] = 0.f;
 	}
+	int next[DV_UNROLL]; // the slots of the warp's next step
+	slots(c0 + warp * RPW + STEP, c1, next);
 	for (int cb = c0 + warp * RPW; cb < c1; cb += STEP) {
 		uint4 kn[DV_UNROLL], vn[DV_UNROLL];
-		load(cb + STEP, c1, kn, vn);
+		fetch(next, kn, vn);
+		slots(cb + 2 * STEP, c1, next);
 		// One or two heads: the step's DV_UNROLL rows meet the running
 		// softmax at once, one rescale of o and l a head, not one a row (a
 		// row's p and the rescale each cost an ex2, and the rescale eight

@@ -64,10 +64,11 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	const long long stride = (long long)(hq + 2 * hk) * D;
 	// A chunk at cb: keys of positions cb+gid and cb+gid+8, values of
 	// cb+2t, cb+2t+1, cb+2t+8 and cb+2t+9, of the positions in [lo, hi)
-	// (the rest zero when zero is set, else left as they were). Every slot
-	// index is requested before any row.
-	auto load = [&](int cb, int lo, int hi, uint4(&kd)[2][4], uint4(&vd)[4][2], bool zero) {
-		int ks[2], vs[4];
+	// (the rest zero when zero is set, else left as they were). slots
+	// finds their cache slots (-1 outside), fetch requests their rows: the
+	// loop asks for a chunk's slots one chunk ahead of its rows, so that a
+	// warp's next rows wait on one round trip to memory, not two.
+	auto slots = [&](int cb, int lo, int hi, int(&ks)[2], int(&vs)[4]) {
 #pragma unroll
 		for (int j = 0; j < 2; j++) {
 			const int pos = cb + gid + 8 * j;
@@ -78,6 +79,8 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 			const int pos = cb + 2 * t + (i & 1) + 8 * (i >> 1);
 			vs[i] = pos >= lo && pos < hi ? kvidx[kv0 + pos] : -1;
 		}
+	};
+	auto fetch = [&](const int(&ks)[2], const int(&vs)[4], uint4(&kd)[2][4], uint4(&vd)[4][2], bool zero) {
 #pragma unroll
 		for (int j = 0; j < 2; j++)
 #pragma unroll
@@ -92,6 +95,11 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 				if (zero) vd[i][u] = make_uint4(0, 0, 0, 0);
 				if (vs[i] >= 0) vd[i][u] = __ldcs((const uint4 *)(vc + ((long long)vs[i] * hk + g) * D + 64 * u + 8 * gid));
 			}
+	};
+	auto load = [&](int cb, int lo, int hi, uint4(&kd)[2][4], uint4(&vd)[4][2], bool zero) {
+		int ks[2], vs[4];
+		slots(cb, lo, hi, ks, vs);
+		fetch(ks, vs, kd, vd, zero);
 	};
 	// The newest position's K and V are this step's: loaded after the wait.
 	const int first = c0 + warp * DG_CHUNK;
@@ -151,9 +159,12 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	// This lane's heads are 2t and 2t+1: running maxima (uniform over the
 	// lanes of a t) and partial sums (this lane's positions only).
 	float m0 = -EBB_INF, m1 = -EBB_INF, l0 = 0.f, l1 = 0.f;
+	int ksn[2], vsn[4]; // the slots of the warp's next chunk
+	slots(first + DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
 	for (int cb = first; cb < c1; cb += DG_WARPS * DG_CHUNK) {
 		uint4 kn[2][4], vn[4][2];
-		load(cb + DG_WARPS * DG_CHUNK, 0, c1, kn, vn, true);
+		fetch(ksn, vsn, kn, vn, true);
+		slots(cb + 2 * DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
 		float sc[4] = {0.f, 0.f, 0.f, 0.f}; // S^T: [position gid, +8][heads 2t, 2t+1]
 #pragma unroll
 		for (int q = 0; q < 4; q++) {
