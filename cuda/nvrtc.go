@@ -22,9 +22,15 @@ import (
 //go:embed kernels/*.cuh kernels/*.cu
 var kernelFS embed.FS
 
-// KernelSource is every kernel file, prelude first, as one translation unit.
+// KernelSource is every kernel file, prelude first, as one translation unit,
+// after the defines of $EBB_KERNEL_DEFINES.
 func KernelSource() (string, error) {
 	var b strings.Builder
+	defines, err := kernelDefines(os.Getenv("EBB_KERNEL_DEFINES"))
+	if err != nil {
+		return "", err
+	}
+	b.WriteString(defines)
 	prelude, err := kernelFS.ReadFile("kernels/prelude.cuh")
 	if err != nil {
 		return "", err
@@ -50,6 +56,34 @@ func KernelSource() (string, error) {
 		b.Write(src)
 	}
 	return b.String(), nil
+}
+
+// kernelDefines turns "NAME=VALUE,NAME2=VALUE2" into #define lines: the
+// compile-time tunables that kernels guard with #ifndef (GEMV_PRELOAD) set
+// for an A/B run from one binary. The kernel cache
+// key covers the source, so each setting compiles once.
+func kernelDefines(v string) (string, error) {
+	var b strings.Builder
+	for _, d := range strings.Split(v, ",") {
+		if d = strings.TrimSpace(d); d == "" {
+			continue
+		}
+		name, value, _ := strings.Cut(d, "=")
+		if !validDefineName(name) || strings.ContainsAny(value, "\n\r") {
+			return "", fmt.Errorf("EBB_KERNEL_DEFINES: %q is not NAME=VALUE", d)
+		}
+		fmt.Fprintf(&b, "#define %s %s\n", name, value)
+	}
+	return b.String(), nil
+}
+
+func validDefineName(s string) bool {
+	for i, r := range s {
+		if !(r == '_' || r >= 'A' && r <= 'Z' || r >= 'a' && r <= 'z' || i > 0 && r >= '0' && r <= '9') {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // NVRTCVersion is the run-time compiler's version.

@@ -47,3 +47,29 @@ func TestNoGPUFailsCleanly(t *testing.T) {
 		t.Fatal("Open succeeded without a GPU")
 	}
 }
+
+func TestKernelDefines(t *testing.T) {
+	for _, tc := range []struct {
+		in, want string
+		bad      bool
+	}{
+		{in: "", want: ""},
+		{in: "GEMV_PRELOAD=8", want: "#define GEMV_PRELOAD 8\n"},
+		{in: " A=1, B_2=x ,", want: "#define A 1\n#define B_2 x\n"},
+		{in: "FLAG", want: "#define FLAG \n"},
+		{in: "2X=1", bad: true},
+		{in: "A B=1", bad: true},
+		{in: "=1", bad: true},
+	} {
+		got, err := kernelDefines(tc.in)
+		if tc.bad {
+			if err == nil {
+				t.Errorf("%q: no error", tc.in)
+			}
+			continue
+		}
+		if err != nil || got != tc.want {
+			t.Errorf("%q: %q, %v; want %q", tc.in, got, err, tc.want)
+		}
+	}
+}
