@@ -174,3 +174,36 @@ func TestSampleFilteredDistribution(t *testing.T) {
 		t.Logf("%+v: %d distinct tokens drawn, worst deviation %.2f sd", c, len(counts), worst)
 	}
 }
+
+// TestSampleGumbelMaxHash: the token whose noise hash is the largest (it
+// once got +inf noise and was drawn whatever its logit) is drawn only as
+// its logit says, plain and filtered, by the GPU as by the CPU.
+func TestSampleGumbelMaxHash(t *testing.T) {
+	p := newPair(t)
+	k0, k1, tok := cpu.GumbelMaxHash()
+	v := tok + 2
+	vals := make([]float32, v)
+	for i := range vals {
+		vals[i] = -30
+	}
+	vals[tok+1] = 30
+	for _, dt := range []device.DType{device.F32, device.BF16} {
+		logits := p.floats(dt, append(append([]float32{}, vals...), vals...), 2, v)
+		keys := []int32{int32(k0), int32(k1), int32(k0), int32(k1)}
+		args := sampleArgs(p, []float32{1, 1}, []float32{1, 0.95}, []int32{-1, 20}, []float32{0, 0}, keys, 0)
+		p.gpu.Sample(logits.g, args[0])
+		p.cpu.Sample(logits.c, args[1])
+		p.sync()
+		for i, d := range []device.Device{p.gpu, p.cpu} {
+			ids := make([]int32, 2)
+			if err := d.DownloadI32(args[i].IDs, ids); err != nil {
+				t.Fatal(err)
+			}
+			for r, id := range ids {
+				if id != int32(tok+1) {
+					t.Errorf("%v logits, row %d (%s): drew token %d, want %d", dt, r, []string{"gpu", "cpu"}[i], id, tok+1)
+				}
+			}
+		}
+	}
+}

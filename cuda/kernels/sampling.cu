@@ -51,7 +51,10 @@ __device__ ArgMax block_argmax(ArgMax a, float *shared) {
 
 // gumbel is the noise of token i for a row keyed (k0, k1): lowbias32 of the
 // id mixed with the key, as a uniform in (0, 1), then -log(-log(u)).
-// device/cpu's gumbel is the same function.
+// device/cpu's gumbel is the same function. u stays below 1: for the
+// largest hash, h>>8 + 0.5 rounds to 2^24, which made u 1 and the noise
+// +inf, so that token won whatever its logit (one row in 110 over a
+// 151,936-token vocabulary).
 __device__ __forceinline__ float gumbel(unsigned k0, unsigned k1, int i) {
 	unsigned h = ((unsigned)i * 0x9e3779b1u) ^ k0;
 	h ^= h >> 16;
@@ -65,7 +68,7 @@ __device__ __forceinline__ float gumbel(unsigned k0, unsigned k1, int i) {
 	h ^= h >> 15;
 	h *= 0x846ca68bu;
 	h ^= h >> 16;
-	const float u = ((float)(h >> 8) + 0.5f) * (1.f / 16777216.f);
+	const float u = fminf(((float)(h >> 8) + 0.5f) * (1.f / 16777216.f), __int_as_float(0x3f7fffff));
 	return -logf(-logf(u));
 }
 

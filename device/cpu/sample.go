@@ -53,7 +53,29 @@ func (d *Device) ResolveTokens(tokens, src, prev device.Tensor) {
 // Gumbel is the noise of token i for a row keyed (k0, k1): lowbias32 of
 // the id mixed with the key, as a uniform in (0, 1), then -log(-log(u)).
 // The CUDA sampler's gumbel is the same function.
+//
+// u stays below 1: for the largest hash, h>>8 + 0.5 rounds to 2^24 in
+// float32, which made u 1 and the noise +Inf, so that token won whatever
+// its logit (in one row in 110 over a 151,936-token vocabulary).
 func Gumbel(k0, k1 uint32, i int) float32 {
+	u := min((float32(gumbelHash(k0, k1, i)>>8)+0.5)*(1.0/16777216), math.Nextafter32(1, 0))
+	return float32(-math.Log(-math.Log(float64(u))))
+}
+
+// GumbelMaxHash is a row key and a token whose hash has its top 24 bits
+// set, the largest u (for tests of both samplers).
+func GumbelMaxHash() (k0, k1 uint32, i int) {
+	for k0 = 1; ; k0++ {
+		for i = 0; i < 1<<20; i++ {
+			if gumbelHash(k0, 7, i)>>8 == 1<<24-1 {
+				return k0, 7, i
+			}
+		}
+	}
+}
+
+// gumbelHash is lowbias32 of token i mixed with the row's key.
+func gumbelHash(k0, k1 uint32, i int) uint32 {
 	mix := func(h uint32) uint32 {
 		h ^= h >> 16
 		h *= 0x7feb352d
@@ -61,10 +83,7 @@ func Gumbel(k0, k1 uint32, i int) float32 {
 		h *= 0x846ca68b
 		return h ^ h>>16
 	}
-	h := mix(uint32(i)*0x9e3779b1 ^ k0)
-	h = mix(h ^ k1)
-	u := (float32(h>>8) + 0.5) * (1.0 / 16777216)
-	return float32(-math.Log(-math.Log(float64(u))))
+	return mix(mix(uint32(i)*0x9e3779b1^k0) ^ k1)
 }
 
 // SampleRow samples one row; it also returns the logits as scaled for the

@@ -169,3 +169,22 @@ func TestFilteredDrawsFollowTheRenormalisedSoftmax(t *testing.T) {
 		}
 	}
 }
+
+// TestGumbelIsFiniteForEveryHash: the hash whose top 24 bits are all set
+// once gave u = 1 and +Inf noise, so its token was drawn whatever its
+// logit. The noise stays finite and the draw follows the logits.
+func TestGumbelIsFiniteForEveryHash(t *testing.T) {
+	k0, k1, i := GumbelMaxHash()
+	g := Gumbel(k0, k1, i)
+	if math.IsInf(float64(g), 0) || math.IsNaN(float64(g)) || g > 17 {
+		t.Fatalf("Gumbel(%d, %d, %d) = %v, want finite and at most 17", k0, k1, i, g)
+	}
+	logits := make([]float32, i+2)
+	for j := range logits {
+		logits[j] = -30
+	}
+	logits[i+1] = 30
+	if id, _, _ := SampleRow(logits, 1, 1, -1, 0, k0, k1); id != int32(i+1) {
+		t.Fatalf("drew token %d (logit %v), want %d (logit %v)", id, logits[id], i+1, logits[i+1])
+	}
+}
