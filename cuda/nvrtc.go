@@ -58,10 +58,10 @@ func KernelSource() (string, error) {
 	return b.String(), nil
 }
 
-// kernelDefines turns "NAME=VALUE,NAME2=VALUE2" into #define lines: the
-// compile-time tunables that kernels guard with #ifndef (GEMV_PRELOAD) set
-// for an A/B run from one binary. The kernel cache
-// key covers the source, so each setting compiles once.
+// kernelDefines turns "NAME=VALUE,NAME2=VALUE2" into #define lines, so that
+// an A/B run sets the compile-time tunables kernels guard with #ifndef
+// (GEMV_PRELOAD) from one binary. The kernel cache key covers the source:
+// each setting compiles once.
 func kernelDefines(v string) (string, error) {
 	var b strings.Builder
 	for _, d := range strings.Split(v, ",") {
