@@ -13,9 +13,9 @@
 # GPU's own clocks and with its caches left warm, so each kernel's time is
 # close to what it takes in the step; their sum is more than the step's,
 # which overlaps launches (programmatic dependent launch) that ncu
-# serialises. Prints, for each kernel name, its launches, total us, share
-# of the sum and DRAM throughput, largest first; the raw report is
-# OUT_DIR/step.ncu-rep.
+# serialises. Prints, for each kernel and grid, its launches, total us,
+# share of the sum, and a launch's median us, DRAM megabytes and throughput,
+# largest first; the raw report is OUT_DIR/step.ncu-rep.
 set -euo pipefail
 out=${1:?usage: tools/step_profile.sh OUT_DIR STEP [one-batch flags ...]}
 step=${2:?usage: tools/step_profile.sh OUT_DIR STEP [one-batch flags ...]}
@@ -30,7 +30,7 @@ ncu --profile-from-start off --graph-profiling node --clock-control none --cache
 }
 ncu --import "$out/step.ncu-rep" --csv --page raw >"$out/step.csv"
 python3 - "$out/step.csv" <<'PY'
-import csv, sys
+import csv, statistics, sys
 from collections import defaultdict
 
 rows = list(csv.reader(open(sys.argv[1])))
@@ -46,17 +46,20 @@ def value(r, metric):
     i = col[metric]
     return float(r[i].replace(",", "")) * scale[units[i]]
 
-per = defaultdict(lambda: [0, 0.0, 0.0])  # launches, us, bytes
+# One row per kernel and grid: the layers' launches of one product share a
+# row, and a kernel used for two products (gate_up and lm_head) gets two.
+per = defaultdict(list)  # (name, grid) -> [(us, bytes)]
 for r in data:
     if len(r) < len(names):
         continue
-    k = per[r[col["Kernel Name"]].split("(")[0]]
-    k[0] += 1
-    k[1] += value(r, "gpu__time_duration.sum")
-    k[2] += value(r, "dram__bytes.sum")
-total = sum(v[1] for v in per.values())
+    key = (r[col["Kernel Name"]].split("(")[0], r[col["Grid Size"]].replace(" ", ""))
+    per[key].append((value(r, "gpu__time_duration.sum"), value(r, "dram__bytes.sum")))
+total = sum(us for v in per.values() for us, _ in v)
 print(f"{len(data)} kernels, {total:,.1f} us in all")
-print(f"{'kernel':48} {'launches':>8} {'us':>10} {'share':>7} {'GB/s':>7}")
-for name, (n, us, b) in sorted(per.items(), key=lambda kv: -kv[1][1]):
-    print(f"{name[:48]:48} {n:8d} {us:10.1f} {100 * us / total:6.1f}% {b / us / 1e3 if us else 0:7.0f}")
+print(f"{'kernel':40} {'grid':>14} {'launches':>8} {'us':>9} {'share':>6} {'median us':>9} {'MB':>8} {'GB/s':>6}")
+for (name, grid), v in sorted(per.items(), key=lambda kv: -sum(us for us, _ in kv[1])):
+    us, mb = sum(x for x, _ in v), statistics.median(b for _, b in v) / 1e6
+    med = statistics.median(x for x, _ in v)
+    print(f"{name[:40]:40} {grid:>14} {len(v):8d} {us:9.1f} {100 * us / total:5.1f}% {med:9.1f} {mb:8.2f} "
+          f"{mb / med * 1e3 if med else 0:6.0f}")
 PY
