@@ -373,8 +373,8 @@ __device__ __forceinline__ void gemv_chunk(float acc[C * M], const uint4 wv[C], 
 // previous kernel (a 1024-wide row is 128 chunks, four warps' worth).
 // Four measures best (H100, EBB_KERNEL_DEFINES=GEMV_PRELOAD=n, batch 1,
 // ms a step: 0.6B 0.890 / 0.846 / 0.972 / 1.194 with 2 / 4 / 8 / 16, 8B
-// 5.787 with 4, 6.487 with 8): blocks that hold more of their weights
-// while the previous kernel runs slow that kernel more than they gain.
+// 5.787 with 4, 6.487 with 8), likely because blocks that hold more of
+// their weights while the previous kernel runs slow it more than they gain.
 #ifndef GEMV_PRELOAD
 #define GEMV_PRELOAD 4
 #endif
