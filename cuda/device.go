@@ -51,6 +51,7 @@ type Device struct {
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 	gqaFrom       int            // the fewest query heads a kv head that decode on attn_decode_gqa (EBB_DECODE_GQA; 0: gqaDecodeFrom)
 	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
+	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
@@ -209,6 +210,7 @@ func (d *Device) init() error {
 	if n, err := strconv.Atoi(os.Getenv("EBB_GQA_WAVES")); err == nil && n > 0 {
 		d.gqaWaves = n
 	}
+	d.wgFullRing = os.Getenv("EBB_MATMUL_WG_RING") == "full"
 	if d.skipKernels = skipList(os.Getenv("EBB_SKIP_KERNELS")); d.skipKernels != nil {
 		fmt.Fprintf(os.Stderr, "ebb: EBB_SKIP_KERNELS=%s: these kernels are not launched and every output is wrong (for timing only)\n",
 			os.Getenv("EBB_SKIP_KERNELS"))

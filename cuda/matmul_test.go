@@ -454,6 +454,27 @@ func TestMatMulWGPartShape(t *testing.T) {
 	}
 }
 
+// TestMatMulWGUsed: a block asks for the stages it fills and, with splits,
+// room for its sums; never more than the whole ring.
+func TestMatMulWGUsed(t *testing.T) {
+	for _, c := range []struct {
+		name            string
+		bn, kps, splits int
+		want            int
+	}{
+		{"o_proj at batch 1: 4 of 8 stages", 32, 4, 8, 4*(160*128) + 1024},
+		{"gate_up at batch 1: the ring is full", 32, 8, 2, 8*(160*128) + 1024},
+		{"a wrapping ring", 32, 16, 1, 8*(160*128) + 1024},
+		{"one k-step: one stage, which holds the sums", 32, 1, 8, 160*128 + 1024},
+		{"256 rows: the sums take the ring", 256, 2, 8, 256*128*4 + 1024},
+	} {
+		got := matMulWGUsed(c.bn, c.kps, c.splits)
+		if got != c.want || got > matMulWGShared(c.bn) {
+			t.Errorf("%s: %d bytes, want %d (whole ring %d)", c.name, got, c.want, matMulWGShared(c.bn))
+		}
+	}
+}
+
 // TestLaunchOfUnknownKernelIsAnError: a kernel name the device did not load
 // fails the device with an error that names it; it does not launch nil.
 func TestLaunchOfUnknownKernelIsAnError(t *testing.T) {

@@ -78,6 +78,30 @@ func matMulWGShared(bn int) int {
 	return min(matMulWGMaxStages, matMulWGRingBytes/stage)*stage + 1024
 }
 
+// matMulWGUsed is the shared memory a matmul_wg block of kps k-steps
+// touches: a ring that never wraps uses only its first kps stages, and with
+// splits the sums (bn rows of 128 floats) take the ring's place.
+//
+// matMulWGTightRows is the largest batch tile that asks for only that much
+// (EBB_MATMUL_WG_RING=full: the whole ring, for A/B runs). A block that
+// asks for less can start beside the previous kernel's blocks (dependent
+// launch) and request its weights sooner. H100, 0.6B decode steps, ms,
+// whole ring against what is used: deterministic inference (every product
+// on matmul_wg) batch 1 1.345 -> 1.270, but batch 64 2.195 -> 2.211; 32, 64
+// and 128 rows outside it level (1.37, 1.72, 2.33). With 64 rows two
+// blocks of a cluster fit one SM, and sharing its tensor cores may cost
+// more than the earlier start gains.
+const matMulWGTightRows = 32
+
+func matMulWGUsed(bn, kps, splits int) int {
+	stage := (matMulWGTileRows + bn) * matMulWGBK * 2
+	used := min(matMulWGMaxStages, matMulWGRingBytes/stage, kps) * stage
+	if splits > 1 {
+		used = max(used, bn*matMulWGTileRows*4)
+	}
+	return used + 1024
+}
+
 // useMatMulWG says whether matmul_wg takes m rows of an n x k product
 // (n a multiple of 16 for its tensor map's 16-row groups) that matmul_tc
 // does not (more than 8 rows: it asks after useMatMulTC). With glu it
@@ -132,7 +156,11 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		return
 	}
 	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
-	d.launchWG(name, grid, matMulWGShared(bn), int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
+	shared := matMulWGShared(bn)
+	if kpart == 0 && bn <= matMulWGTightRows && !d.wgFullRing {
+		shared = matMulWGUsed(bn, kps, int(grid.Z))
+	}
+	d.launchWG(name, grid, shared, int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
 		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps), I(kpart))
 }
