@@ -19,7 +19,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(), childCmd(), trainerCmd(), generateCmd(), tokenizeCmd(), tinyModelCmd(), selftestCmd(), benchCmd())
+	root.AddCommand(serveCmd(), childCmd(), trainerCmd(), generateCmd(), tokenizeCmd(), tinyModelCmd(), selftestCmd(), benchCmd(), kernelsCmd())
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "ebb:", err)
 		os.Exit(1)

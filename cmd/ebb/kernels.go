@@ -1,0 +1,53 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"ebb/cuda"
+)
+
+func kernelsCmd() *cobra.Command {
+	var arch, match string
+	cmd := &cobra.Command{
+		Use:   "kernels [--arch sm_90] [--match NAME]",
+		Short: "Compile the kernels with NVRTC and print each one's registers and local memory",
+		Long: `Compiles ebb's kernels (with $EBB_KERNEL_DEFINES) for a real architecture
+and prints, for each kernel, the registers a thread and the bytes of local
+memory a thread (its stack frame: spilled registers and local arrays), as
+cuobjdump -res-usage would. It needs NVRTC only, not a GPU: registers decide
+how many blocks share an SM, so a kernel change's occupancy can be read before
+it runs. NVRTC before 12.0 has no sm_90a, whose kernels (matmul_wg, moe_wg)
+then compile to a stub; ptxas's choices also change between versions, so
+compare figures from one NVRTC.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			src, err := cuda.KernelSource()
+			if err != nil {
+				return err
+			}
+			cubin, err := cuda.Compile(src, "ebb_kernels.cu", arch)
+			if err != nil {
+				return err
+			}
+			res, err := cuda.KernelResources(cubin)
+			if err != nil {
+				return err
+			}
+			major, minor, _ := cuda.NVRTCVersion()
+			fmt.Printf("NVRTC %d.%d, %s\n", major, minor, arch)
+			fmt.Printf("%-44s %9s %11s\n", "kernel", "registers", "local bytes")
+			for _, r := range res {
+				if strings.Contains(r.Name, match) {
+					fmt.Printf("%-44s %9d %11d\n", r.Name, r.Registers, r.Frame)
+				}
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&arch, "arch", "sm_90", "real architecture to compile for (sm_80, sm_90, sm_90a with NVRTC 12 or later)")
+	cmd.Flags().StringVar(&match, "match", "", "only kernels whose name contains this")
+	return cmd
+}
