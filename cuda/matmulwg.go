@@ -78,12 +78,9 @@ func matMulWGShared(bn int) int {
 	return min(matMulWGMaxStages, matMulWGRingBytes/stage)*stage + 1024
 }
 
-// matMulWGUsed is the shared memory a matmul_wg block of kps k-steps
-// touches: a ring that never wraps uses only its first kps stages, and with
-// splits the sums (bn rows of 128 floats) take the ring's place.
-//
-// matMulWGTightRows is the largest batch tile that asks for only that much
-// (EBB_MATMUL_WG_RING=full: the whole ring, for A/B runs). A block that
+// matMulWGTightRows is the largest batch tile whose blocks ask for only the
+// shared memory they use (matMulWGUsed), not the whole ring
+// (EBB_MATMUL_WG_RING=full gives every tile the whole ring, for A/B runs). A block that
 // asks for less can start beside the previous kernel's blocks (dependent
 // launch) and request its weights sooner. H100, 0.6B decode steps, ms,
 // whole ring against what is used: deterministic inference (every product
@@ -93,6 +90,9 @@ func matMulWGShared(bn int) int {
 // more than the earlier start gains.
 const matMulWGTightRows = 32
 
+// matMulWGUsed is the shared memory a matmul_wg block of kps k-steps
+// touches: a ring that never wraps uses only its first kps stages, and with
+// splits the sums (bn rows of 128 floats) take the ring's place.
 func matMulWGUsed(bn, kps, splits int) int {
 	stage := (matMulWGTileRows + bn) * matMulWGBK * 2
 	used := min(matMulWGMaxStages, matMulWGRingBytes/stage, kps) * stage
