@@ -57,7 +57,10 @@ func (d *Device) EnableDeterministic(m device.ModelShape) error {
 		return err
 	}
 	for _, dim := range []int{64, 128} {
-		if err := d.k[fmt.Sprintf("attn_det_d%d", dim)].SetMaxDynamicShared(max(detShared(dim, false), detShared(dim, true))); err != nil {
+		if err := d.k[fmt.Sprintf("attn_det_d%d", dim)].SetMaxDynamicShared(detShared(dim, false)); err != nil {
+			return err
+		}
+		if err := d.k[fmt.Sprintf("attn_det_dec_d%d", dim)].SetMaxDynamicShared(detShared(dim, true)); err != nil {
 			return err
 		}
 	}
@@ -160,7 +163,6 @@ func (d *Device) attnDet(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, s
 	default:
 		dec, pre = device.AttnMeta{}, meta
 	}
-	name := fmt.Sprintf("attn_det_d%d", dim)
 	if b := dec.NumSeqs; b > 0 {
 		if b*hk > matMulCountersAt {
 			d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
@@ -169,11 +171,11 @@ func (d *Device) attnDet(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, s
 		// A block takes a (sequence, kv head)'s query heads, as rows of
 		// its tile, over every workers-th split.
 		workers := max(1, min(32, 2*d.ctx.SMs/(b*hk)))
-		d.launchDet(name, Dim3{uint32(workers), uint32(hk), uint32(b)}, workers, out, qkv, kc, vc, dec, scale, hq, hk, dim)
+		d.launchDet(fmt.Sprintf("attn_det_dec_d%d", dim), Dim3{uint32(workers), uint32(hk), uint32(b)}, workers, out, qkv, kc, vc, dec, scale, hq, hk, dim)
 	}
 	if pre.NumSeqs > 0 {
 		tiles := (pre.MaxQLen + 63) / 64
-		d.launchDet(name, Dim3{uint32(tiles), uint32(hq), uint32(pre.NumSeqs)}, 0, out, qkv, kc, vc, pre, scale, hq, hk, dim)
+		d.launchDet(fmt.Sprintf("attn_det_d%d", dim), Dim3{uint32(tiles), uint32(hq), uint32(pre.NumSeqs)}, 0, out, qkv, kc, vc, pre, scale, hq, hk, dim)
 	}
 }
 

@@ -75,7 +75,14 @@ __device__ __forceinline__ void det_merge(float &M, float &L, float m, float l, 
 __device__ __forceinline__ float det_acc(float O, float a, float o, float b) { return __fmaf_rn(O, a, __fmul_rn(o, b)); }
 __device__ __forceinline__ float det_out(float O, float L) { return __fmul_rn(O, __frcp_rn(L)); }
 
-template <int D, bool DET = false>
+// DMODE (DET only) builds one of attn_det's two kernels: DET_PREFILL for
+// query tiles (workers 0), DET_DECODE for heads mode. Apart, a decode block
+// holds only its warp's quarter of the output columns in registers, not a
+// prefill warp's D / 8 fragments of two sets of sums, and more blocks fit
+// an SM (decode is bound by its blocks' latency).
+#define DET_PREFILL 1
+#define DET_DECODE 2
+template <int D, bool DET = false, int DMODE = 0>
 __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc,
                                                       const int *qptr, const int *kvptr, const int *kvidx, int hq,
                                                       int hk, float scale, const bf16 *qnorm, const float *cos_t,
@@ -85,7 +92,7 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	// DET decode (heads mode, hm): blockIdx.x is the worker, blockIdx.y the
 	// kv head, and the tile's rows are its G query heads of the one query,
 	// so only 16 query rows are kept (detShared): more blocks fit an SM.
-	const bool hm = DET && da.workers > 0;
+	const bool hm = DET && DMODE == DET_DECODE;
 	// A decode block waits for the kernel before it (dep_wait) only once it
 	// has requested its first K/V tile, all but the newest row, which that
 	// kernel writes; other blocks wait at once. A block that leaves early
@@ -626,16 +633,21 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 ATTN_PREFILL_MMA(64)
 ATTN_PREFILL_MMA(128)
 
-// attn_det: attention for deterministic inference (DET above), prefill
-// and decode alike.
-#define ATTN_DET(D)                                                                                              \
-	extern "C" __global__ void __launch_bounds__(128, 3) attn_det_d##D(                                            \
+// attn_det: attention for deterministic inference (DET above): attn_det
+// for prefills (workers 0), attn_det_dec for decodes (workers > 0).
+#define ATTN_DET(D, NAME, MODE, BLOCKS)                                                                          \
+	extern "C" __global__ void __launch_bounds__(128, BLOCKS) NAME##_d##D(                                         \
 	    bf16 *out, const bf16 *qkv, const bf16 *kc, const bf16 *vc, const int *qptr, const int *kvptr,             \
 	    const int *kvidx, int hq, int hk, float scale, int workers, float *part_o, float *part_ml, int *counters,  \
 	    int part_rows, int lone_splits) {                                                                          \
-		attn_prefill_mma_impl<D, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale, nullptr, nullptr,       \
-		                               nullptr, 0.f, 0,                                                             \
-		                               DetArgs{workers, part_o, part_ml, counters, part_rows, lone_splits});        \
+		attn_prefill_mma_impl<D, true, MODE>(out, qkv, kc, vc, qptr, kvptr, kvidx, hq, hk, scale, nullptr, nullptr, \
+		                                     nullptr, 0.f, 0,                                                       \
+		                                     DetArgs{workers, part_o, part_ml, counters, part_rows, lone_splits});  \
 	}
-ATTN_DET(64)
-ATTN_DET(128)
+#ifndef DET_DECODE_BLOCKS
+#define DET_DECODE_BLOCKS 5
+#endif
+ATTN_DET(64, attn_det, DET_PREFILL, 3)
+ATTN_DET(128, attn_det, DET_PREFILL, 3)
+ATTN_DET(64, attn_det_dec, DET_DECODE, DET_DECODE_BLOCKS)
+ATTN_DET(128, attn_det_dec, DET_DECODE, DET_DECODE_BLOCKS)
