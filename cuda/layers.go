@@ -57,11 +57,19 @@ func normVariant(dim int, ts ...device.Tensor) string {
 // normThreads gives each thread at most NORM_VPT (8) values of a row.
 func normThreads(dim int) int { return min(1024, max(32, ((dim+7)/8+31)/32*32)) }
 
-// PrepareQKV implements device.Device.
+// PrepareQKV implements device.Device. Deterministic inference prepares
+// every step with prepare_qkv16 where it can (the two kernels add a head's
+// squares in different orders, so a prompt's K and a decode's must come
+// from the same one): at a long prefill it reads at bandwidth where
+// prepare_qkv's 8-byte lanes do not (8k chunk, 0.6B shape, H100: 82 us a
+// layer with prepare_qkv).
 func (d *Device) PrepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) {
 	t := positions.Numel()
-	d.prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots, eps, t, 0, qkv.Dim(1),
-		!d.det && vectorisedQKV(qkv, kCache, vCache, t))
+	vec := vectorisedQKV(qkv, kCache, vCache, t)
+	if d.det {
+		vec = qkv16Layout(qkv, kCache, vCache)
+	}
+	d.prepareQKV(qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots, eps, t, 0, qkv.Dim(1), vec)
 }
 
 // qkv16Units is QKV16_UNITS in layers.cu: (token, head) units a thread.
@@ -70,7 +78,12 @@ const qkv16Units = 1
 // vectorisedQKV reports whether a step of t tokens prepares its q, k and v
 // with prepare_qkv16: a prefill of about a thousand tokens or more.
 func vectorisedQKV(qkv, kCache, vCache device.Tensor, t int) bool {
-	return qkv.Dim(2)%16 == 0 && t*qkv.Dim(1) >= 1<<15 && qkv.Ptr%16 == 0 && kCache.Ptr%16 == 0 && vCache.Ptr%16 == 0
+	return t*qkv.Dim(1) >= 1<<15 && qkv16Layout(qkv, kCache, vCache)
+}
+
+// qkv16Layout reports whether prepare_qkv16 can take these tensors.
+func qkv16Layout(qkv, kCache, vCache device.Tensor) bool {
+	return qkv.Dim(2)%16 == 0 && qkv.Ptr%16 == 0 && kCache.Ptr%16 == 0 && vCache.Ptr%16 == 0
 }
 
 // prepareQKV prepares heads [head0, hend) of the first t tokens, with
