@@ -644,8 +644,14 @@ ATTN_PREFILL_MMA(128)
 		                                     nullptr, 0.f, 0,                                                       \
 		                                     DetArgs{workers, part_o, part_ml, counters, part_rows, lone_splits});  \
 	}
+// Blocks an SM (EBB_KERNEL_DEFINES A/B, H100, 0.6B shape, flag on, ms a
+// decode step at batch 1 / 64 / 256): decode 3 blocks 1.230 / 1.901 /
+// 4.200, 4 blocks 1.224 / 1.792 / 4.119 and 1.225 / 1.756 / 4.084 (126
+// registers, no spill), 5 blocks 1.241 / 1.865 / 4.207 (96 and a 24-byte
+// spill); attn_det alone was 1.270 / 2.211 / 5.068. Prefill at 2 blocks
+// (no spill) was within noise of 3.
 #ifndef DET_DECODE_BLOCKS
-#define DET_DECODE_BLOCKS 5
+#define DET_DECODE_BLOCKS 4
 #endif
 #ifndef DET_PREFILL_BLOCKS
 #define DET_PREFILL_BLOCKS 3
