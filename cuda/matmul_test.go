@@ -424,8 +424,10 @@ func TestKernelNamesForEveryRowCount(t *testing.T) {
 
 // TestMatMulWGPartShape (no GPU): matmul_wg_part takes a product where
 // 128-row batch tiles alone fill the GPU and its weight tiles are split,
-// one block a tile running all of K in the splits' lengths; below that,
-// and with EBB_MATMUL_WG_PART=0, clusters split K.
+// one block a tile running all of K in the splits' lengths, and (64-row
+// tiles) deterministic decode batches past 48 rows of products with 32
+// weight tiles or more; elsewhere, and with EBB_MATMUL_WG_PART=0, clusters
+// split K.
 func TestMatMulWGPartShape(t *testing.T) {
 	for _, c := range []struct {
 		name       string
@@ -434,18 +436,23 @@ func TestMatMulWGPartShape(t *testing.T) {
 		want       string
 		grid       Dim3
 		kps, kpart int
+		flagOff    bool
 	}{
-		{"o_proj, decode", 64, 1024, 2048, false, "matmul_wg_n64", Dim3{8, 1, 8}, 4, 0},
-		{"o_proj, 16 tiles short of the SMs", 2048, 1024, 2048, false, "matmul_wg_n256", Dim3{8, 8, 8}, 4, 0},
-		{"o_proj, 17 tiles of 128 rows", 2049, 1024, 2048, false, "matmul_wg_part_n128", Dim3{8, 17, 1}, 32, 4},
-		{"o_proj, a prefill chunk", 8192, 1024, 2048, false, "matmul_wg_part_n128", Dim3{8, 64, 1}, 32, 4},
-		{"o_proj, EBB_MATMUL_WG_PART=0", 8192, 1024, 2048, true, "matmul_wg_n256", Dim3{8, 32, 8}, 4, 0},
-		{"gate_up (48 tiles, 2 splits)", 384, 6144, 1024, false, "matmul_wg_part_n128", Dim3{48, 3, 1}, 16, 8},
-		{"gate_up, 2 tiles of 128 rows", 256, 6144, 1024, false, "matmul_wg_n256", Dim3{48, 1, 2}, 8, 0},
-		{"down, uneven splits", 4096, 1024, 3072, false, "matmul_wg_part_n128", Dim3{8, 32, 1}, 48, 6},
-		{"lm_head (one split)", 8192, 151936, 1024, false, "matmul_wg_n256", Dim3{1187, 32, 1}, 16, 0},
+		{"o_proj, decode", 64, 1024, 2048, false, "matmul_wg_n64", Dim3{8, 1, 8}, 4, 0, false},
+		{"o_proj, 16 tiles short of the SMs", 2048, 1024, 2048, false, "matmul_wg_n256", Dim3{8, 8, 8}, 4, 0, false},
+		{"o_proj, 17 tiles of 128 rows", 2049, 1024, 2048, false, "matmul_wg_part_n128", Dim3{8, 17, 1}, 32, 4, false},
+		{"o_proj, a prefill chunk", 8192, 1024, 2048, false, "matmul_wg_part_n128", Dim3{8, 64, 1}, 32, 4, false},
+		{"o_proj, EBB_MATMUL_WG_PART=0", 8192, 1024, 2048, true, "matmul_wg_n256", Dim3{8, 32, 8}, 4, 0, false},
+		{"gate_up (48 tiles, 2 splits)", 384, 6144, 1024, false, "matmul_wg_part_n128", Dim3{48, 3, 1}, 16, 8, false},
+		{"gate_up, batch 256", 256, 6144, 1024, false, "matmul_wg_part_n64", Dim3{48, 4, 1}, 16, 8, false},
+		{"qkv, batch 64", 64, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},
+		{"qkv, batch 48", 48, 4096, 1024, false, "matmul_wg_n48", Dim3{32, 1, 4}, 4, 0, false},
+		{"qkv, batch 64, flag off", 64, 4096, 1024, false, "matmul_wg_n64", Dim3{32, 1, 4}, 4, 0, true},
+		{"o_proj, batch 256", 256, 1024, 2048, false, "matmul_wg_n256", Dim3{8, 1, 8}, 4, 0, false},
+		{"down, uneven splits", 4096, 1024, 3072, false, "matmul_wg_part_n128", Dim3{8, 32, 1}, 48, 6, false},
+		{"lm_head (one split)", 8192, 151936, 1024, false, "matmul_wg_n256", Dim3{1187, 32, 1}, 16, 0, false},
 	} {
-		d := &Device{ctx: &Context{SMs: 132}, wgmma: true, det: true, noPart: c.noPart}
+		d := &Device{ctx: &Context{SMs: 132}, wgmma: true, det: !c.flagOff, noPart: c.noPart}
 		name, _, grid, kps, kpart := d.matMulWGShape(c.m, c.n, c.k)
 		if name != c.want || grid != c.grid || kps != c.kps || kpart != c.kpart {
 			t.Errorf("%s: %s %v, %d k-steps a block, parts of %d; want %s %v, %d, %d", c.name, name, grid, kps, kpart,

@@ -54,8 +54,10 @@ func (d *Device) initMatMulWG() error {
 			return err
 		}
 	}
-	if err := d.k["matmul_wg_part_n128"].SetMaxDynamicShared(matMulWGShared(matMulWGPartRows)); err != nil {
-		return err
+	for _, bn := range []int{64, 128} {
+		if err := d.k[fmt.Sprintf("matmul_wg_part_n%d", bn)].SetMaxDynamicShared(matMulWGShared(bn)); err != nil {
+			return err
+		}
 	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
 	for _, bn := range moeWGRows {
@@ -121,6 +123,22 @@ func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 // matMulWGPartRows is matmul_wg_part's batch tile.
 const matMulWGPartRows = 128
 
+// Deterministic decode batches of more than matMulWGDetPartFrom rows run
+// the products of at least matMulWGDetPartTiles weight tiles (qkv and
+// gate_up, not o_proj and down_proj) on matmul_wg_part in 64-row batch
+// tiles: the same bits as a cluster's splits, without the sums passed
+// through distributed shared memory. H100, 0.6B shape, flag on, ms a
+// decode step at batch 64 / 256: clusters 1.806 / 4.106 and 1.793 / 4.070;
+// these two on 64-row part tiles 1.773 / 3.886 and 1.773 / 3.909; 128-row
+// part tiles (batch 256 only) 3.895 / 3.877; o_proj and down_proj on
+// 64-row part tiles too (32 blocks at batch 256) 1.721 / 4.161 and 1.726
+// / 4.168 (flag off: 1.727 / 3.394).
+const (
+	matMulWGDetPartFrom  = 48
+	matMulWGDetPartTiles = 32
+	matMulWGDetPartRows  = 64
+)
+
 // matMulWGShape picks matmul_wg's batch tile and grid (128-row tiles of
 // w, K splits): K is split over a cluster of up to 8 blocks so that the
 // grid fills the SMs once. The splits depend on the weights' shape alone,
@@ -142,6 +160,10 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	splits = (kt + kps - 1) / kps
 	if pt := (m + matMulWGPartRows - 1) / matMulWGPartRows; splits > 1 && pt*tiles >= d.ctx.SMs && !d.noPart {
 		return "matmul_wg_part_n128", matMulWGPartRows, Dim3{uint32(tiles), uint32(pt), 1}, kt, kps
+	}
+	if splits > 1 && d.det && m > matMulWGDetPartFrom && tiles >= matMulWGDetPartTiles && !d.noPart {
+		pt := (m + matMulWGDetPartRows - 1) / matMulWGDetPartRows
+		return "matmul_wg_part_n64", matMulWGDetPartRows, Dim3{uint32(tiles), uint32(pt), 1}, kt, kps
 	}
 	// Past the largest tile (deterministic inference's prefills), a batch
 	// tile a blockIdx.y.
