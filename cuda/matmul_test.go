@@ -426,8 +426,8 @@ func TestKernelNamesForEveryRowCount(t *testing.T) {
 // 128-row batch tiles alone fill the GPU and its weight tiles are split,
 // one block a tile running all of K in the splits' lengths, and (64-row
 // tiles) deterministic decode batches past 48 rows of products with 32
-// weight tiles or more; elsewhere, and with EBB_MATMUL_WG_PART=0, clusters
-// split K.
+// weight tiles or more in 4 splits or more; elsewhere, and with
+// EBB_MATMUL_WG_PART=0, clusters split K.
 func TestMatMulWGPartShape(t *testing.T) {
 	for _, c := range []struct {
 		name       string
@@ -444,7 +444,8 @@ func TestMatMulWGPartShape(t *testing.T) {
 		{"o_proj, a prefill chunk", 8192, 1024, 2048, false, "matmul_wg_part_n128", Dim3{8, 64, 1}, 32, 4, false},
 		{"o_proj, EBB_MATMUL_WG_PART=0", 8192, 1024, 2048, true, "matmul_wg_n256", Dim3{8, 32, 8}, 4, 0, false},
 		{"gate_up (48 tiles, 2 splits)", 384, 6144, 1024, false, "matmul_wg_part_n128", Dim3{48, 3, 1}, 16, 8, false},
-		{"gate_up, batch 256", 256, 6144, 1024, false, "matmul_wg_part_n64", Dim3{48, 4, 1}, 16, 8, false},
+		{"gate_up (two splits), batch 256", 256, 6144, 1024, false, "matmul_wg_n256", Dim3{48, 1, 2}, 8, 0, false},
+		{"qkv, batch 256", 256, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 4, 1}, 16, 4, false},
 		{"qkv, batch 64", 64, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},
 		{"qkv, batch 48", 48, 4096, 1024, false, "matmul_wg_n48", Dim3{32, 1, 4}, 4, 0, false},
 		{"qkv, batch 64, flag off", 64, 4096, 1024, false, "matmul_wg_n64", Dim3{32, 1, 4}, 4, 0, true},

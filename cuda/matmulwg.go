@@ -124,19 +124,26 @@ func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 const matMulWGPartRows = 128
 
 // Deterministic decode batches of more than matMulWGDetPartFrom rows run
-// the products of at least matMulWGDetPartTiles weight tiles (qkv and
-// gate_up, not o_proj and down_proj) on matmul_wg_part in 64-row batch
+// the products of at least matMulWGDetPartTiles weight tiles in
+// matMulWGDetPartSplits splits or more (qkv: not gate_up's two splits, nor
+// o_proj's and down_proj's 8 tiles) on matmul_wg_part in 64-row batch
 // tiles: the same bits as a cluster's splits, without the sums passed
 // through distributed shared memory. H100, 0.6B shape, flag on, ms a
-// decode step at batch 64 / 256: clusters 1.806 / 4.106 and 1.793 / 4.070;
-// these two on 64-row part tiles 1.773 / 3.886 and 1.773 / 3.909; 128-row
-// part tiles (batch 256 only) 3.895 / 3.877; o_proj and down_proj on
-// 64-row part tiles too (32 blocks at batch 256) 1.721 / 4.161 and 1.726
-// / 4.168 (flag off: 1.727 / 3.394).
+// decode step (128 in, 64 out) at batch 64 / 256: all on clusters 1.806 /
+// 4.106 and 1.793 / 4.070; qkv and gate_up on 64-row part tiles 1.773 /
+// 3.886 and 1.773 / 3.909; 128-row part tiles (batch 256 only) 3.895 /
+// 3.877; o_proj and down_proj too (32 blocks at batch 256) 1.721 / 4.161
+// and 1.726 / 4.168 (flag off: 1.727 / 3.394). With 128 out, batch 64 /
+// 96 / 128 / 256, two rounds: clusters 1.858 / 2.338 / 2.740 / 4.499 and
+// 1.862 / 2.315 / 2.768 / 4.478; qkv and gate_up on part tiles 1.843 /
+// 2.278 / 2.630 / 4.262 and 1.844 / 2.282 / 2.656 / 4.269; qkv alone 1.849
+// / 2.318 / 2.646 / 4.147 and 1.813 / 2.261 / 2.655 / 4.141 (gate_up's
+// part tiles, 23.9 us at batch 256, against 19.9 on clusters).
 const (
-	matMulWGDetPartFrom  = 48
-	matMulWGDetPartTiles = 32
-	matMulWGDetPartRows  = 64
+	matMulWGDetPartFrom   = 48
+	matMulWGDetPartTiles  = 32
+	matMulWGDetPartSplits = 4
+	matMulWGDetPartRows   = 64
 )
 
 // matMulWGShape picks matmul_wg's batch tile and grid (128-row tiles of
@@ -161,7 +168,7 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	if pt := (m + matMulWGPartRows - 1) / matMulWGPartRows; splits > 1 && pt*tiles >= d.ctx.SMs && !d.noPart {
 		return "matmul_wg_part_n128", matMulWGPartRows, Dim3{uint32(tiles), uint32(pt), 1}, kt, kps
 	}
-	if splits > 1 && d.det && m > matMulWGDetPartFrom && tiles >= matMulWGDetPartTiles && !d.noPart {
+	if d.det && m > matMulWGDetPartFrom && tiles >= matMulWGDetPartTiles && splits >= matMulWGDetPartSplits && !d.noPart {
 		pt := (m + matMulWGDetPartRows - 1) / matMulWGDetPartRows
 		return "matmul_wg_part_n64", matMulWGDetPartRows, Dim3{uint32(tiles), uint32(pt), 1}, kt, kps
 	}
