@@ -54,7 +54,7 @@ func (d *Device) initMatMulWG() error {
 			return err
 		}
 	}
-	for _, bn := range []int{64, 128} {
+	for _, bn := range []int{matMulWGDetPartRows, matMulWGPartRows} {
 		if err := d.k[fmt.Sprintf("matmul_wg_part_n%d", bn)].SetMaxDynamicShared(matMulWGShared(bn)); err != nil {
 			return err
 		}
