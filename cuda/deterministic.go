@@ -143,6 +143,43 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 	d.matMulWG(out, outF32, x, w, m, n, k, glu, normFold{})
 }
 
+// detFoldRows is the most rows for which deterministic inference folds
+// add_rmsnorm into the products around it (matmul_wg's add and norm modes,
+// the norm's scales from the rows themselves in add_rmsnorm_v8's order, so
+// with the bits that larger batches get from add_rmsnorm_v8). The norm
+// product works out its rows' scales one row after another: H100, 0.6B
+// shape, ms a decode step (128 in, 128 out), folded against not, two
+// rounds: batch 1 1.223 / 1.205 against 1.272 / 1.251, batch 2 1.270 /
+// 1.276 against 1.299 / 1.302, batch 4 1.320 / 1.308 against 1.276 /
+// 1.282 (EBB_DET_FOLD=0 for A/B runs).
+const detFoldRows = 2
+
+// detFold says whether deterministic inference folds add_rmsnorm of m
+// rows of hidden into the products around it: a batch of at most
+// detFoldRows whose norm is add_rmsnorm_v8's (hidden a multiple of 8 that
+// matmul_wg's consumers hold).
+func (d *Device) detFold(m, hidden int) bool {
+	return !d.noDetFold && m <= detFoldRows && m <= matMulWGNormRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
+}
+
+// detMatMulAdd is MatMulAdd under deterministic inference: residual +=
+// x @ w^T on matmul_wg's add mode, where RMSNormMatMul (norm mode) takes
+// next after it.
+func (d *Device) detMatMulAdd(x, w device.Tensor, silu bool, residual, next device.Tensor) bool {
+	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
+	if silu || !d.detFold(m, n) || !detProductFits(n, k) || !detProductFits(next.Dim(0), n) || residual.DType != device.BF16 ||
+		x.DType != device.BF16 || w.DType != device.BF16 || x.Numel() != m*k || residual.Numel() != m*n ||
+		next.Dim(-1) != n || residual.Ptr%16 != 0 || x.Ptr%16 != 0 || w.Ptr%16 != 0 || next.Ptr%16 != 0 ||
+		m*foldParts(routeWG, n) > d.rowSquares.Numel() {
+		return false
+	}
+	if d.err == nil {
+		d.matMulWG(0, false, x.Ptr, w.Ptr, m, n, k, false, normFold{residual: residual.Ptr})
+		d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: foldParts(routeWG, n)}
+	}
+	return true
+}
+
 // attnDet runs attn_det: a step's decodes (one query each, the leading
 // meta.Decodes sequences, or all when MaxQLen is 1) with their splits
 // spread over blocks, the other sequences a query tile a block.

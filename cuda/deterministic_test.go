@@ -329,3 +329,43 @@ func TestDeterministicLogprobs(t *testing.T) {
 		t.Fatalf("a row alone: logprob %v, among %d rows %v", alone[0], b, lps[b-1])
 	}
 }
+
+// TestDeterministicFold: under deterministic inference a batch of up to
+// detFoldRows folds add_rmsnorm into o_proj (add mode) and gate_up (norm
+// mode, the scales from the rows in add_rmsnorm_v8's order), and each row's
+// residual and activations have exactly the bits that MatMul, AddRMSNorm
+// and MatMulSiLU give it in a batch too large to fold.
+func TestDeterministicFold(t *testing.T) {
+	p := detPair(t)
+	const rows, hidden, inter, heads = 8, 1024, 3072, 2048
+	x := p.random(device.BF16, 1, rows, heads)
+	wo := p.random(device.BF16, 1/float32(math.Sqrt(heads)), hidden, heads)
+	wgu := p.random(device.BF16, 1/float32(math.Sqrt(hidden)), 2*inter, hidden)
+	normW := p.random(device.BF16, 0.3, hidden)
+	h0 := p.random(device.BF16, 3, rows, hidden)
+	h, tmp, xn := p.clone(device.BF16, h0), p.random(device.BF16, 0, rows, hidden), p.random(device.BF16, 0, rows, hidden)
+	act := p.random(device.BF16, 0, rows, inter)
+	p.gpu.MatMul(tmp.g, x.g, wo.g, device.Tensor{})
+	p.gpu.AddRMSNorm(h.g, tmp.g, xn.g, normW.g, 1e-6)
+	if !p.gpu.MatMulSiLU(act.g, xn.g, wgu.g) {
+		t.Fatal("MatMulSiLU declined")
+	}
+	wantH, _ := p.download(h)
+	wantAct, _ := p.download(act)
+	if p.gpu.MatMulAdd(x.g, wo.g, false, h0.g, wgu.g, true) {
+		t.Fatalf("folded %d rows", rows)
+	}
+	start, _ := p.download(h0)
+	for _, m := range []int{1, detFoldRows} {
+		hm := p.floats(device.BF16, start[:m*hidden], m, hidden)
+		actm := p.random(device.BF16, 0, m, inter)
+		if !p.gpu.MatMulAdd(x.g.Rows(0, m), wo.g, false, hm.g, wgu.g, true) {
+			t.Fatalf("%d rows: not folded", m)
+		}
+		if !p.gpu.RMSNormMatMul(actm.g, hm.g, normW.g, wgu.g, 1e-6, true) {
+			t.Fatalf("%d rows: no norm product", m)
+		}
+		sameRows(t, p, hm, wantH, hidden, fmt.Sprintf("%d rows: residual", m))
+		sameRows(t, p, actm, wantAct, inter, fmt.Sprintf("%d rows: activations", m))
+	}
+}

@@ -46,6 +46,7 @@ type Device struct {
 	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
 	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
+	noDetFold     bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
@@ -222,6 +223,7 @@ func (d *Device) init() error {
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_TILE_ROWS")); err == nil && (n == 16 || n == 64) {
 		d.moeTileRows = n
 	}
+	d.noDetFold = os.Getenv("EBB_DET_FOLD") == "0"
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)

@@ -129,6 +129,7 @@ type normFold struct {
 	normW    uintptr // norm mode: x is such a residual, normalised as it is read
 	parts    int     // norm mode: partial sums of squares a row in d.rowSquares
 	eps      float32
+	rows     uintptr // norm mode under deterministic inference: x, whose rows' scales the kernel works out as add_rmsnorm does
 }
 
 // matMulTCNormRows is the most rows for which matmul_tc takes part in
@@ -143,6 +144,12 @@ const matMulTCNormRows = 8
 // matMulTCNormRows, matmul_wg from 25 to matMulWGNormRows, or none
 // (routeBLAS). EBB_NORM_FOLD=0 turns both off, =tc or =wg leaves one.
 func (d *Device) foldRoute(m, n, k int, glu bool) matMulRoute {
+	if d.det { // a norm product: k is the hidden size
+		if d.detFold(m, k) && detProductFits(n, k) {
+			return routeWG
+		}
+		return routeBLAS
+	}
 	switch r := d.matMulRoute(m, n, k, glu); {
 	case r == routeTC && d.foldTC && m <= matMulTCNormRows,
 		r == routeWG && d.foldWG && m > 8*matMulTCMaxTiles && m <= matMulWGNormRows:
@@ -270,7 +277,10 @@ type pendingNorm struct {
 // left undone).
 func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.Tensor, glu bool) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
-	if d.det || residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 || residual.Ptr%16 != 0 ||
+	if d.det {
+		return d.detMatMulAdd(x, w, silu, residual, next)
+	}
+	if residual.DType != device.BF16 || residual.Numel() != m*n || n%8 != 0 || residual.Ptr%16 != 0 ||
 		x.Ptr%16 != 0 || w.Ptr%16 != 0 || next.Dim(-1) != n || next.Ptr%16 != 0 {
 		return false
 	}
@@ -320,7 +330,7 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 		cols = n / 2
 	}
 	route := routeGemv
-	if m > gemvMaxRows {
+	if m > gemvMaxRows || d.det {
 		route = d.foldRoute(m, n, k, glu)
 	}
 	if p.residual == 0 || p.residual != residual.Ptr || p.rows != m || p.cols != k || residual.Numel() != m*k ||
@@ -331,6 +341,9 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 		return true
 	}
 	fold := normFold{normW: normW.Ptr, parts: p.parts, eps: eps}
+	if d.det {
+		fold.rows = residual.Ptr
+	}
 	switch route {
 	case routeTC:
 		d.matMulTC(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, fold)

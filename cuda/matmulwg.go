@@ -31,9 +31,10 @@ const matMulWGMaxRows = 128
 const matMulWGNormRows = 48
 
 const (
-	matMulWGTileRows = 128 // MWG_ROWS: weight rows a block
-	matMulWGThreads  = 288 // MWG_THREADS: two warpgroups and the producer warp
-	matMulWGBK       = 64
+	matMulWGTileRows  = 128 // MWG_ROWS: weight rows a block
+	matMulWGThreads   = 288 // MWG_THREADS: two warpgroups and the producer warp
+	matMulWGConsumers = 256 // MWG_CONSUMERS
+	matMulWGBK        = 64
 	// matMulWGMaxCluster is the portable cluster size: a tile's K splits.
 	matMulWGMaxCluster = 8
 	// The ring: at most matMulWGMaxStages stages within matMulWGRingBytes
@@ -191,7 +192,7 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 	}
 	d.launchWG(name, grid, shared, int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
-		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps), I(kpart))
+		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps), I(kpart), P(norm.rows))
 }
 
 // wgOperands are the two operands of a matmul_wg or moe_wg launch: w
