@@ -20,9 +20,14 @@ import (
 //   - Products: matmul_wg for every row count. Its reduction order (the K
 //     splits of a weight tile, fixed by the weights' shape and the SMs, and
 //     the rank order they are added in) does not depend on the rows; past
-//     256 rows the batch takes a tile a blockIdx.y. The fused decode forms
-//     (norms folded into products, cuBLAS's epilogue, gemv) are off: each
-//     rounds where the plain kernels do not.
+//     256 rows the batch takes a tile a blockIdx.y. Up to 8 rows,
+//     matmul_wg_few gives the same bits with warps of mma.sync, without
+//     matmul_wg's latency (H100, 0.6B shape, decode ms a step at batch 1 /
+//     2 / 4 / 8: 1.218 / 1.249 / 1.267 / 1.369 -> 0.917 / 0.994 / 1.011 /
+//     1.052; flag off 0.852 / 0.918 / 0.948 / 0.995). The fused decode
+//     forms of the flag off (cuBLAS's epilogue, gemv) are off: each
+//     rounds where the plain kernels do not; batches of 1-2 rows fold
+//     add_rmsnorm with add_rmsnorm_v8's sums instead (detFoldRows).
 //   - Attention: attn_det for prefills and decodes alike (fixed splits of
 //     DET_SPLIT positions merged in order; attention_flash.cu).
 //   - q/k preparation: prepare_qkv for every step size.
@@ -63,6 +68,9 @@ func (d *Device) EnableDeterministic(m device.ModelShape) error {
 		if err := d.k[fmt.Sprintf("attn_det_dec_d%d", dim)].SetMaxDynamicShared(detShared(dim, true)); err != nil {
 			return err
 		}
+	}
+	if err := d.k["matmul_wg_few"].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
+		return err
 	}
 	var err error
 	if d.detPartO, err = d.Alloc(memory.CUDAGraph, device.F32, detPartialBytes/4); err != nil {
@@ -151,7 +159,10 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 // shape, ms a decode step (128 in, 128 out), folded against not, two
 // rounds: batch 1 1.223 / 1.205 against 1.272 / 1.251, batch 2 1.270 /
 // 1.276 against 1.299 / 1.302, batch 4 1.320 / 1.308 against 1.276 /
-// 1.282 (EBB_DET_FOLD=0 for A/B runs).
+// 1.282 (EBB_DET_FOLD=0 for A/B runs). On matmul_wg_few's modes, two
+// rounds: batch 1 0.970 / 0.976 against 1.015 / 1.024 unfolded; folding
+// up to 8 rows (EBB_DET_FOLD_ROWS=8), batch 4 1.136 / 1.153 against 1.082
+// / 1.064, batch 8 1.407 / 1.403 against 1.133 / 1.150.
 const detFoldRows = 2
 
 // detFold says whether deterministic inference folds add_rmsnorm of m
@@ -159,7 +170,7 @@ const detFoldRows = 2
 // detFoldRows whose norm is add_rmsnorm_v8's (hidden a multiple of 8 that
 // matmul_wg's consumers hold).
 func (d *Device) detFold(m, hidden int) bool {
-	return !d.noDetFold && m <= detFoldRows && m <= matMulWGNormRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
+	return !d.noDetFold && m <= cmp.Or(d.detFew.foldRows, detFoldRows) && m <= matMulWGNormRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
 }
 
 // detMatMulAdd is MatMulAdd under deterministic inference: residual +=
@@ -275,4 +286,55 @@ func (d *Device) tokenLogprobsDet(out, logits, targets device.Tensor) {
 		d.launch("token_logprobs_det", D1((n+127)/128), D1(128), 0, P(out.Ptr+uintptr(4*r0)), P(l.Ptr),
 			P(targets.Ptr+uintptr(4*r0)), I(v), P(d.samplePart.Ptr), I(parts), I(n))
 	}
+}
+
+// detFew is how deterministic inference runs products of few rows on
+// matmul_wg_few, which gives them matmul_wg's bits from warps that each
+// run one K split's chain of tensor-core steps for 16 weight rows.
+type detFew struct {
+	rows     int // at most this many rows take it (EBB_DET_FEW_ROWS; 0: none)
+	warps    int // warps a block, at least a tile's splits (EBB_DET_FEW_WARPS)
+	foldRows int // detFoldRows where EBB_DET_FOLD_ROWS sets it, for A/B runs
+}
+
+// detFewMaxRows is matmul_wg_few's batch tile: the N side of one mma.
+const detFewMaxRows = 8
+
+func detFewFromEnv() detFew {
+	f := detFew{rows: detFewMaxRows, warps: 4}
+	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FEW_ROWS")); err == nil && n >= 0 {
+		f.rows = min(n, detFewMaxRows)
+	}
+	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FOLD_ROWS")); err == nil && n >= 1 {
+		f.foldRows = min(n, detFewMaxRows)
+	}
+	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FEW_WARPS")); err == nil && n >= 1 {
+		f.warps = min(n, matMulWGMaxCluster)
+	}
+	return f
+}
+
+// matMulWGFewStages is MWF_STAGES in matmul_wg_few.cu: 64-wide steps of K
+// a warp has in flight, 3,200 bytes of shared memory each.
+const matMulWGFewStages = 4
+
+// matMulWGFewShared is the shared memory a block of matmul_wg_few asks
+// for: twice the ring its warps use, which holds an SM to two blocks of
+// four warps. H100, 0.6B shape, flag on, ms a decode step (128 in, 128
+// out) at batch 1 / 2 / 4 / 8: four stages asking for eight 0.921 / 1.000
+// / 1.020 / 1.047 and 0.918 / 1.022 / 1.014 / 1.033; asking for four 0.970
+// / 1.060 / 1.082 / 1.133 and 0.976 / 1.054 / 1.064 / 1.150 (eight
+// stages used: 1.006 / 1.075 / 1.102 / 1.114).
+func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * 25 * 128 }
+
+// matMulWGFew launches matmul_wg_few for m rows (at most detFewMaxRows)
+// with the K splits matmul_wg would use; a block takes warps / splits
+// groups of 16 weight rows, a warp a split of one group.
+func (d *Device) matMulWGFew(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm normFold) {
+	_, _, grid, kps, _ := d.matMulWGShape(m, n, k)
+	splits := int(grid.Z)
+	per := max(1, d.detFew.warps/splits)
+	blocks := (n/16 + per - 1) / per
+	d.launch("matmul_wg_few", D1(blocks), D1(per*splits*32), matMulWGFewShared(per*splits), P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
+		I(boolInt(glu)), I(kps), I(splits), P(norm.residual), P(norm.normW), F(norm.eps))
 }

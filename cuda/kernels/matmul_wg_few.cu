@@ -1,0 +1,182 @@
+// matmul_wg_few gives deterministic inference's products of 1 to 8 rows
+// the bits matmul_wg gives the same rows in any batch, without matmul_wg's
+// machinery (tensor maps, a ring, clusters), which a product of one row
+// pays for in latency rather than bandwidth. A row's sums in matmul_wg are:
+// per K split (kps 64-wide steps, fixed by the weights' shape), a chain of
+// m64nBNk16 wgmma over the split's 16-wide chunks of k in order, from zero;
+// then 0 + p0 + p1 + ... over the splits (or p0 alone for one split). Here
+// a warp runs one split's chain for 16 weight rows with mma.m16n8k16, whose
+// step adds the same 16 products to the accumulator, and the block adds
+// its warps' splits in the same order.
+//
+// A warp (16 weight rows: g and g + 8, or with glu gate g and its up)
+// streams its split through a ring of its own in shared memory: each
+// stage is 64 of k of its 16 weight rows, of x's rows and of norm_w,
+// copied with cp.async in 16-byte pieces (whole 128-byte lines of a row),
+// MWF_STAGES stages in flight. (Loads into registers, a chunk a load,
+// reached 0.56-1.3 TB/s: a warp waited on its loads in groups.) Thread
+// (g, q) then reads k 4q .. 4q + 3 of a 16-wide chunk where the mma's
+// fragment layout names k 2q, 2q + 1, 2q + 8 and 2q + 9: each mma still
+// adds the chunk's 16 products, only in another order within it, and the
+// tensor core's sum of a chunk does not depend on that order:
+// TestDeterministicProductsAreRowInvariant holds this layout to
+// matmul_wg's bits (H100; the mma's own layout gave the same bits).
+//
+// Modes as matmul_wg's for deterministic folds: add (residual set:
+// residual += the product, rounded as add_rmsnorm rounds it; out is not
+// written) and norm (norm_w set: x is a residual h whose rows each warp
+// scales with det_row_scales' sums in their order, normalised as read).
+#ifndef MWF_STAGES
+#define MWF_STAGES 4 // 64-wide steps of K a warp has in flight (matMulWGFewStages)
+#endif
+#define MWF_MAX_WARPS 8
+// A stage's rows of 128 bytes: 16 of weights, 8 of x, norm_w.
+#define MWF_STAGE (25 * 128)
+
+// warp_row_scale is det_row_scales' inverse root mean square of h's row
+// (K <= 2048), worked out by one warp: lane l takes the 8 elements thread
+// l + 32 w of add_rmsnorm_v8 would, for each of its 8 warps w.
+__device__ __forceinline__ float warp_row_scale(const bf16 *h, int K, float eps) {
+	const int lane = threadIdx.x & 31;
+	float t = 0.f;
+#pragma unroll
+	for (int w = 0; w < 8; w++) {
+		const int i = 8 * (32 * w + lane);
+		float ss = 0.f;
+		if (i < K) {
+			float v[8];
+			unpack8(__ldg((const uint4 *)(h + i)), v);
+#pragma unroll
+			for (int e = 0; e < 8; e++) ss += v[e] * v[e];
+		}
+		ss = warp_sum(ss);
+		if (lane == w) t = ss;
+	}
+	t = warp_sum(t);
+	return rsqrtf(t / K + eps);
+}
+
+// mwf_at is the shared address of row r's 16-byte piece p in a stage,
+// swizzled so that a chunk's fragments of 8 rows fill every bank.
+__device__ __forceinline__ unsigned mwf_at(unsigned stage, int r, int p) { return stage + r * 128 + ((p ^ (r & 7)) << 4); }
+
+__device__ __forceinline__ uint2 lds_u2(unsigned a) {
+	uint2 v;
+	asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+	return v;
+}
+
+extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)
+    matmul_wg_few(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, int glu, int kps,
+                  int splits, bf16 *residual, const bf16 *norm_w, float eps) {
+	extern __shared__ __align__(128) unsigned char mwf_smem[];
+	__shared__ float4 red[MWF_MAX_WARPS][32];
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+	const int per = blockDim.x / 32 / splits; // 16-row groups a block
+	const int s = warp % splits;
+	const long long grp = (long long)blockIdx.x * per + warp / splits;
+	const bool active = grp < N / 16;
+	const long long half = N / 2;
+	const long long na = glu ? 8 * grp + g : 16 * grp + g;
+	const int k0 = s * kps * 64, steps = active ? (min(K, k0 + kps * 64) - k0) / 64 : 0;
+	const unsigned ring = smem_u32(mwf_smem) + warp * MWF_STAGES * MWF_STAGE;
+	// Copies: lane l takes piece l % 8 (8 of k) of rows l / 8 + 4 i.
+	const int cp = lane & 7, cr = lane >> 3;
+	auto weights = [&](int t) {
+		const unsigned st = ring + (t % MWF_STAGES) * MWF_STAGE;
+		const long long k = k0 + 64LL * t + 8 * cp;
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			const int r = cr + 4 * i;
+			const long long row = glu ? (r < 8 ? 8 * grp + r : half + 8 * grp + r - 8) : 16 * grp + r;
+			cp_async16(mwf_at(st, r, cp), w + row * K + k, true);
+		}
+	};
+	auto inputs = [&](int t) {
+		const unsigned st = ring + (t % MWF_STAGES) * MWF_STAGE;
+		const long long k = k0 + 64LL * t + 8 * cp;
+#pragma unroll
+		for (int i = 0; i < 2; i++)
+			if (cr + 4 * i < m) cp_async16(mwf_at(st, 16 + cr + 4 * i, cp), x + (cr + 4 * i) * (long long)K + k, true);
+		if (norm_w && cr == 0) cp_async16(mwf_at(st, 24, cp), norm_w + k, true);
+	};
+	// The weights do not depend on earlier kernels: the first stages are
+	// requested while the previous kernel finishes.
+	for (int t = 0; t < MWF_STAGES; t++) {
+		if (t < steps) weights(t);
+		cp_async_commit();
+	}
+	DEP();
+	for (int t = 0; t < MWF_STAGES && t < steps; t++) inputs(t);
+	cp_async_commit();
+	// add mode: this thread's residual values, requested now.
+	float hpre[4];
+	if (residual && s == 0 && active)
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			const int r = 2 * q + (e & 1);
+			hpre[e] = r < m ? bf2f(__ldcg(residual + r * (long long)N + na + 8 * (e >> 1))) : 0.f;
+		}
+	float inv = 0.f; // norm mode: the scale of batch row g
+	if (norm_w && active)
+		for (int r = 0; r < m; r++) {
+			const float v = warp_row_scale(x + (long long)r * K, K, eps);
+			if (g == r) inv = v;
+		}
+	cp_async_wait<0>();
+	__syncwarp();
+	const bool xrow = g < m;
+	float acc[4] = {0.f, 0.f, 0.f, 0.f};
+	for (int t = 0; t < steps; t++) {
+		// Stage t's group is the oldest of at most MWF_STAGES pending.
+		cp_async_wait<MWF_STAGES - 1>();
+		__syncwarp();
+		const unsigned st = ring + (t % MWF_STAGES) * MWF_STAGE;
+#pragma unroll
+		for (int c = 0; c < 4; c++) {
+			const int p = 2 * c + (q >> 1), h = 8 * (q & 1);
+			const uint2 a = lds_u2(mwf_at(st, g, p) + h), b = lds_u2(mwf_at(st, g + 8, p) + h);
+			uint2 xv = make_uint2(0, 0);
+			if (xrow) {
+				xv = lds_u2(mwf_at(st, 16 + g, p) + h);
+				if (norm_w) {
+					const uint2 nv = lds_u2(mwf_at(st, 24, p) + h);
+					xv = make_uint2(norm_pair(xv.x, nv.x, inv), norm_pair(xv.y, nv.y, inv));
+				}
+			}
+			mma16816(acc, a.x, b.x, a.y, b.y, xv.x, xv.y);
+		}
+		__syncwarp(); // every lane has read the stage before it is refilled
+		if (t + MWF_STAGES < steps) {
+			weights(t + MWF_STAGES);
+			inputs(t + MWF_STAGES);
+		}
+		cp_async_commit();
+	}
+	if (splits > 1) {
+		red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+		__syncthreads();
+		if (s != 0) return;
+		float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+		for (int p = 0; p < splits; p++) {
+			const float4 u = red[warp + p][lane];
+			v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+		}
+		acc[0] = v.x, acc[1] = v.y, acc[2] = v.z, acc[3] = v.w;
+	}
+	if (!active) return;
+	// acc: c0, c1 weight row g, batch rows 2q, 2q + 1; c2, c3 row g + 8.
+#pragma unroll
+	for (int e = 0; e < 4; e++) {
+		const int r = 2 * q + (e & 1);
+		if (r >= m) continue;
+		if (glu) {
+			if (e < 2) ((bf16 *)out)[r * half + na] = silu_mul1(rbf(acc[e]), rbf(acc[e + 2]));
+			continue;
+		}
+		const long long n = na + 8 * (e >> 1);
+		if (residual) residual[r * (long long)N + n] = f2bf(rbf(hpre[e] + rbf(acc[e])));
+		else if (out_f32) ((float *)out)[r * (long long)N + n] = acc[e];
+		else ((bf16 *)out)[r * (long long)N + n] = f2bf(acc[e]);
+	}
+}
