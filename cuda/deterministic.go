@@ -69,9 +69,6 @@ func (d *Device) EnableDeterministic(m device.ModelShape) error {
 			return err
 		}
 	}
-	if err := d.k["matmul_wg_few"].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
-		return err
-	}
 	var err error
 	if d.detPartO, err = d.Alloc(memory.CUDAGraph, device.F32, detPartialBytes/4); err != nil {
 		return fmt.Errorf("deterministic attention partials: %w", err)

@@ -48,6 +48,7 @@ type Device struct {
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
 	noDetFold     bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
 	detFew        detFew         // deterministic products of few rows on matmul_wg_few (EBB_DET_FEW_*)
+	noFew         bool           // products of 2-8 rows of large weights stay on matmul_tc (EBB_MATMUL_FEW=0)
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
@@ -226,6 +227,7 @@ func (d *Device) init() error {
 	}
 	d.noDetFold = os.Getenv("EBB_DET_FOLD") == "0"
 	d.detFew = detFewFromEnv()
+	d.noFew = os.Getenv("EBB_MATMUL_FEW") == "0"
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)

@@ -38,6 +38,8 @@ func (d *Device) MatMul(out, x, w, bias device.Tensor) {
 		d.matMulTC(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, normFold{})
 	case route == routeWG:
 		d.matMulWG(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, normFold{})
+	case route == routeFew:
+		d.matMulWGFew(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false, normFold{})
 	default:
 		if !d.tunedMatMul(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k) {
 			d.fail(d.blas.gemm(out.Ptr, outF32, x.Ptr, w.Ptr, m, n, k, false))
@@ -85,6 +87,19 @@ const (
 func (d *Device) useMatMulTC(m, n, k int) bool {
 	return m > gemvMaxRows && m <= 8*matMulTCMaxTiles && k%32 == 0 &&
 		(m <= 8 || 2*int64(n)*int64(k) < matMulTCMaxBytes || d.tcLarge)
+}
+
+// useMatMulFew says whether matmul_wg_few takes m rows (2 to 8) of an n x
+// k product outside deterministic inference: weights of matMulTCMaxBytes
+// or more, where matmul_tc reads more slowly than matmul_wg_few's rings,
+// even with the norms it folds (H100, Qwen3-8B shape, one-batch ms a step,
+// 128 in, 64 out, two rounds: batch 2 / 4 / 8 on matmul_tc 6.478 / 6.546 /
+// 6.781 and 6.470 / 6.541 / 6.778, on matmul_wg_few 5.911 / 5.984 / 6.038
+// and 5.912 / 5.987 / 6.031). The 0.6B model's weights (12.6 MB at most)
+// stay on matmul_tc. EBB_MATMUL_FEW=0 leaves them all to matmul_tc.
+func (d *Device) useMatMulFew(m, n, k int) bool {
+	return d.wgmma && !d.noFew && m >= 2 && m <= detFewMaxRows && 2*int64(n)*int64(k) >= matMulTCMaxBytes &&
+		detProductFits(n, k)
 }
 
 // matMulTCMaxBytes: weights of this size or more go to matmul_tc for one
@@ -176,6 +191,7 @@ const (
 	routeGemv
 	routeTC
 	routeWG
+	routeFew // matmul_wg_few
 )
 
 // matMulRoute picks the kernels for m rows of an n x k matrix with 16-byte
@@ -186,6 +202,8 @@ func (d *Device) matMulRoute(m, n, k int, glu bool) matMulRoute {
 	switch {
 	case useGemv(m, k) && (!glu || m == 1):
 		return routeGemv
+	case d.useMatMulFew(m, n, k):
+		return routeFew
 	case d.useMatMulTC(m, n, k):
 		return routeTC
 	case d.useMatMulWG(m, n, k, glu):
@@ -206,6 +224,8 @@ func (d *Device) matMulKernel(m, n, k int) string {
 	case routeWG:
 		name, _, _, _, _ := d.matMulWGShape(m, n, k)
 		return name
+	case routeFew:
+		return "matmul_wg_few"
 	}
 	return "cublasGemmEx"
 }
@@ -382,6 +402,8 @@ func (d *Device) MatMulSiLU(out, x, w device.Tensor) bool {
 		d.matMulTC(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true, normFold{})
 	case routeWG:
 		d.matMulWG(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true, normFold{})
+	case routeFew:
+		d.matMulWGFew(out.Ptr, false, x.Ptr, w.Ptr, m, n, k, true, normFold{})
 	default:
 		return false
 	}

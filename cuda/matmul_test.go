@@ -28,7 +28,9 @@ func TestMatMul(t *testing.T) {
 		{17, 1024, 4096}, {24, 3072, 1024}, {20, 96, 512}, {23, 1024, 301},
 		// matmul_wg's narrow products (25 to 256 rows on sm_90a); a K that
 		// is no multiple of 64 or an N no multiple of 16 goes to cuBLAS.
-		{32, 2048, 1024}, {48, 3072, 1024}, {128, 2048, 1008}, {33, 96, 512}, {40, 1024, 1000}} {
+		{32, 2048, 1024}, {48, 3072, 1024}, {128, 2048, 1008}, {33, 96, 512}, {40, 1024, 1000},
+		// matmul_wg_few: 2 to 8 rows of weights of 16 MiB or more (sm_90a).
+		{2, 4096, 4096}, {5, 12288, 1024}, {8, 2048, 4096}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		bias := p.random(device.BF16, 0.5, s.n)
@@ -364,7 +366,10 @@ func TestMatMulRoute(t *testing.T) {
 		{24, 6144, 1024, false, routeTC},     // 0.6B qkv: 12.6 MB
 		{24, 6144, 1024, true, routeTC},      // 0.6B gate_up
 		{16, 151936, 1024, false, routeBLAS}, // 0.6B lm_head: 311 MB
-		{8, 24576, 4096, true, routeTC},      // one tile keeps every weight
+		{8, 24576, 4096, true, routeFew},     // 8B gate_up, 201 MB
+		{2, 4096, 4096, false, routeFew},     // 8B o_proj, 34 MB
+		{8, 6144, 4096, false, routeFew},     // 8B qkv
+		{9, 4096, 4096, false, routeBLAS},    // past 8 rows matmul_tc keeps small weights only
 		{9, 6144, 4096, false, routeBLAS},    // 8B qkv, 50 MB
 		{17, 4096, 4096, false, routeBLAS},   // 8B o_proj: too many tiles for matmul_wg alone
 		{17, 24576, 4096, true, routeWG},     // 8B gate_up with silu
@@ -375,6 +380,10 @@ func TestMatMulRoute(t *testing.T) {
 		if got := d.matMulRoute(c.m, c.n, c.k, c.glu); got != c.want {
 			t.Errorf("%d rows of %dx%d (glu %v): route %d, want %d", c.m, c.n, c.k, c.glu, got, c.want)
 		}
+	}
+	d.noFew = true // EBB_MATMUL_FEW=0: one tile of matmul_tc keeps every weight
+	if got := d.matMulRoute(8, 24576, 4096, true); got != routeTC {
+		t.Errorf("EBB_MATMUL_FEW=0: route %d, want matmul_tc", got)
 	}
 	d.tcLarge = true // EBB_MATMUL_TC=all
 	if got := d.matMulRoute(17, 24576, 4096, true); got != routeTC {

@@ -61,6 +61,9 @@ func (d *Device) initMatMulWG() error {
 		}
 	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
+	if err := d.k["matmul_wg_few"].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
+		return err
+	}
 	for _, bn := range moeWGRows {
 		if err := d.k[fmt.Sprintf("moe_wg_n%d", bn)].SetMaxDynamicShared(moeWGShared(bn)); err != nil {
 			return err
