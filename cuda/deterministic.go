@@ -20,11 +20,13 @@ import (
 //   - Products: matmul_wg for every row count. Its reduction order (the K
 //     splits of a weight tile, fixed by the weights' shape and the SMs, and
 //     the rank order they are added in) does not depend on the rows; past
-//     256 rows the batch takes a tile a blockIdx.y. Up to 8 rows,
+//     256 rows the batch takes a tile a blockIdx.y. Up to 16 rows,
 //     matmul_wg_few gives the same bits with warps of mma.sync, without
 //     matmul_wg's latency (H100, 0.6B shape, decode ms a step at batch 1 /
 //     2 / 4 / 8: 1.218 / 1.249 / 1.267 / 1.369 -> 0.917 / 0.994 / 1.011 /
-//     1.052; flag off 0.852 / 0.918 / 0.948 / 0.995). The fused decode
+//     1.052, flag off 0.852 / 0.918 / 0.948 / 0.995; batch 9 / 12 / 16, two
+//     rounds: 1.375 / 1.375 / 1.411 and 1.364 / 1.354 / 1.404 -> 1.265 /
+//     1.265 / 1.288 and 1.259 / 1.277 / 1.276). The fused decode
 //     forms of the flag off (cuBLAS's epilogue, gemv) are off: each
 //     rounds where the plain kernels do not; batches of 1-2 rows fold
 //     add_rmsnorm with add_rmsnorm_v8's sums instead (detFoldRows).
@@ -294,8 +296,12 @@ type detFew struct {
 	foldRows int // detFoldRows where EBB_DET_FOLD_ROWS sets it, for A/B runs
 }
 
-// detFewMaxRows is matmul_wg_few's batch tile: the N side of one mma.
-const detFewMaxRows = 8
+// detFewMaxRows is the most rows matmul_wg_few takes: two batch tiles
+// of 8 (the N side of one mma).
+const detFewMaxRows = 16
+
+// matMulWGFewName is matmul_wg_few's kernel for m rows (its batch tiles).
+func matMulWGFewName(m int) string { return fmt.Sprintf("matmul_wg_few_t%d", (m+7)/8) }
 
 func detFewFromEnv() detFew {
 	f := detFew{rows: detFewMaxRows, warps: 4}
@@ -316,12 +322,12 @@ func detFewFromEnv() detFew {
 const matMulWGFewStages = 4
 
 // matMulWGFewShared is the shared memory a block of matmul_wg_few asks
-// for: twice the ring its warps use, which holds an SM to two blocks of
-// four warps. H100, 0.6B shape, flag on, ms a decode step (128 in, 128
-// out) at batch 1 / 2 / 4 / 8: four stages asking for eight 0.921 / 1.000
-// / 1.020 / 1.047 and 0.918 / 1.022 / 1.014 / 1.033; asking for four 0.970
-// / 1.060 / 1.082 / 1.133 and 0.976 / 1.054 / 1.064 / 1.150 (eight
-// stages used: 1.006 / 1.075 / 1.102 / 1.114).
+// for: 25,600 bytes a warp, twice the ring of eight rows of x, which holds
+// an SM to two blocks of four warps. H100, 0.6B shape, flag on, ms a
+// decode step (128 in, 128 out) at batch 1 / 2 / 4 / 8: four stages
+// asking for eight 0.921 / 1.000 / 1.020 / 1.047 and 0.918 / 1.022 / 1.014
+// / 1.033; asking for four 0.970 / 1.060 / 1.082 / 1.133 and 0.976 / 1.054
+// / 1.064 / 1.150 (eight stages used: 1.006 / 1.075 / 1.102 / 1.114).
 func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * 25 * 128 }
 
 // matMulWGFew launches matmul_wg_few for m rows (at most detFewMaxRows)
@@ -332,6 +338,6 @@ func (d *Device) matMulWGFew(out uintptr, outF32 bool, x, w uintptr, m, n, k int
 	splits := int(grid.Z)
 	per := max(1, d.detFew.warps/splits)
 	blocks := (n/16 + per - 1) / per
-	d.launch("matmul_wg_few", D1(blocks), D1(per*splits*32), matMulWGFewShared(per*splits), P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
+	d.launch(matMulWGFewName(m), D1(blocks), D1(per*splits*32), matMulWGFewShared(per*splits), P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
 		I(boolInt(glu)), I(kps), I(splits), P(norm.residual), P(norm.normW), F(norm.eps))
 }

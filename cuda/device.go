@@ -48,7 +48,7 @@ type Device struct {
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
 	noDetFold     bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
 	detFew        detFew         // deterministic products of few rows on matmul_wg_few (EBB_DET_FEW_*)
-	noFew         bool           // products of 2-8 rows of large weights stay on matmul_tc (EBB_MATMUL_FEW=0)
+	fewRows       int            // matmul_wg_few takes 2 to this many rows of large weights (EBB_MATMUL_FEW; 0: none)
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
@@ -138,7 +138,7 @@ var kernelNames = []string{
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"sample_scan_det_f32", "sample_scan_det_bf16", "token_logprobs_det", "attn_det_d64", "attn_det_d128", "attn_det_dec_d64", "attn_det_dec_d128",
 	"gemv_m1", "gemv2_m1", "gemv_fused_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128",
-	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
+	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"moe_route", "moe_sort", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_gemv_glu", "moe_down_combine", "moe_shared_add",
 	"moe_wg_n32", "moe_wg_n64", "moe_wg_n128",
@@ -227,7 +227,10 @@ func (d *Device) init() error {
 	}
 	d.noDetFold = os.Getenv("EBB_DET_FOLD") == "0"
 	d.detFew = detFewFromEnv()
-	d.noFew = os.Getenv("EBB_MATMUL_FEW") == "0"
+	d.fewRows = matMulFewRows
+	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_FEW")); err == nil && n >= 0 {
+		d.fewRows = min(n, detFewMaxRows)
+	}
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)

@@ -98,9 +98,15 @@ func (d *Device) useMatMulTC(m, n, k int) bool {
 // and 5.912 / 5.987 / 6.031). The 0.6B model's weights (12.6 MB at most)
 // stay on matmul_tc. EBB_MATMUL_FEW=0 leaves them all to matmul_tc.
 func (d *Device) useMatMulFew(m, n, k int) bool {
-	return d.wgmma && !d.noFew && m >= 2 && m <= detFewMaxRows && 2*int64(n)*int64(k) >= matMulTCMaxBytes &&
+	return d.wgmma && !d.det && m >= 2 && m <= d.fewRows && 2*int64(n)*int64(k) >= matMulTCMaxBytes &&
 		detProductFits(n, k)
 }
+
+// matMulFewRows is the most rows matmul_wg_few takes outside deterministic
+// inference (EBB_MATMUL_FEW sets it, up to detFewMaxRows): past 8 rows
+// cuBLAS was faster (H100, 8B shape, batch 12 / 16: 6.630 / 6.698 ms a
+// step against 7.080 / 7.064 on matmul_wg_few's two batch tiles).
+const matMulFewRows = 8
 
 // matMulTCMaxBytes: weights of this size or more go to matmul_tc for one
 // tile (8 rows) only. With two or three tiles the x it reads again from L2
@@ -225,7 +231,7 @@ func (d *Device) matMulKernel(m, n, k int) string {
 		name, _, _, _, _ := d.matMulWGShape(m, n, k)
 		return name
 	case routeFew:
-		return "matmul_wg_few"
+		return matMulWGFewName(m)
 	}
 	return "cublasGemmEx"
 }

@@ -30,7 +30,7 @@ func TestMatMul(t *testing.T) {
 		// is no multiple of 64 or an N no multiple of 16 goes to cuBLAS.
 		{32, 2048, 1024}, {48, 3072, 1024}, {128, 2048, 1008}, {33, 96, 512}, {40, 1024, 1000},
 		// matmul_wg_few: 2 to 8 rows of weights of 16 MiB or more (sm_90a).
-		{2, 4096, 4096}, {5, 12288, 1024}, {8, 2048, 4096}} {
+		{2, 4096, 4096}, {5, 12288, 1024}, {8, 2048, 4096}, {13, 4096, 4096}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		bias := p.random(device.BF16, 0.5, s.n)
@@ -355,7 +355,7 @@ func TestMatMulAccumulate(t *testing.T) {
 // TestMatMulRoute: which kernels take a decode product, by rows and weight
 // size, on an H100-like device (132 SMs, matmul_wg built). It needs no GPU.
 func TestMatMulRoute(t *testing.T) {
-	d := &Device{ctx: &Context{SMs: 132}, wgmma: true}
+	d := &Device{ctx: &Context{SMs: 132}, wgmma: true, fewRows: matMulFewRows}
 	for _, c := range []struct {
 		m, n, k int
 		glu     bool
@@ -381,7 +381,7 @@ func TestMatMulRoute(t *testing.T) {
 			t.Errorf("%d rows of %dx%d (glu %v): route %d, want %d", c.m, c.n, c.k, c.glu, got, c.want)
 		}
 	}
-	d.noFew = true // EBB_MATMUL_FEW=0: one tile of matmul_tc keeps every weight
+	d.fewRows = 0 // EBB_MATMUL_FEW=0: one tile of matmul_tc keeps every weight
 	if got := d.matMulRoute(8, 24576, 4096, true); got != routeTC {
 		t.Errorf("EBB_MATMUL_FEW=0: route %d, want matmul_tc", got)
 	}
@@ -415,7 +415,7 @@ func TestKernelNamesForEveryRowCount(t *testing.T) {
 		}
 	}
 	for _, wg := range []bool{false, true} {
-		d := &Device{ctx: &Context{SMs: 132}, wgmma: wg}
+		d := &Device{ctx: &Context{SMs: 132}, wgmma: wg, fewRows: detFewMaxRows}
 		for _, s := range shapes {
 			for m := 1; m <= 9000; m++ {
 				if name := d.matMulKernel(m, s.n, s.k); !loaded[name] {

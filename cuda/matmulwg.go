@@ -61,8 +61,10 @@ func (d *Device) initMatMulWG() error {
 		}
 	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
-	if err := d.k["matmul_wg_few"].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
-		return err
+	for t := 1; t <= detFewMaxRows/8; t++ {
+		if err := d.k[fmt.Sprintf("matmul_wg_few_t%d", t)].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
+			return err
+		}
 	}
 	for _, bn := range moeWGRows {
 		if err := d.k[fmt.Sprintf("moe_wg_n%d", bn)].SetMaxDynamicShared(moeWGShared(bn)); err != nil {

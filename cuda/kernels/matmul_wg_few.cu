@@ -1,4 +1,4 @@
-// matmul_wg_few gives deterministic inference's products of 1 to 8 rows
+// matmul_wg_few gives deterministic inference's products of 1 to 16 rows
 // the bits matmul_wg gives the same rows in any batch, without matmul_wg's
 // machinery (tensor maps, a ring, clusters), which a product of one row
 // pays for in latency rather than bandwidth. A row's sums in matmul_wg are:
@@ -30,8 +30,9 @@
 #define MWF_STAGES 4 // 64-wide steps of K a warp has in flight (matMulWGFewStages)
 #endif
 #define MWF_MAX_WARPS 8
-// A stage's rows of 128 bytes: 16 of weights, 8 of x, norm_w.
-#define MWF_STAGE (25 * 128)
+// A stage's rows of 128 bytes: 16 of weights, 8 T of x (T batch tiles of
+// 8 rows, the mma's N), norm_w.
+#define MWF_STAGE(T) ((17 + 8 * (T)) * 128)
 
 // warp_row_scale is det_row_scales' inverse root mean square of h's row
 // (K <= 2048), worked out by one warp: lane l takes the 8 elements thread
@@ -66,11 +67,12 @@ __device__ __forceinline__ uint2 lds_u2(unsigned a) {
 	return v;
 }
 
-extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)
-    matmul_wg_few(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, int glu, int kps,
-                  int splits, bf16 *residual, const bf16 *norm_w, float eps) {
+template <int T>
+__device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, int glu,
+                                   int kps, int splits, bf16 *residual, const bf16 *norm_w, float eps) {
+	constexpr int STAGE = MWF_STAGE(T), NORM_ROW = 16 + 8 * T;
 	extern __shared__ __align__(128) unsigned char mwf_smem[];
-	__shared__ float4 red[MWF_MAX_WARPS][32];
+	__shared__ float4 red[MWF_MAX_WARPS][T][32];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 	const int per = blockDim.x / 32 / splits; // 16-row groups a block
 	const int s = warp % splits;
@@ -79,11 +81,11 @@ extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)
 	const long long half = N / 2;
 	const long long na = glu ? 8 * grp + g : 16 * grp + g;
 	const int k0 = s * kps * 64, steps = active ? (min(K, k0 + kps * 64) - k0) / 64 : 0;
-	const unsigned ring = smem_u32(mwf_smem) + warp * MWF_STAGES * MWF_STAGE;
+	const unsigned ring = smem_u32(mwf_smem) + warp * MWF_STAGES * STAGE;
 	// Copies: lane l takes piece l % 8 (8 of k) of rows l / 8 + 4 i.
 	const int cp = lane & 7, cr = lane >> 3;
 	auto weights = [&](int t) {
-		const unsigned st = ring + (t % MWF_STAGES) * MWF_STAGE;
+		const unsigned st = ring + (t % MWF_STAGES) * STAGE;
 		const long long k = k0 + 64LL * t + 8 * cp;
 #pragma unroll
 		for (int i = 0; i < 4; i++) {
@@ -93,12 +95,12 @@ extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)
 		}
 	};
 	auto inputs = [&](int t) {
-		const unsigned st = ring + (t % MWF_STAGES) * MWF_STAGE;
+		const unsigned st = ring + (t % MWF_STAGES) * STAGE;
 		const long long k = k0 + 64LL * t + 8 * cp;
 #pragma unroll
-		for (int i = 0; i < 2; i++)
+		for (int i = 0; i < 2 * T; i++)
 			if (cr + 4 * i < m) cp_async16(mwf_at(st, 16 + cr + 4 * i, cp), x + (cr + 4 * i) * (long long)K + k, true);
-		if (norm_w && cr == 0) cp_async16(mwf_at(st, 24, cp), norm_w + k, true);
+		if (norm_w && cr == 0) cp_async16(mwf_at(st, NORM_ROW, cp), norm_w + k, true);
 	};
 	// The weights do not depend on earlier kernels: the first stages are
 	// requested while the previous kernel finishes.
@@ -110,41 +112,50 @@ extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)
 	for (int t = 0; t < MWF_STAGES && t < steps; t++) inputs(t);
 	cp_async_commit();
 	// add mode: this thread's residual values, requested now.
-	float hpre[4];
+	float hpre[T][4];
 	if (residual && s == 0 && active)
 #pragma unroll
-		for (int e = 0; e < 4; e++) {
-			const int r = 2 * q + (e & 1);
-			hpre[e] = r < m ? bf2f(__ldcg(residual + r * (long long)N + na + 8 * (e >> 1))) : 0.f;
-		}
-	float inv = 0.f; // norm mode: the scale of batch row g
+		for (int u = 0; u < T; u++)
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const int r = 8 * u + 2 * q + (e & 1);
+				hpre[u][e] = r < m ? bf2f(__ldcg(residual + r * (long long)N + na + 8 * (e >> 1))) : 0.f;
+			}
+	float inv[T]; // norm mode: the scales of batch rows 8 u + g
+#pragma unroll
+	for (int u = 0; u < T; u++) inv[u] = 0.f;
 	if (norm_w && active)
 		for (int r = 0; r < m; r++) {
 			const float v = warp_row_scale(x + (long long)r * K, K, eps);
-			if (g == r) inv = v;
+#pragma unroll
+			for (int u = 0; u < T; u++)
+				if (r == 8 * u + g) inv[u] = v;
 		}
 	cp_async_wait<0>();
 	__syncwarp();
-	const bool xrow = g < m;
-	float acc[4] = {0.f, 0.f, 0.f, 0.f};
+	float acc[T][4];
+#pragma unroll
+	for (int u = 0; u < T; u++) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
 	for (int t = 0; t < steps; t++) {
 		// Stage t's group is the oldest of at most MWF_STAGES pending.
 		cp_async_wait<MWF_STAGES - 1>();
 		__syncwarp();
-		const unsigned st = ring + (t % MWF_STAGES) * MWF_STAGE;
+		const unsigned st = ring + (t % MWF_STAGES) * STAGE;
 #pragma unroll
 		for (int c = 0; c < 4; c++) {
 			const int p = 2 * c + (q >> 1), h = 8 * (q & 1);
 			const uint2 a = lds_u2(mwf_at(st, g, p) + h), b = lds_u2(mwf_at(st, g + 8, p) + h);
-			uint2 xv = make_uint2(0, 0);
-			if (xrow) {
-				xv = lds_u2(mwf_at(st, 16 + g, p) + h);
-				if (norm_w) {
-					const uint2 nv = lds_u2(mwf_at(st, 24, p) + h);
-					xv = make_uint2(norm_pair(xv.x, nv.x, inv), norm_pair(xv.y, nv.y, inv));
+			uint2 nv = make_uint2(0, 0);
+			if (norm_w) nv = lds_u2(mwf_at(st, NORM_ROW, p) + h);
+#pragma unroll
+			for (int u = 0; u < T; u++) {
+				uint2 xv = make_uint2(0, 0);
+				if (8 * u + g < m) {
+					xv = lds_u2(mwf_at(st, 16 + 8 * u + g, p) + h);
+					if (norm_w) xv = make_uint2(norm_pair(xv.x, nv.x, inv[u]), norm_pair(xv.y, nv.y, inv[u]));
 				}
+				mma16816(acc[u], a.x, b.x, a.y, b.y, xv.x, xv.y);
 			}
-			mma16816(acc, a.x, b.x, a.y, b.y, xv.x, xv.y);
 		}
 		__syncwarp(); // every lane has read the stage before it is refilled
 		if (t + MWF_STAGES < steps) {
@@ -154,29 +165,44 @@ extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)
 		cp_async_commit();
 	}
 	if (splits > 1) {
-		red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+		for (int u = 0; u < T; u++) red[warp][u][lane] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
 		__syncthreads();
 		if (s != 0) return;
-		float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-		for (int p = 0; p < splits; p++) {
-			const float4 u = red[warp + p][lane];
-			v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+#pragma unroll
+		for (int u = 0; u < T; u++) {
+			float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+			for (int p = 0; p < splits; p++) {
+				const float4 f = red[warp + p][u][lane];
+				v.x += f.x, v.y += f.y, v.z += f.z, v.w += f.w;
+			}
+			acc[u][0] = v.x, acc[u][1] = v.y, acc[u][2] = v.z, acc[u][3] = v.w;
 		}
-		acc[0] = v.x, acc[1] = v.y, acc[2] = v.z, acc[3] = v.w;
 	}
 	if (!active) return;
-	// acc: c0, c1 weight row g, batch rows 2q, 2q + 1; c2, c3 row g + 8.
+	// acc[u]: c0, c1 weight row g, batch rows 8 u + 2q, + 1; c2, c3 row g + 8.
 #pragma unroll
-	for (int e = 0; e < 4; e++) {
-		const int r = 2 * q + (e & 1);
-		if (r >= m) continue;
-		if (glu) {
-			if (e < 2) ((bf16 *)out)[r * half + na] = silu_mul1(rbf(acc[e]), rbf(acc[e + 2]));
-			continue;
+	for (int u = 0; u < T; u++)
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			const int r = 8 * u + 2 * q + (e & 1);
+			if (r >= m) continue;
+			if (glu) {
+				if (e < 2) ((bf16 *)out)[r * half + na] = silu_mul1(rbf(acc[u][e]), rbf(acc[u][e + 2]));
+				continue;
+			}
+			const long long n = na + 8 * (e >> 1);
+			if (residual) residual[r * (long long)N + n] = f2bf(rbf(hpre[u][e] + rbf(acc[u][e])));
+			else if (out_f32) ((float *)out)[r * (long long)N + n] = acc[u][e];
+			else ((bf16 *)out)[r * (long long)N + n] = f2bf(acc[u][e]);
 		}
-		const long long n = na + 8 * (e >> 1);
-		if (residual) residual[r * (long long)N + n] = f2bf(rbf(hpre[e] + rbf(acc[e])));
-		else if (out_f32) ((float *)out)[r * (long long)N + n] = acc[e];
-		else ((bf16 *)out)[r * (long long)N + n] = f2bf(acc[e]);
-	}
 }
+
+#define MATMUL_WG_FEW(T)                                                                                              \
+	extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)                                                   \
+	    matmul_wg_few_t##T(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, int glu, int kps, \
+	                       int splits, bf16 *residual, const bf16 *norm_w, float eps) {                              \
+		matmul_wg_few_impl<T>(out, out_f32, x, w, m, N, K, glu, kps, splits, residual, norm_w, eps);                   \
+	}
+MATMUL_WG_FEW(1)
+MATMUL_WG_FEW(2)
