@@ -169,7 +169,7 @@ const detFoldRows = 2
 // detFoldRows whose norm is add_rmsnorm_v8's (hidden a multiple of 8 that
 // matmul_wg's consumers hold).
 func (d *Device) detFold(m, hidden int) bool {
-	return !d.noDetFold && m <= cmp.Or(d.detFew.foldRows, detFoldRows) && m <= matMulWGNormRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
+	return !d.noDetFold && m <= cmp.Or(d.few.detFoldRows, detFoldRows) && m <= matMulWGNormRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
 }
 
 // detMatMulAdd is MatMulAdd under deterministic inference: residual +=
@@ -287,13 +287,15 @@ func (d *Device) tokenLogprobsDet(out, logits, targets device.Tensor) {
 	}
 }
 
-// detFew is how deterministic inference runs products of few rows on
-// matmul_wg_few, which gives them matmul_wg's bits from warps that each
-// run one K split's chain of tensor-core steps for 16 weight rows.
-type detFew struct {
-	rows     int // at most this many rows take it (EBB_DET_FEW_ROWS; 0: none)
-	warps    int // warps a block, at least a tile's splits (EBB_DET_FEW_WARPS)
-	foldRows int // detFoldRows where EBB_DET_FOLD_ROWS sets it, for A/B runs
+// fewSettings say which products matmul_wg_few takes and how: it gives
+// deterministic inference matmul_wg's bits from warps that each run one K
+// split's chain of tensor-core steps for 16 weight rows, and outside it
+// takes 2-8 rows of large weights. The environment sets them for A/B runs.
+type fewSettings struct {
+	rows        int // outside deterministic inference, 2 to this many rows of large weights (EBB_MATMUL_FEW; 0: none)
+	detRows     int // deterministic inference, at most this many rows (EBB_DET_FEW_ROWS; 0: none)
+	warps       int // warps a block, at least a tile's splits (EBB_DET_FEW_WARPS)
+	detFoldRows int // detFoldRows where EBB_DET_FOLD_ROWS sets it (0: detFoldRows)
 }
 
 // detFewMaxRows is the most rows matmul_wg_few takes: two batch tiles
@@ -303,13 +305,16 @@ const detFewMaxRows = 16
 // matMulWGFewName is matmul_wg_few's kernel for m rows (its batch tiles).
 func matMulWGFewName(m int) string { return fmt.Sprintf("matmul_wg_few_t%d", (m+7)/8) }
 
-func detFewFromEnv() detFew {
-	f := detFew{rows: detFewMaxRows, warps: 4}
-	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FEW_ROWS")); err == nil && n >= 0 {
+func fewFromEnv() fewSettings {
+	f := fewSettings{rows: matMulFewRows, detRows: detFewMaxRows, warps: 4}
+	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_FEW")); err == nil && n >= 0 {
 		f.rows = min(n, detFewMaxRows)
 	}
+	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FEW_ROWS")); err == nil && n >= 0 {
+		f.detRows = min(n, detFewMaxRows)
+	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FOLD_ROWS")); err == nil && n >= 1 {
-		f.foldRows = min(n, detFewMaxRows)
+		f.detFoldRows = min(n, detFewMaxRows)
 	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FEW_WARPS")); err == nil && n >= 1 {
 		f.warps = min(n, matMulWGMaxCluster)
@@ -318,8 +323,12 @@ func detFewFromEnv() detFew {
 }
 
 // matMulWGFewStages is MWF_STAGES in matmul_wg_few.cu: 64-wide steps of K
-// a warp has in flight, 3,200 bytes of shared memory each.
-const matMulWGFewStages = 4
+// a warp has in flight, each matMulWGFewStageBytes (MWF_STAGE(1): 25 rows
+// of 128 bytes) with one batch tile.
+const (
+	matMulWGFewStages     = 4
+	matMulWGFewStageBytes = 25 * 128
+)
 
 // matMulWGFewShared is the shared memory a block of matmul_wg_few asks
 // for: 25,600 bytes a warp, twice the ring of eight rows of x, which holds
@@ -328,7 +337,7 @@ const matMulWGFewStages = 4
 // asking for eight 0.921 / 1.000 / 1.020 / 1.047 and 0.918 / 1.022 / 1.014
 // / 1.033; asking for four 0.970 / 1.060 / 1.082 / 1.133 and 0.976 / 1.054
 // / 1.064 / 1.150 (eight stages used: 1.006 / 1.075 / 1.102 / 1.114).
-func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * 25 * 128 }
+func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * matMulWGFewStageBytes }
 
 // matMulWGFew launches matmul_wg_few for m rows (at most detFewMaxRows)
 // with the K splits matmul_wg would use; a block takes warps / splits
@@ -336,7 +345,7 @@ func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * 2
 func (d *Device) matMulWGFew(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm normFold) {
 	_, _, grid, kps, _ := d.matMulWGShape(m, n, k)
 	splits := int(grid.Z)
-	per := max(1, d.detFew.warps/splits)
+	per := max(1, d.few.warps/splits)
 	blocks := (n/16 + per - 1) / per
 	d.launch(matMulWGFewName(m), D1(blocks), D1(per*splits*32), matMulWGFewShared(per*splits), P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
 		I(boolInt(glu)), I(kps), I(splits), P(norm.residual), P(norm.normW), F(norm.eps))

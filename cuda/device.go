@@ -47,8 +47,7 @@ type Device struct {
 	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
 	noDetFold     bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
-	detFew        detFew         // deterministic products of few rows on matmul_wg_few (EBB_DET_FEW_*)
-	fewRows       int            // matmul_wg_few takes 2 to this many rows of large weights (EBB_MATMUL_FEW; 0: none)
+	few           fewSettings    // the products matmul_wg_few takes (EBB_MATMUL_FEW, EBB_DET_FEW_*)
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
 	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
@@ -226,11 +225,7 @@ func (d *Device) init() error {
 		d.moeTileRows = n
 	}
 	d.noDetFold = os.Getenv("EBB_DET_FOLD") == "0"
-	d.detFew = detFewFromEnv()
-	d.fewRows = matMulFewRows
-	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_FEW")); err == nil && n >= 0 {
-		d.fewRows = min(n, detFewMaxRows)
-	}
+	d.few = fewFromEnv()
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)

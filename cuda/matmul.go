@@ -98,7 +98,7 @@ func (d *Device) useMatMulTC(m, n, k int) bool {
 // and 5.912 / 5.987 / 6.031). The 0.6B model's weights (12.6 MB at most)
 // stay on matmul_tc. EBB_MATMUL_FEW=0 leaves them all to matmul_tc.
 func (d *Device) useMatMulFew(m, n, k int) bool {
-	return d.wgmma && !d.det && m >= 2 && m <= d.fewRows && 2*int64(n)*int64(k) >= matMulTCMaxBytes &&
+	return d.wgmma && !d.det && m >= 2 && m <= d.few.rows && 2*int64(n)*int64(k) >= matMulTCMaxBytes &&
 		detProductFits(n, k)
 }
 

@@ -355,7 +355,7 @@ func TestMatMulAccumulate(t *testing.T) {
 // TestMatMulRoute: which kernels take a decode product, by rows and weight
 // size, on an H100-like device (132 SMs, matmul_wg built). It needs no GPU.
 func TestMatMulRoute(t *testing.T) {
-	d := &Device{ctx: &Context{SMs: 132}, wgmma: true, fewRows: matMulFewRows}
+	d := &Device{ctx: &Context{SMs: 132}, wgmma: true, few: fewSettings{rows: matMulFewRows}}
 	for _, c := range []struct {
 		m, n, k int
 		glu     bool
@@ -381,7 +381,7 @@ func TestMatMulRoute(t *testing.T) {
 			t.Errorf("%d rows of %dx%d (glu %v): route %d, want %d", c.m, c.n, c.k, c.glu, got, c.want)
 		}
 	}
-	d.fewRows = 0 // EBB_MATMUL_FEW=0: one tile of matmul_tc keeps every weight
+	d.few.rows = 0 // EBB_MATMUL_FEW=0: one tile of matmul_tc keeps every weight
 	if got := d.matMulRoute(8, 24576, 4096, true); got != routeTC {
 		t.Errorf("EBB_MATMUL_FEW=0: route %d, want matmul_tc", got)
 	}
@@ -415,7 +415,7 @@ func TestKernelNamesForEveryRowCount(t *testing.T) {
 		}
 	}
 	for _, wg := range []bool{false, true} {
-		d := &Device{ctx: &Context{SMs: 132}, wgmma: wg, fewRows: detFewMaxRows}
+		d := &Device{ctx: &Context{SMs: 132}, wgmma: wg, few: fewSettings{rows: detFewMaxRows}}
 		for _, s := range shapes {
 			for m := 1; m <= 9000; m++ {
 				if name := d.matMulKernel(m, s.n, s.k); !loaded[name] {

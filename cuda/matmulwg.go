@@ -190,7 +190,7 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 	if d.err != nil {
 		return
 	}
-	if d.det && m <= d.detFew.rows {
+	if d.det && m <= d.few.detRows {
 		d.matMulWGFew(out, outF32, x, w, m, n, k, glu, norm)
 		return
 	}
