@@ -166,10 +166,11 @@ const detFoldRows = 2
 
 // detFold says whether deterministic inference folds add_rmsnorm of m
 // rows of hidden into the products around it: a batch of at most
-// detFoldRows whose norm is add_rmsnorm_v8's (hidden a multiple of 8 that
-// matmul_wg's consumers hold).
+// detFoldRows, all on matmul_wg_few (its norm mode works out the rows'
+// scales with add_rmsnorm_v8's bits; matmul_wg's uses partial sums), whose
+// norm is add_rmsnorm_v8's (hidden a multiple of 8, at most 2,048).
 func (d *Device) detFold(m, hidden int) bool {
-	return !d.noDetFold && m <= cmp.Or(d.few.detFoldRows, detFoldRows) && m <= matMulWGNormRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
+	return !d.noDetFold && m <= cmp.Or(d.few.detFoldRows, detFoldRows) && m <= d.few.detRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
 }
 
 // detMatMulAdd is MatMulAdd under deterministic inference: residual +=

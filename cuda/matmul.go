@@ -150,7 +150,6 @@ type normFold struct {
 	normW    uintptr // norm mode: x is such a residual, normalised as it is read
 	parts    int     // norm mode: partial sums of squares a row in d.rowSquares
 	eps      float32
-	rows     uintptr // norm mode under deterministic inference: x, whose rows' scales the kernel works out as add_rmsnorm does
 }
 
 // matMulTCNormRows is the most rows for which matmul_tc takes part in
@@ -366,10 +365,9 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 			residual, p.rows, p.cols, p.residual, normW, w, out, glu))
 		return true
 	}
+	// Under deterministic inference the fold is matmul_wg_few's (detFold),
+	// which works out its rows' scales from the residual itself.
 	fold := normFold{normW: normW.Ptr, parts: p.parts, eps: eps}
-	if d.det {
-		fold.rows = residual.Ptr
-	}
 	switch route {
 	case routeTC:
 		d.matMulTC(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, fold)

@@ -45,9 +45,8 @@
 //     the sum of squares of the tile's new residual values;
 //   - norm (norm_w set): x is such a residual h, which the consumers turn
 //     into norm_w * rmsnorm(h) in shared memory once a round of the ring
-//     has landed (the row's nsq partial sums in sq give its scale, or, in
-//     deterministic inference, norm_rows, h itself: det_row_scales), before
-//     wgmma reads it.
+//     has landed (the row's nsq partial sums in sq give its scale), before
+//     wgmma reads it. Deterministic inference folds on matmul_wg_few.
 #define MWG_ROWS 128
 #define MWG_CONSUMERS 256
 #define MWG_THREADS (MWG_CONSUMERS + 32)
@@ -240,37 +239,10 @@ template <int BN> __device__ __forceinline__ void mwg_stage(float *d, unsigned s
 #endif
 }
 
-// det_row_scales leaves in inv_s the inverse root mean square of each of
-// the m rows of h (K wide, K <= 8 * MWG_CONSUMERS) with add_rmsnorm_v8's
-// sums in its order (norm_row8: a thread's eight, then the warps', then
-// the warp sums; the consumers' extra warps add zeros after them), so with
-// its bits: deterministic inference's norm mode, whose batch sizes past the
-// fold's tiles run add_rmsnorm_v8. Consumers only, a row at a time.
-__device__ __forceinline__ void det_row_scales(float *inv_s, const bf16 *h, int m, int K, float eps) {
-	__shared__ float red[MWG_CONSUMERS / 32];
-	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, i = 8 * threadIdx.x;
-	for (int r = 0; r < m; r++) {
-		float ss = 0.f;
-		if (i < K) {
-			float v[8];
-			unpack8(*(const uint4 *)(h + (long long)r * K + i), v);
-#pragma unroll
-			for (int e = 0; e < 8; e++) ss += v[e] * v[e];
-		}
-		ss = warp_sum(ss);
-		if (lane == 0) red[warp] = ss;
-		asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
-		float t = lane < MWG_CONSUMERS / 32 ? red[lane] : 0.f;
-		t = warp_sum(t);
-		if (threadIdx.x == 0) inv_s[r] = rsqrtf(t / K + eps);
-		asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory"); // red is read before the next row
-	}
-}
-
 template <int BN, bool PART>
 __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *out, int out_f32, int m, int N, int K,
                                int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps,
-                               int kpart, const bf16 *norm_rows) {
+                               int kpart) {
 #ifdef MWG_ON
 	constexpr int WBYTES = MWG_ROWS * 128, STAGE = WBYTES + BN * 128, S = mwg_stages(BN);
 	constexpr int NU = (BN * 8 + MWG_CONSUMERS - 1) / MWG_CONSUMERS; // x chunks a consumer normalises
@@ -354,8 +326,7 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 		float inv[NU];
 		if (FOLD && norm_w) {
 			__shared__ float inv_s[FOLD ? BN : 1];
-			if (norm_rows) det_row_scales(inv_s, norm_rows, m, K, eps);
-			else row_scales<4>(inv_s, sq, nsq, m, K, eps); // m <= 48: 4 consumers a row
+			row_scales<4>(inv_s, sq, nsq, m, K, eps); // m <= 48: 4 consumers a row
 			asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
 #pragma unroll
 			for (int u = 0; u < NU; u++) inv[u] = (tid >> 3) + 32 * u < m ? inv_s[(tid >> 3) + 32 * u] : 0.f;
@@ -511,9 +482,9 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	extern "C" __global__ void __launch_bounds__(MWG_THREADS, 1)                                                       \
 	    NAME(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, void *out, int out_f32, int m,     \
 	         int N, int K, int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps,        \
-	         int kpart, const bf16 *norm_rows) {                                                                       \
+	         int kpart) {                                                                                              \
 		matmul_wg_impl<BN, PART>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps, residual, norm_w, sq, nsq, eps,       \
-		                         kpart, norm_rows);                                                                  \
+		                         kpart);                                                                             \
 	}
 MATMUL_WG(matmul_wg_n32, 32, false)
 MATMUL_WG(matmul_wg_n48, 48, false)

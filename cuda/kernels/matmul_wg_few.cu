@@ -25,7 +25,7 @@
 // Modes as matmul_wg's for deterministic folds: add (residual set:
 // residual += the product, rounded as add_rmsnorm rounds it; out is not
 // written) and norm (norm_w set: x is a residual h whose rows each warp
-// scales with det_row_scales' sums in their order, normalised as read).
+// scales with add_rmsnorm_v8's sums in their order, normalised as read).
 #ifndef MWF_STAGES
 #define MWF_STAGES 4 // 64-wide steps of K a warp has in flight (matMulWGFewStages)
 #endif
@@ -34,8 +34,9 @@
 // 8 rows, the mma's N), norm_w.
 #define MWF_STAGE(T) ((17 + 8 * (T)) * 128)
 
-// warp_row_scale is det_row_scales' inverse root mean square of h's row
-// (K <= 2048), worked out by one warp: lane l takes the 8 elements thread
+// warp_row_scale is the inverse root mean square of h's row (K <= 2048)
+// with add_rmsnorm_v8's bits (norm_row8: a thread's eight, then the
+// warps', then the warp sums), worked out by one warp: lane l takes the 8 elements thread
 // l + 32 w of add_rmsnorm_v8 would, for each of its 8 warps w.
 __device__ __forceinline__ float warp_row_scale(const bf16 *h, int K, float eps) {
 	const int lane = threadIdx.x & 31;
