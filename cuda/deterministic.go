@@ -151,10 +151,10 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 }
 
 // detFoldRows is the most rows for which deterministic inference folds
-// add_rmsnorm into the products around it (matmul_wg's add and norm modes,
-// the norm's scales from the rows themselves in add_rmsnorm_v8's order, so
-// with the bits that larger batches get from add_rmsnorm_v8). The norm
-// product works out its rows' scales one row after another: H100, 0.6B
+// add_rmsnorm into the products around it (matmul_wg_few's add and norm
+// modes, the norm's scales from the rows themselves in add_rmsnorm_v8's
+// order, so with the bits that larger batches get from add_rmsnorm_v8).
+// Measured first on matmul_wg's modes (since removed): H100, 0.6B
 // shape, ms a decode step (128 in, 128 out), folded against not, two
 // rounds: batch 1 1.223 / 1.205 against 1.272 / 1.251, batch 2 1.270 /
 // 1.276 against 1.299 / 1.302, batch 4 1.320 / 1.308 against 1.276 /
@@ -174,8 +174,8 @@ func (d *Device) detFold(m, hidden int) bool {
 }
 
 // detMatMulAdd is MatMulAdd under deterministic inference: residual +=
-// x @ w^T on matmul_wg's add mode, where RMSNormMatMul (norm mode) takes
-// next after it.
+// x @ w^T in matmul_wg_few's add mode (matMulWG hands it detFold's rows),
+// where RMSNormMatMul (norm mode) takes next after it.
 func (d *Device) detMatMulAdd(x, w device.Tensor, silu bool, residual, next device.Tensor) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
 	if silu || !d.detFold(m, n) || !detProductFits(n, k) || !detProductFits(next.Dim(0), n) || residual.DType != device.BF16 ||
