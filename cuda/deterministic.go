@@ -164,29 +164,32 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 // / 1.064, batch 8 1.407 / 1.403 against 1.133 / 1.150.
 const detFoldRows = 2
 
+// fewNormMaxHidden is the widest row matmul_wg_few's norm mode scales
+// (warp_row_scale: 8 warps' worth of add_rmsnorm_v8's 8-element chunks).
+const fewNormMaxHidden = 2048
+
 // detFold says whether deterministic inference folds add_rmsnorm of m
 // rows of hidden into the products around it: a batch of at most
-// detFoldRows, all on matmul_wg_few (its norm mode works out the rows'
-// scales with add_rmsnorm_v8's bits; matmul_wg's uses partial sums), whose
-// norm is add_rmsnorm_v8's (hidden a multiple of 8, at most 2,048).
+// detFoldRows, on matmul_wg_few (its norm mode works out the rows' scales
+// with add_rmsnorm_v8's bits, so it needs no sums of squares), whose norm
+// is add_rmsnorm_v8's (hidden a multiple of 8).
 func (d *Device) detFold(m, hidden int) bool {
-	return !d.noDetFold && m <= cmp.Or(d.few.detFoldRows, detFoldRows) && m <= d.few.detRows && hidden%8 == 0 && hidden <= 8*matMulWGConsumers
+	return !d.noDetFold && m <= cmp.Or(d.few.detFoldRows, detFoldRows) && m <= d.few.detRows && hidden%8 == 0 && hidden <= fewNormMaxHidden
 }
 
 // detMatMulAdd is MatMulAdd under deterministic inference: residual +=
-// x @ w^T in matmul_wg_few's add mode (matMulWG hands it detFold's rows),
-// where RMSNormMatMul (norm mode) takes next after it.
+// x @ w^T in matmul_wg_few's add mode, where RMSNormMatMul (norm mode)
+// takes next after it.
 func (d *Device) detMatMulAdd(x, w device.Tensor, silu bool, residual, next device.Tensor) bool {
 	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
 	if silu || !d.detFold(m, n) || !detProductFits(n, k) || !detProductFits(next.Dim(0), n) || residual.DType != device.BF16 ||
 		x.DType != device.BF16 || w.DType != device.BF16 || x.Numel() != m*k || residual.Numel() != m*n ||
-		next.Dim(-1) != n || residual.Ptr%16 != 0 || x.Ptr%16 != 0 || w.Ptr%16 != 0 || next.Ptr%16 != 0 ||
-		m*foldParts(routeWG, n) > d.rowSquares.Numel() {
+		next.Dim(-1) != n || residual.Ptr%16 != 0 || x.Ptr%16 != 0 || w.Ptr%16 != 0 || next.Ptr%16 != 0 {
 		return false
 	}
 	if d.err == nil {
-		d.matMulWG(0, false, x.Ptr, w.Ptr, m, n, k, false, normFold{residual: residual.Ptr})
-		d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: foldParts(routeWG, n)}
+		d.matMulWGFew(0, false, x.Ptr, w.Ptr, m, n, k, false, normFold{residual: residual.Ptr})
+		d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n}
 	}
 	return true
 }

@@ -163,10 +163,11 @@ const matMulTCNormRows = 8
 // more) of an n x k product (glu: gate_up with silu): matmul_tc up to
 // matMulTCNormRows, matmul_wg from 25 to matMulWGNormRows, or none
 // (routeBLAS). EBB_NORM_FOLD=0 turns both off, =tc or =wg leaves one.
+// Under deterministic inference, matmul_wg_few for detFold's rows.
 func (d *Device) foldRoute(m, n, k int, glu bool) matMulRoute {
 	if d.det { // a norm product: k is the hidden size
 		if d.detFold(m, k) && detProductFits(n, k) {
-			return routeWG
+			return routeFew
 		}
 		return routeBLAS
 	}
@@ -365,8 +366,6 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 			residual, p.rows, p.cols, p.residual, normW, w, out, glu))
 		return true
 	}
-	// Under deterministic inference the fold is matmul_wg_few's (detFold),
-	// which works out its rows' scales from the residual itself.
 	fold := normFold{normW: normW.Ptr, parts: p.parts, eps: eps}
 	switch route {
 	case routeTC:
@@ -374,6 +373,9 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 		return true
 	case routeWG:
 		d.matMulWG(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, fold)
+		return true
+	case routeFew: // deterministic inference: the rows' scales from the residual itself
+		d.matMulWGFew(out.Ptr, false, residual.Ptr, w.Ptr, m, n, k, glu, fold)
 		return true
 	}
 	gemv, wpo, blocks := d.gemvShape(m, n, k, glu)

@@ -31,10 +31,9 @@ const matMulWGMaxRows = 128
 const matMulWGNormRows = 48
 
 const (
-	matMulWGTileRows  = 128 // MWG_ROWS: weight rows a block
-	matMulWGThreads   = 288 // MWG_THREADS: two warpgroups and the producer warp
-	matMulWGConsumers = 256 // MWG_CONSUMERS
-	matMulWGBK        = 64
+	matMulWGTileRows = 128 // MWG_ROWS: weight rows a block
+	matMulWGThreads  = 288 // MWG_THREADS: two warpgroups and the producer warp
+	matMulWGBK       = 64
 	// matMulWGMaxCluster is the portable cluster size: a tile's K splits.
 	matMulWGMaxCluster = 8
 	// The ring: at most matMulWGMaxStages stages within matMulWGRingBytes
