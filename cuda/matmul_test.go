@@ -449,17 +449,17 @@ func TestMatMulWGPartShape(t *testing.T) {
 	}{
 		{"o_proj, decode", 64, 1024, 2048, false, "matmul_wg_n64", Dim3{8, 1, 8}, 4, 0, false},
 		{"o_proj, 16 tiles short of the SMs", 2048, 1024, 2048, false, "matmul_wg_n256", Dim3{8, 8, 8}, 4, 0, false},
-		{"o_proj, 17 tiles of 128 rows", 2049, 1024, 2048, false, "matmul_wg_part_n128", Dim3{8, 17, 1}, 32, 4, false},
-		{"o_proj, a prefill chunk", 8192, 1024, 2048, false, "matmul_wg_part_n128", Dim3{8, 64, 1}, 32, 4, false},
+		{"o_proj, 17 tiles of 128 rows", 2049, 1024, 2048, false, "matmul_wg_part_n128", Dim3{68, 1, 1}, 32, 4, false},
+		{"o_proj, a prefill chunk", 8192, 1024, 2048, false, "matmul_wg_part_n128", Dim3{128, 1, 1}, 32, 4, false},
 		{"o_proj, EBB_MATMUL_WG_PART=0", 8192, 1024, 2048, true, "matmul_wg_n256", Dim3{8, 32, 8}, 4, 0, false},
-		{"gate_up (48 tiles, 2 splits)", 384, 6144, 1024, false, "matmul_wg_part_n128", Dim3{48, 3, 1}, 16, 8, false},
+		{"gate_up (48 tiles, 2 splits)", 384, 6144, 1024, false, "matmul_wg_part_n128", Dim3{72, 1, 1}, 16, 8, false},
 		{"gate_up (two splits), batch 256", 256, 6144, 1024, false, "matmul_wg_n256", Dim3{48, 1, 2}, 8, 0, false},
-		{"qkv, batch 256", 256, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 4, 1}, 16, 4, false},
+		{"qkv, batch 256", 256, 4096, 1024, false, "matmul_wg_part_n64", Dim3{128, 1, 1}, 16, 4, false},
 		{"qkv, batch 64", 64, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},
 		{"qkv, batch 48", 48, 4096, 1024, false, "matmul_wg_n48", Dim3{32, 1, 4}, 4, 0, false},
 		{"qkv, batch 64, flag off", 64, 4096, 1024, false, "matmul_wg_n64", Dim3{32, 1, 4}, 4, 0, true},
 		{"o_proj, batch 256", 256, 1024, 2048, false, "matmul_wg_n256", Dim3{8, 1, 8}, 4, 0, false},
-		{"down, uneven splits", 4096, 1024, 3072, false, "matmul_wg_part_n128", Dim3{8, 32, 1}, 48, 6, false},
+		{"down, uneven splits", 4096, 1024, 3072, false, "matmul_wg_part_n128", Dim3{128, 1, 1}, 48, 6, false},
 		{"lm_head (one split)", 8192, 151936, 1024, false, "matmul_wg_n256", Dim3{1187, 32, 1}, 16, 0, false},
 	} {
 		d := &Device{ctx: &Context{SMs: 132}, wgmma: true, det: !c.flagOff, noPart: c.noPart}

@@ -60,6 +60,7 @@ func (d *Device) initMatMulWG() error {
 		}
 	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
+	d.wgOneTile = os.Getenv("EBB_MATMUL_WG_PERSIST") == "0"
 	for t := 1; t <= detFewMaxRows/8; t++ {
 		if err := d.k[fmt.Sprintf("matmul_wg_few_t%d", t)].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
 			return err
@@ -171,16 +172,29 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	kps = (kt + splits - 1) / splits
 	splits = (kt + kps - 1) / kps
 	if pt := (m + matMulWGPartRows - 1) / matMulWGPartRows; splits > 1 && pt*tiles >= d.ctx.SMs && !d.noPart {
-		return "matmul_wg_part_n128", matMulWGPartRows, Dim3{uint32(tiles), uint32(pt), 1}, kt, kps
+		return "matmul_wg_part_n128", matMulWGPartRows, d.persistentGrid(pt * tiles), kt, kps
 	}
 	if d.det && m > matMulWGDetPartFrom && tiles >= matMulWGDetPartTiles && splits >= matMulWGDetPartSplits && !d.noPart {
 		pt := (m + matMulWGDetPartRows - 1) / matMulWGDetPartRows
-		return "matmul_wg_part_n64", matMulWGDetPartRows, Dim3{uint32(tiles), uint32(pt), 1}, kt, kps
+		return "matmul_wg_part_n64", matMulWGDetPartRows, d.persistentGrid(pt * tiles), kt, kps
 	}
 	// Past the largest tile (deterministic inference's prefills), a batch
 	// tile a blockIdx.y.
 	ytiles := (m + bn - 1) / bn
 	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), uint32(ytiles), uint32(splits)}, kps, 0
+}
+
+// persistentGrid is matmul_wg_part's grid for n tiles: blocks that each
+// take a tile every gridDim.x, as few as finish in the same number of
+// rounds as one block an SM would (the kernel needs the whole SM's shared
+// memory for its ring). EBB_MATMUL_WG_PERSIST=0 gives each tile a block of
+// its own, for A/B runs.
+func (d *Device) persistentGrid(n int) Dim3 {
+	if d.wgOneTile {
+		return D1(n)
+	}
+	rounds := (n + d.ctx.SMs - 1) / d.ctx.SMs
+	return D1((n + rounds - 1) / rounds)
 }
 
 // matMulWG launches matmul_wg; with glu w is [gate | up] and out takes

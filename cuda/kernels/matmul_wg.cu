@@ -24,9 +24,10 @@
 // rank order (distributed shared memory), so every run gives the same bits.
 //
 // matmul_wg_part takes deterministic inference's prefills, whose batch
-// tiles fill the GPU without splits: one block runs all of K, and at every
-// kpart k-steps (a split's length) adds its accumulators into a running
-// sum, 0 + p0 + p1 + ... as the cluster adds its ranks. A row gets the bits
+// tiles fill the GPU without splits: persistent blocks take the tiles in
+// turn, a block runs all of a tile's K, and at every kpart k-steps (a
+// split's length) adds its accumulators into a running sum, 0 + p0 + p1 +
+// ... as the cluster adds its ranks. A row gets the bits
 // a decode step's split product gives it, without a cluster's pipeline
 // refilled every few k-steps and its sums passed through shared memory.
 //
@@ -254,18 +255,24 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	extern __shared__ unsigned char wg_smem[];
 	__shared__ __align__(8) unsigned long long bars[2 * 8];
 	__shared__ float warp_sq[MWG_CONSUMERS / 32][FOLD ? BN : 1]; // add mode: each warp's 16 columns' squares
-	// Batches past BN rows (deterministic inference's prefills) take a
-	// batch tile a blockIdx.y; the fold modes are for one tile.
+	// Batches past BN rows take a batch tile a blockIdx.y (matmul_wg_part:
+	// a round of its loop); the fold modes are for one tile.
 	if ((!FOLD && (residual || norm_w)) || gridDim.z > MWG_MAX_CLUSTER || (gridDim.y > 1 && (residual || norm_w)) ||
-	    (PART && (gridDim.z > 1 || residual || norm_w || kpart < 1)))
+	    (PART && (gridDim.y > 1 || gridDim.z > 1 || residual || norm_w || kpart < 1)))
 		__trap();
-	const int row0 = blockIdx.y * BN;
 	const int tid = threadIdx.x, lane = tid & 31;
 	const bool consumer = tid < MWG_CONSUMERS;
 	const unsigned base = (smem_u32(wg_smem) + 1023) & ~1023u;
 	const unsigned full = smem_u32(bars), empty = full + 8 * S; // stage s: + 8 s
-	const int tile = blockIdx.x, split = blockIdx.z, splits = gridDim.z;
+	const int split = blockIdx.z, splits = gridDim.z;
 	const int kt0 = split * kps, nt = min(kps, K / MWG_BK - kt0);
+	// matmul_wg_part's blocks are persistent: block b takes tiles b, b +
+	// gridDim.x, ... (weight tile fastest), so that while its consumers
+	// write one tile the producer fills the ring with the next one's first
+	// stages, and a block's start-up is paid once, not once a tile (a
+	// prefill's tiles run 16-48 k-steps).
+	const int wtiles = (N + MWG_ROWS - 1) / MWG_ROWS, ntiles = PART ? wtiles * ((m + BN - 1) / BN) : 1;
+	int ring = 0; // stages this block has passed through the ring before this tile
 	if (tid == MWG_CONSUMERS) {
 		for (int s = 0; s < S; s++) {
 			mbar_init(full + 8 * s, 1);
@@ -275,204 +282,216 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	}
 	__syncthreads();
 
-	// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
-	// 8 j + 2 q + (e & 1).
-	const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
-	float hpre[2][4]; // add mode: see below
-	float d[BN / 2];
-	float run[PART ? BN / 2 : 1]; // PART: the sum of the splits before this one
+	// Outside matmul_wg_part the loop runs once, as the compiler can see
+	// (once): a loop it could not see through cost matmul_wg_n256 424
+	// bytes of spill (ptxas 13 allots 168 registers a thread, the block
+	// counted as three warpgroups).
+	for (int ti = blockIdx.x, once = 1; PART ? ti < ntiles : once; ti += gridDim.x, ring += nt, once = 0) {
+		const int tile = PART ? ti % wtiles : blockIdx.x;
+		const int row0 = (PART ? ti / wtiles : blockIdx.y) * BN;
+		// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
+		// 8 j + 2 q + (e & 1).
+		const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
+		float hpre[2][4]; // add mode: see below
+		float d[BN / 2];
+		float run[PART ? BN / 2 : 1]; // PART: the sum of the splits before this one
 #pragma unroll
-	for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
-	if (PART)
+		for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
+		if (PART)
 #pragma unroll
-		for (int i = 0; i < BN / 2; i++) run[i] = 0.f;
-	if (!consumer) {
-		const bool issue = lane == 0;
-		if (issue) {
-			asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)xmap) : "memory");
-			for (int t = 0; t < min(nt, S); t++) {
-				mbar_expect_tx(full + 8 * t, STAGE);
-				tma_load_4d(base + t * STAGE, wmap, full + 8 * t, (kt0 + t) * MWG_BK, 0, 0, tile * 8);
-			}
-		}
-		DEP();
-		if (issue) {
-			for (int t = 0; t < min(nt, S); t++)
-				tma_load_2d(base + t * STAGE + WBYTES, xmap, full + 8 * t, (kt0 + t) * MWG_BK, row0);
-			for (int t = S; t < nt; t++) {
-				const int s = t % S;
-				mbar_wait(empty + 8 * s, (t / S - 1) & 1);
-				mbar_expect_tx(full + 8 * s, STAGE);
-				tma_load_4d(base + s * STAGE, wmap, full + 8 * s, (kt0 + t) * MWG_BK, 0, 0, tile * 8);
-				tma_load_2d(base + s * STAGE + WBYTES, xmap, full + 8 * s, (kt0 + t) * MWG_BK, row0);
-			}
-		}
-	} else {
-		DEP();
-		// add mode: the residual of this block's first two groups of 8
-		// batch rows is requested now, so that the epilogue finds it.
-		if (FOLD && residual) {
-#pragma unroll
-			for (int c = 0; c < 2; c++) {
-				const int j = split + c * splits;
-#pragma unroll
-				for (int e = 0; e < 4; e++) {
-					const int r = 8 * j + 2 * q + (e & 1);
-					const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
-					hpre[c][e] = j < BN / 8 && r < m && n < N ? bf2f(__ldcg(residual + r * (long long)N + n)) : 0.f;
+			for (int i = 0; i < BN / 2; i++) run[i] = 0.f;
+		if (!consumer) {
+			const bool issue = lane == 0;
+			// The first tile's first stages: weights before the wait for the
+			// previous kernel, which never writes them.
+			const int pre = ring == 0 ? min(nt, S) : 0;
+			if (issue && pre) {
+				asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)xmap) : "memory");
+				for (int t = 0; t < pre; t++) {
+					mbar_expect_tx(full + 8 * t, STAGE);
+					tma_load_4d(base + t * STAGE, wmap, full + 8 * t, (kt0 + t) * MWG_BK, 0, 0, tile * 8);
 				}
 			}
-		}
-		float inv[NU];
-		if (FOLD && norm_w) {
-			__shared__ float inv_s[FOLD ? BN : 1];
-			row_scales<4>(inv_s, sq, nsq, m, K, eps); // m <= 48: 4 consumers a row
-			asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+			if (ring == 0) DEP();
+			if (issue) {
+				for (int t = 0; t < pre; t++)
+					tma_load_2d(base + t * STAGE + WBYTES, xmap, full + 8 * t, (kt0 + t) * MWG_BK, row0);
+				for (int t = pre; t < nt; t++) {
+					const int u = ring + t, s = u % S;
+					if (u >= S) mbar_wait(empty + 8 * s, (u / S - 1) & 1);
+					mbar_expect_tx(full + 8 * s, STAGE);
+					tma_load_4d(base + s * STAGE, wmap, full + 8 * s, (kt0 + t) * MWG_BK, 0, 0, tile * 8);
+					tma_load_2d(base + s * STAGE + WBYTES, xmap, full + 8 * s, (kt0 + t) * MWG_BK, row0);
+				}
+			}
+		} else {
+			if (ring == 0) DEP();
+			// add mode: the residual of this block's first two groups of 8
+			// batch rows is requested now, so that the epilogue finds it.
+			if (FOLD && residual) {
 #pragma unroll
-			for (int u = 0; u < NU; u++) inv[u] = (tid >> 3) + 32 * u < m ? inv_s[(tid >> 3) + 32 * u] : 0.f;
-		}
-		const int wg = tid >> 7;
-		const int chunk = (tid & 7) ^ ((tid >> 3) & 7);
-		const uint4 *nwp = (const uint4 *)norm_w + kt0 * (MWG_BK / 8) + chunk;
-		for (int t = 0; t < nt; t++) {
-			const int s = t % S;
-			if (FOLD && norm_w && s == 0) {
-				// A round of the ring: its stages' x is normalised together.
-				const int stages = min(S, nt - t);
-				uint4 nw[S];
+				for (int c = 0; c < 2; c++) {
+					const int j = split + c * splits;
 #pragma unroll
-				for (int j = 0; j < S; j++)
-					if (j < stages) nw[j] = __ldg(nwp + (t + j) * (MWG_BK / 8));
-				if (t > 0) {
-					// The round's last stage is refilled only once the
-					// last round's is free.
+					for (int e = 0; e < 4; e++) {
+						const int r = 8 * j + 2 * q + (e & 1);
+						const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
+						hpre[c][e] = j < BN / 8 && r < m && n < N ? bf2f(__ldcg(residual + r * (long long)N + n)) : 0.f;
+					}
+				}
+			}
+			float inv[NU];
+			if (FOLD && norm_w) {
+				__shared__ float inv_s[FOLD ? BN : 1];
+				row_scales<4>(inv_s, sq, nsq, m, K, eps); // m <= 48: 4 consumers a row
+				asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+#pragma unroll
+				for (int u = 0; u < NU; u++) inv[u] = (tid >> 3) + 32 * u < m ? inv_s[(tid >> 3) + 32 * u] : 0.f;
+			}
+			const int wg = tid >> 7;
+			const int chunk = (tid & 7) ^ ((tid >> 3) & 7);
+			const uint4 *nwp = (const uint4 *)norm_w + kt0 * (MWG_BK / 8) + chunk;
+			for (int t = 0; t < nt; t++) {
+				const int u = ring + t, s = u % S; // u == t but in matmul_wg_part's later tiles
+				if (FOLD && norm_w && s == 0) {
+					// A round of the ring: its stages' x is normalised together.
+					const int stages = min(S, nt - t);
+					uint4 nw[S];
+#pragma unroll
+					for (int j = 0; j < S; j++)
+						if (j < stages) nw[j] = __ldg(nwp + (t + j) * (MWG_BK / 8));
+					if (t > 0) {
+						// The round's last stage is refilled only once the
+						// last round's is free.
+						asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+						mbar_arrive(empty + 8 * (S - 1));
+					}
+					for (int j = 0; j < stages; j++) mbar_wait(full + 8 * j, (t / S) & 1);
+					mwg_normalise<BN, S>(base + WBYTES, STAGE, stages, nw, inv);
+				}
+				mbar_wait(full + 8 * s, (u / S) & 1);
+				mwg_stage<BN>(d, base + s * STAGE, WBYTES, wg);
+				if (t > 0 && !(FOLD && norm_w && s == 0)) mbar_arrive(empty + 8 * ((u - 1) % S));
+				if (PART && (t + 1) % kpart == 0 && t + 1 < nt) {
+					// A split ends: its sums join the running sum, and the next
+					// split's start from zero, as a cluster block's do.
 					asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-					mbar_arrive(empty + 8 * (S - 1));
-				}
-				for (int j = 0; j < stages; j++) mbar_wait(full + 8 * j, (t / S) & 1);
-				mwg_normalise<BN, S>(base + WBYTES, STAGE, stages, nw, inv);
-			}
-			mbar_wait(full + 8 * s, (t / S) & 1);
-			mwg_stage<BN>(d, base + s * STAGE, WBYTES, wg);
-			if (t > 0 && !(FOLD && norm_w && s == 0)) mbar_arrive(empty + 8 * ((t - 1) % S));
-			if (PART && (t + 1) % kpart == 0 && t + 1 < nt) {
-				// A split ends: its sums join the running sum, and the next
-				// split's start from zero, as a cluster block's do.
-				asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-				for (int i = 0; i < BN / 2; i++) {
-					asm volatile("" : "+f"(d[i])::"memory");
-					run[i] += d[i];
-					d[i] = 0.f;
+					for (int i = 0; i < BN / 2; i++) {
+						asm volatile("" : "+f"(d[i])::"memory");
+						run[i] += d[i];
+						d[i] = 0.f;
+					}
 				}
 			}
+			asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+			for (int i = 0; i < BN / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
+			if (PART) mbar_arrive(empty + 8 * ((ring + nt - 1) % S)); // the next tile may refill it
+			if (PART && kpart < nt)
+#pragma unroll
+				for (int i = 0; i < BN / 2; i++) d[i] = run[i] + d[i];
 		}
-		asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-		for (int i = 0; i < BN / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
-		if (PART && kpart < nt)
-#pragma unroll
-			for (int i = 0; i < BN / 2; i++) d[i] = run[i] + d[i];
-	}
 
-	const long long half = N / 2;
-	const int warp = tid >> 5;
-	// add adds fragment j to the residual and leaves each warp's sums of
-	// squares of its rows in warp_sq.
-	auto add = [&](int j, const float f[4]) {
-		bf16 *h[4];
-		float hv[4], sqv[2] = {0.f, 0.f}; // rows 8 j + 2 q and the next
+		const long long half = N / 2;
+		const int warp = tid >> 5;
+		// add adds fragment j to the residual and leaves each warp's sums of
+		// squares of its rows in warp_sq.
+		auto add = [&](int j, const float f[4]) {
+			bf16 *h[4];
+			float hv[4], sqv[2] = {0.f, 0.f}; // rows 8 j + 2 q and the next
 #pragma unroll
-		for (int e = 0; e < 4; e++) {
-			const int r = 8 * j + 2 * q + (e & 1);
-			const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
-			h[e] = r < m && n < N ? residual + r * (long long)N + n : nullptr;
-			const int c = (j - split) / splits;
-			hv[e] = !h[e] ? 0.f : c == 0 ? hpre[0][e] : c == 1 ? hpre[1][e] : bf2f(__ldcg(h[e]));
-		}
-#pragma unroll
-		for (int e = 0; e < 4; e++) {
-			if (!h[e]) continue;
-			hv[e] = rbf(hv[e] + rbf(f[e]));
-			*h[e] = f2bf(hv[e]);
-			sqv[e & 1] += hv[e] * hv[e];
-		}
-		// The warp's 16 columns: lanes of one q hold rows 8 j + 2 q (+1).
-#pragma unroll
-		for (int o = 4; o < 32; o <<= 1) {
-			sqv[0] += __shfl_xor_sync(0xffffffffu, sqv[0], o);
-			sqv[1] += __shfl_xor_sync(0xffffffffu, sqv[1], o);
-		}
-		if (g == 0) warp_sq[warp][8 * j + 2 * q] = sqv[0], warp_sq[warp][8 * j + 2 * q + 1] = sqv[1];
-	};
-	auto store = [&](int j, float4 v) {
-		const float f[4] = {v.x, v.y, v.z, v.w};
-		if (FOLD && residual) {
-			add(j, f);
-			return;
-		}
-#pragma unroll
-		for (int e = 0; e < 4; e++) {
-			const long long r = row0 + 8 * j + 2 * q + (e & 1);
-			if (r >= m) continue;
-			if (glu) {
-				const long long col = 64LL * tile + 8 * (trow >> 4) + g;
-				if (e < 2 && col < half) ((bf16 *)out)[r * half + col] = silu_mul1(rbf(f[e]), rbf(f[e + 2]));
-				continue;
+			for (int e = 0; e < 4; e++) {
+				const int r = 8 * j + 2 * q + (e & 1);
+				const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
+				h[e] = r < m && n < N ? residual + r * (long long)N + n : nullptr;
+				const int c = (j - split) / splits;
+				hv[e] = !h[e] ? 0.f : c == 0 ? hpre[0][e] : c == 1 ? hpre[1][e] : bf2f(__ldcg(h[e]));
 			}
-			const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
-			if (n >= N) continue;
-			if (out_f32) ((float *)out)[r * N + n] = f[e];
-			else ((bf16 *)out)[r * N + n] = f2bf(f[e]);
-		}
-	};
-	// squares adds the warps' sums of the rows this block stored, in warp
-	// order, so the bits do not depend on timing.
-	auto squares = [&]() {
-		if (!FOLD || !residual) return;
-		asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
-		const int r = tid;
-		if (r >= BN || r >= m || (r / 8) % splits != split) return;
-		float s = 0.f;
 #pragma unroll
-		for (int w = 0; w < MWG_CONSUMERS / 32; w++) s += warp_sq[w][r];
-		sq[(long long)r * gridDim.x + tile] = s;
-	};
-	if (splits == 1) {
+			for (int e = 0; e < 4; e++) {
+				if (!h[e]) continue;
+				hv[e] = rbf(hv[e] + rbf(f[e]));
+				*h[e] = f2bf(hv[e]);
+				sqv[e & 1] += hv[e] * hv[e];
+			}
+			// The warp's 16 columns: lanes of one q hold rows 8 j + 2 q (+1).
+#pragma unroll
+			for (int o = 4; o < 32; o <<= 1) {
+				sqv[0] += __shfl_xor_sync(0xffffffffu, sqv[0], o);
+				sqv[1] += __shfl_xor_sync(0xffffffffu, sqv[1], o);
+			}
+			if (g == 0) warp_sq[warp][8 * j + 2 * q] = sqv[0], warp_sq[warp][8 * j + 2 * q + 1] = sqv[1];
+		};
+		auto store = [&](int j, float4 v) {
+			const float f[4] = {v.x, v.y, v.z, v.w};
+			if (FOLD && residual) {
+				add(j, f);
+				return;
+			}
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const long long r = row0 + 8 * j + 2 * q + (e & 1);
+				if (r >= m) continue;
+				if (glu) {
+					const long long col = 64LL * tile + 8 * (trow >> 4) + g;
+					if (e < 2 && col < half) ((bf16 *)out)[r * half + col] = silu_mul1(rbf(f[e]), rbf(f[e + 2]));
+					continue;
+				}
+				const long long n = (long long)MWG_ROWS * tile + trow + 8 * (e >> 1);
+				if (n >= N) continue;
+				if (out_f32) ((float *)out)[r * N + n] = f[e];
+				else ((bf16 *)out)[r * N + n] = f2bf(f[e]);
+			}
+		};
+		// squares adds the warps' sums of the rows this block stored, in warp
+		// order, so the bits do not depend on timing.
+		auto squares = [&]() {
+			if (!FOLD || !residual) return;
+			asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+			const int r = tid;
+			if (r >= BN || r >= m || (r / 8) % splits != split) return;
+			float s = 0.f;
+#pragma unroll
+			for (int w = 0; w < MWG_CONSUMERS / 32; w++) s += warp_sq[w][r];
+			sq[(long long)r * gridDim.x + tile] = s;
+		};
+		if (splits == 1) {
+			if (consumer) {
+#pragma unroll
+				for (int j = 0; j < BN / 8; j++) store(j, make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]));
+				squares();
+			}
+			continue; // matmul_wg_part's next tile; elsewhere the loop ends
+		}
+		__syncthreads(); // every stage has been read: the ring takes the sums
+		const unsigned acc = base + tid * 16;
 		if (consumer) {
 #pragma unroll
-			for (int j = 0; j < BN / 8; j++) store(j, make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]));
+			for (int j = 0; j < BN / 8; j++)
+				asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(acc + j * MWG_CONSUMERS * 16), "f"(d[4 * j]),
+				             "f"(d[4 * j + 1]), "f"(d[4 * j + 2]), "f"(d[4 * j + 3])
+				             : "memory");
+		}
+		cluster_sync();
+		if (consumer) {
+			for (int j = split; j < BN / 8; j += splits) {
+				// Every rank's fragment is requested before any is added: a
+				// remote load's latency once, not once a rank.
+				float4 p[MWG_MAX_CLUSTER];
+#pragma unroll
+				for (int rank = 0; rank < MWG_MAX_CLUSTER; rank++)
+					if (rank < splits) p[rank] = ld_cluster_f4(acc + j * MWG_CONSUMERS * 16, rank);
+				float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+				for (int rank = 0; rank < MWG_MAX_CLUSTER; rank++)
+					if (rank < splits) v.x += p[rank].x, v.y += p[rank].y, v.z += p[rank].z, v.w += p[rank].w;
+				store(j, v);
+			}
 			squares();
 		}
-		return;
+		cluster_sync(); // no block leaves while another reads its shared memory
 	}
-	__syncthreads(); // every stage has been read: the ring takes the sums
-	const unsigned acc = base + tid * 16;
-	if (consumer) {
-#pragma unroll
-		for (int j = 0; j < BN / 8; j++)
-			asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(acc + j * MWG_CONSUMERS * 16), "f"(d[4 * j]),
-			             "f"(d[4 * j + 1]), "f"(d[4 * j + 2]), "f"(d[4 * j + 3])
-			             : "memory");
-	}
-	cluster_sync();
-	if (consumer) {
-		for (int j = split; j < BN / 8; j += splits) {
-			// Every rank's fragment is requested before any is added: a
-			// remote load's latency once, not once a rank.
-			float4 p[MWG_MAX_CLUSTER];
-#pragma unroll
-			for (int rank = 0; rank < MWG_MAX_CLUSTER; rank++)
-				if (rank < splits) p[rank] = ld_cluster_f4(acc + j * MWG_CONSUMERS * 16, rank);
-			float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-			for (int rank = 0; rank < MWG_MAX_CLUSTER; rank++)
-				if (rank < splits) v.x += p[rank].x, v.y += p[rank].y, v.z += p[rank].z, v.w += p[rank].w;
-			store(j, v);
-		}
-		squares();
-	}
-	cluster_sync(); // no block leaves while another reads its shared memory
 #else
 	__trap(); // the host runs matmul_wg only from an sm_90a build
 #endif
