@@ -433,7 +433,8 @@ func TestKernelNamesForEveryRowCount(t *testing.T) {
 
 // TestMatMulWGPartShape (no GPU): matmul_wg_part takes a product where
 // 128-row batch tiles alone fill the GPU and its weight tiles are split,
-// one block a tile running all of K in the splits' lengths, and (64-row
+// persistent blocks running a tile's K in the splits' lengths (as few
+// blocks as finish in the rounds one block an SM would take), and (64-row
 // tiles) deterministic decode batches past 48 rows of products with 32
 // weight tiles or more in 4 splits or more; elsewhere, and with
 // EBB_MATMUL_WG_PART=0, clusters split K.

@@ -11,8 +11,9 @@ import (
 
 func kernelsCmd() *cobra.Command {
 	var arch, match string
+	var source bool
 	cmd := &cobra.Command{
-		Use:   "kernels [--arch sm_90] [--match NAME]",
+		Use:   "kernels [--arch sm_90] [--match NAME] [--source]",
 		Short: "Compile the kernels with NVRTC and print each one's registers and local memory",
 		Long: `Compiles ebb's kernels (with $EBB_KERNEL_DEFINES) for a real architecture
 and prints, for each kernel, the registers a thread and the bytes of local
@@ -21,11 +22,22 @@ cuobjdump -res-usage would. It needs NVRTC only, not a GPU: registers decide
 how many blocks share an SM, so a kernel change's occupancy can be read before
 it runs. NVRTC before 12.0 has no sm_90a, whose kernels (matmul_wg, moe_wg)
 then compile to a stub; ptxas's choices also change between versions, so
-compare figures from one NVRTC.`,
+compare figures from one NVRTC.
+
+With --source it prints the translation unit it would compile instead, for
+nvcc on the GPU machine, whose ptxas says more than NVRTC's log (spills by
+kernel, and wgmma instructions it serialises, C7515):
+
+  ebb kernels --source >k.cu
+  nvcc -arch=sm_90a -cubin -std=c++17 -DEBB_NVRTC=1 --resource-usage k.cu -o /dev/null`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			src, err := cuda.KernelSource()
 			if err != nil {
+				return err
+			}
+			if source {
+				_, err := fmt.Print(src)
 				return err
 			}
 			cubin, err := cuda.Compile(src, "ebb_kernels.cu", arch)
@@ -49,5 +61,6 @@ compare figures from one NVRTC.`,
 	}
 	cmd.Flags().StringVar(&arch, "arch", "sm_90", "real architecture to compile for (sm_80, sm_90, sm_90a with NVRTC 12 or later)")
 	cmd.Flags().StringVar(&match, "match", "", "only kernels whose name contains this")
+	cmd.Flags().BoolVar(&source, "source", false, "print the kernels' translation unit (EBB_KERNEL_DEFINES applied) instead of compiling it")
 	return cmd
 }
