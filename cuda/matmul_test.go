@@ -470,6 +470,11 @@ func TestMatMulWGPartShape(t *testing.T) {
 				c.want, c.grid, c.kps, c.kpart)
 		}
 	}
+	// EBB_MATMUL_WG_PERSIST=0: a block a tile (8 weight tiles x 64 batch tiles).
+	d := &Device{ctx: &Context{SMs: 132}, wgmma: true, det: true, wgOneTile: true}
+	if name, _, grid, _, _ := d.matMulWGShape(8192, 1024, 2048); name != "matmul_wg_part_n128" || grid != D1(512) {
+		t.Errorf("a block a tile: %s %v, want matmul_wg_part_n128 %v", name, grid, D1(512))
+	}
 }
 
 // TestMatMulWGUsed: a block asks for the stages it fills and, with splits,
