@@ -26,7 +26,7 @@ compare figures from one NVRTC.
 
 With --source it prints the translation unit it would compile instead, for
 nvcc on the GPU machine, whose ptxas says more than NVRTC's log (spills by
-kernel, and wgmma instructions it serialises, C7515):
+kernel, and wgmma instructions it serialises, C7511 and C7515):
 
   ebb kernels --source >k.cu
   nvcc -arch=sm_90a -cubin -std=c++17 -DEBB_NVRTC=1 --resource-usage k.cu -o /dev/null`,
