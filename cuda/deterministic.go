@@ -141,10 +141,15 @@ func detAttentionError(hq, hk, dim int) error {
 // groups (its tensor map) and 64-wide steps of K.
 func detProductFits(n, k int) bool { return n%16 == 0 && k%matMulWGBK == 0 }
 
-// detMatMul is a product on matmul_wg for any m (glu: gate_up with silu).
+// detMatMul is a product with matmul_wg's bits for any m (glu: gate_up with
+// silu): on matmul_wg_few up to few.detRows rows, else on matmul_wg.
 func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool) {
 	if !detProductFits(n, k) || x%16 != 0 || w%16 != 0 {
 		d.fail(fmt.Errorf("deterministic inference: a %d x %d product (its kernel needs rows in multiples of 16 and K of %d)", n, k, matMulWGBK))
+		return
+	}
+	if m <= d.few.detRows {
+		d.matMulWGFew(out, outF32, x, w, m, n, k, glu, normFold{})
 		return
 	}
 	d.matMulWG(out, outF32, x, w, m, n, k, glu, normFold{})

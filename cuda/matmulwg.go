@@ -203,10 +203,6 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 	if d.err != nil {
 		return
 	}
-	if d.det && m <= d.few.detRows {
-		d.matMulWGFew(out, outF32, x, w, m, n, k, glu, norm)
-		return
-	}
 	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
 	shared := matMulWGShared(bn)
 	if kpart == 0 && bn <= matMulWGTightRows && !d.wgFullRing {
