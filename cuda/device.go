@@ -47,6 +47,7 @@ type Device struct {
 	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
 	wgOneTile     bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)
+	wgBlock       int            // matmul_wg's threads a block (matMulWGBlock)
 	noDetFold     bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
 	few           fewSettings    // the products matmul_wg_few takes (EBB_MATMUL_FEW, EBB_DET_FEW_*)
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)

@@ -32,7 +32,7 @@ const matMulWGNormRows = 48
 
 const (
 	matMulWGTileRows = 128 // MWG_ROWS: weight rows a block
-	matMulWGThreads  = 288 // MWG_THREADS: two warpgroups and the producer warp
+	matMulWGThreads  = 288 // MWG_THREADS: moe_wg's two warpgroups and producer warp
 	matMulWGBK       = 64
 	// matMulWGMaxCluster is the portable cluster size: a tile's K splits.
 	matMulWGMaxCluster = 8
@@ -41,6 +41,16 @@ const (
 	matMulWGMaxStages = 8
 	matMulWGRingBytes = 192 << 10
 )
+
+// matMulWGBlock is matmul_wg's block (MWG_BLOCK): two consumer warpgroups
+// and a producer warpgroup that gives them its registers, or with MWG_REGS=0
+// in EBB_KERNEL_DEFINES a producer warp.
+func matMulWGBlock() int {
+	if kernelDefineInt("MWG_REGS", 1) == 0 {
+		return 256 + 32
+	}
+	return 256 + 128
+}
 
 // initMatMulWG lets matmul_wg's kernels have their shared memory, where
 // the module was built for sm_90a and the driver encodes tensor maps
@@ -75,6 +85,7 @@ func (d *Device) initMatMulWG() error {
 	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_WG_ROWS")); err == nil && slices.Contains(matMulWGRows, n) {
 		d.wgMaxRows = n
 	}
+	d.wgBlock = matMulWGBlock()
 	d.wgmma = true
 	return nil
 }
@@ -208,7 +219,7 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 	if kpart == 0 && bn <= matMulWGTightRows && !d.wgFullRing {
 		shared = matMulWGUsed(bn, kps, int(grid.Z))
 	}
-	d.launchWG(name, grid, shared, int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
+	d.launchWG(name, grid, d.wgBlock, shared, int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
 		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps), I(kpart))
 }
@@ -227,7 +238,7 @@ type wgOperands struct {
 
 // launchWG launches matmul_wg or moe_wg with its operands' tensor maps as
 // the first parameters, then args.
-func (d *Device) launchWG(name string, grid Dim3, shared, cluster int, o wgOperands, args ...uint64) {
+func (d *Device) launchWG(name string, grid Dim3, threads, shared, cluster int, o wgOperands, args ...uint64) {
 	if d.err != nil || d.skipKernels[name] {
 		return
 	}
@@ -237,7 +248,7 @@ func (d *Device) launchWG(name string, grid Dim3, shared, cluster int, o wgOpera
 		return
 	}
 	if kern := d.kernel(name); kern != nil {
-		d.fail(d.ctx.LaunchCluster(kern, grid, D1(matMulWGThreads), shared, cluster, []TensorMap{wmap, xmap}, args...))
+		d.fail(d.ctx.LaunchCluster(kern, grid, D1(threads), shared, cluster, []TensorMap{wmap, xmap}, args...))
 	}
 }
 

@@ -189,9 +189,9 @@ func (d *Device) moeExpertsWG(out, x, ids, weights, gateUp, down device.Tensor, 
 	}
 	// gate and up: x's rows gathered one at a time; down: the sorted
 	// activations, a box of bn rows.
-	d.launchWG(name, wgrid(2*inter), shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: x.Ptr, m: t, k: h, glu: true, box: 1},
+	d.launchWG(name, wgrid(2*inter), matMulWGThreads, shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: x.Ptr, m: t, k: h, glu: true, box: 1},
 		P(w.act), P(w.order), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
-	d.launchWG(name, wgrid(h), shared, 1, wgOperands{w: down.Ptr, experts: e, n: h, x: w.act, m: p, k: inter, box: bn},
+	d.launchWG(name, wgrid(h), matMulWGThreads, shared, 1, wgOperands{w: down.Ptr, experts: e, n: h, x: w.act, m: p, k: inter, box: bn},
 		P(w.y), P(0), I(k), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
 	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
 		P(ids.Ptr), P(weights.Ptr), I(k), I(h))

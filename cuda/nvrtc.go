@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"unsafe"
 )
@@ -75,6 +76,19 @@ func kernelDefines(v string) (string, error) {
 		fmt.Fprintf(&b, "#define %s %s\n", name, value)
 	}
 	return b.String(), nil
+}
+
+// kernelDefineInt is the integer $EBB_KERNEL_DEFINES gives name, or def:
+// for the tunables the host must know too (a kernel's block size).
+func kernelDefineInt(name string, def int) int {
+	for _, d := range strings.Split(os.Getenv("EBB_KERNEL_DEFINES"), ",") {
+		if n, v, ok := strings.Cut(strings.TrimSpace(d), "="); ok && n == name {
+			if i, err := strconv.Atoi(v); err == nil {
+				return i
+			}
+		}
+	}
+	return def
 }
 
 func validDefineName(s string) bool {

@@ -48,6 +48,26 @@ func TestNoGPUFailsCleanly(t *testing.T) {
 	}
 }
 
+// TestKernelDefineInt: the host reads the tunables it shares with a kernel
+// (MWG_REGS: matmul_wg's block) from EBB_KERNEL_DEFINES, or their default.
+func TestKernelDefineInt(t *testing.T) {
+	for _, tc := range []struct {
+		env  string
+		want int
+	}{
+		{"", 1},
+		{"MWG_REGS=0", 0},
+		{"A=3, MWG_REGS=0 ,B", 0},
+		{"MWG_REGS_X=0", 1},
+		{"MWG_REGS=x", 1},
+	} {
+		t.Setenv("EBB_KERNEL_DEFINES", tc.env)
+		if got := kernelDefineInt("MWG_REGS", 1); got != tc.want {
+			t.Errorf("%q: %d, want %d", tc.env, got, tc.want)
+		}
+	}
+}
+
 func TestKernelDefines(t *testing.T) {
 	for _, tc := range []struct {
 		in, want string

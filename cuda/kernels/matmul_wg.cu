@@ -12,10 +12,11 @@
 // A block takes 128 weight rows, the M side of two warpgroups' m64nBNk16
 // (BN: the batch rows, padded), over a range of K: the K splits of a tile
 // are one thread block cluster, sized so that the grid fills the SMs once.
-// A producer warp has the tensor memory accelerator copy each stage (64 of
-// k: the weights' 128 x 64 and x's BN x 64) into a ring of shared memory
-// in the 128-byte swizzle, which wgmma reads through matrix descriptors;
-// full and empty barriers pass the stages between it and the warpgroups.
+// One thread of a producer warpgroup has the tensor memory accelerator copy
+// each stage (64 of k: the weights' 128 x 64 and x's BN x 64) into a ring
+// of shared memory in the 128-byte swizzle, which wgmma reads through
+// matrix descriptors; full and empty barriers pass the stages between it
+// and the warpgroups.
 // The first stages' weights are requested before waiting for the previous
 // kernel, which never writes them.
 //
@@ -50,7 +51,20 @@
 //     wgmma reads it. Deterministic inference folds on matmul_wg_few.
 #define MWG_ROWS 128
 #define MWG_CONSUMERS 256
-#define MWG_THREADS (MWG_CONSUMERS + 32)
+#define MWG_THREADS (MWG_CONSUMERS + 32) // moe_wg's block: two warpgroups and the producer warp
+// MWG_REGS: matmul_wg's producer is a whole warpgroup that gives its
+// registers to the consumers (setmaxnreg: 232 a consumer thread, 40 a
+// producer's). ptxas allots a block of 288 threads as three warpgroups,
+// 168 registers a thread, and matmul_wg_part_n128's 128 accumulators (the
+// sums and their running sum) spilled there: 92 bytes (nvcc 13). H100,
+// 0.6B shape, deterministic prefills 256 x 128 105 -> 87 ms and 64 x 1,024
+// 247 -> 212 ms; decode level at both flags. MWG_REGS=0 (in
+// EBB_KERNEL_DEFINES, which the host reads too) keeps the producer warp of
+// 288 threads, for A/B runs.
+#ifndef MWG_REGS
+#define MWG_REGS 1
+#endif
+#define MWG_BLOCK (MWG_CONSUMERS + (MWG_REGS ? 128 : 32)) // matMulWGBlock
 #define MWG_BK 64
 #define MWG_MAX_CLUSTER 8 // matMulWGMaxCluster: a tile's K splits
 
@@ -282,26 +296,19 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	}
 	__syncthreads();
 
-	// Outside matmul_wg_part the loop runs once, as the compiler can see
-	// (once): a loop it could not see through cost matmul_wg_n256 424
-	// bytes of spill (ptxas 13 allots 168 registers a thread, the block
-	// counted as three warpgroups).
-	for (int ti = blockIdx.x, once = 1; PART ? ti < ntiles : once; ti += gridDim.x, ring += nt, once = 0) {
-		const int tile = PART ? ti % wtiles : blockIdx.x;
-		const int row0 = (PART ? ti / wtiles : blockIdx.y) * BN;
-		// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
-		// 8 j + 2 q + (e & 1).
-		const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
-		float hpre[2][4]; // add mode: see below
-		float d[BN / 2];
-		float run[PART ? BN / 2 : 1]; // PART: the sum of the splits before this one
-#pragma unroll
-		for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
-		if (PART)
-#pragma unroll
-			for (int i = 0; i < BN / 2; i++) run[i] = 0.f;
-		if (!consumer) {
-			const bool issue = lane == 0;
+	if (!consumer) {
+		// The producer: one thread issues the copies, tile by tile as the
+		// consumers' loop below takes them. With MWG_REGS it is a warpgroup
+		// that gives back all but 40 registers a thread, so that the
+		// consumers may have 232.
+#if MWG_REGS
+		asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+#endif
+		const bool issue = tid == MWG_CONSUMERS;
+		// The tiles of the consumers' loop below, in its order.
+		for (int ti = blockIdx.x, once = 1; PART ? ti < ntiles : once; ti += gridDim.x, ring += nt, once = 0) {
+			const int tile = PART ? ti % wtiles : blockIdx.x;
+			const int row0 = (PART ? ti / wtiles : blockIdx.y) * BN;
 			// The first tile's first stages: weights before the wait for the
 			// previous kernel, which never writes them.
 			const int pre = ring == 0 ? min(nt, S) : 0;
@@ -324,7 +331,38 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 					tma_load_2d(base + s * STAGE + WBYTES, xmap, full + 8 * s, (kt0 + t) * MWG_BK, row0);
 				}
 			}
-		} else {
+		}
+		if (splits > 1) {
+			// The consumers' barriers around the split sums below.
+			__syncthreads();
+			cluster_sync();
+			cluster_sync();
+		}
+		return;
+	}
+#if MWG_REGS
+	asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+#endif
+
+	// Outside matmul_wg_part the loop runs once, as the compiler can see
+	// (once): a loop it could not see through cost matmul_wg_n256 424
+	// bytes of spill (ptxas 13 allots 168 registers a thread, the block
+	// counted as three warpgroups).
+	for (int ti = blockIdx.x, once = 1; PART ? ti < ntiles : once; ti += gridDim.x, ring += nt, once = 0) {
+		const int tile = PART ? ti % wtiles : blockIdx.x;
+		const int row0 = (PART ? ti / wtiles : blockIdx.y) * BN;
+		// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
+		// 8 j + 2 q + (e & 1).
+		const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
+		float hpre[2][4]; // add mode: see below
+		float d[BN / 2];
+		float run[PART ? BN / 2 : 1]; // PART: the sum of the splits before this one
+#pragma unroll
+		for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
+		if (PART)
+#pragma unroll
+			for (int i = 0; i < BN / 2; i++) run[i] = 0.f;
+		{
 			if (ring == 0) DEP();
 			// add mode: the residual of this block's first two groups of 8
 			// batch rows is requested now, so that the epilogue finds it.
@@ -498,7 +536,7 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 }
 
 #define MATMUL_WG(NAME, BN, PART)                                                                                     \
-	extern "C" __global__ void __launch_bounds__(MWG_THREADS, 1)                                                       \
+	extern "C" __global__ void __launch_bounds__(MWG_BLOCK, 1)                                                         \
 	    NAME(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, void *out, int out_f32, int m,     \
 	         int N, int K, int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps,        \
 	         int kpart) {                                                                                              \
