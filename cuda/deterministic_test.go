@@ -101,7 +101,7 @@ func TestDeterministicProductsAreRowInvariant(t *testing.T) {
 			}
 			p.close("product", full, 2e-2, 2e-2)
 			want, _ := p.download(full)
-			for _, m := range []int{1, 2, 4, 8, 9, 13, 16, 17, 25, 33, 48, 64, 100, 128, 129, 256} {
+			for _, m := range []int{1, 2, 4, 8, 9, 13, 16, 17, 25, 33, 48, 64, 100, 128, 129, 192, 193, 256} {
 				// The last m rows: each lands at another place in its tile.
 				// Up to 16 rows run on matmul_wg_few.
 				part := p.random(dt, 0, m, cols)

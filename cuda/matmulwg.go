@@ -9,10 +9,15 @@ import (
 )
 
 // matMulWGRows are the batch tiles matmul_wg is built for (BN in
-// matmul_wg.cu): a batch runs the smallest that holds it. The 256-row tile
-// is for deterministic inference, whose products all run on matmul_wg:
-// with 128-row tiles a batch of 256 read every weight twice.
-var matMulWGRows = []int{32, 48, 64, 96, 128, 256}
+// matmul_wg.cu): a batch runs the smallest that holds it. The 192- and
+// 256-row tiles are for deterministic inference, whose products all run on
+// matmul_wg: with 128-row tiles a batch of 256 read every weight twice, and
+// the 256-row tile gave batches of 129-192 up to a third more tensor work.
+// H100, 0.6B shape, flag on, ms a decode step (128 in, 128 out), two
+// rounds, 256-row tile against 192 (EBB_MATMUL_WG_N192=0 for A/B): batch
+// 144 3.384 / 3.288 -> 3.062 / 3.114, 160 3.433 / 3.394 -> 3.187 / 3.223,
+// 192 3.601 / 3.685 -> 3.394 / 3.350.
+var matMulWGRows = []int{32, 48, 64, 96, 128, 192, 256}
 
 // matMulWGMaxRows is the most rows matmul_wg takes outside deterministic
 // inference (EBB_MATMUL_WG_ROWS=256 raises it, for A/B runs). Past 128
@@ -71,6 +76,7 @@ func (d *Device) initMatMulWG() error {
 	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
 	d.wgOneTile = os.Getenv("EBB_MATMUL_WG_PERSIST") == "0"
+	d.wgNo192 = os.Getenv("EBB_MATMUL_WG_N192") == "0"
 	for t := 1; t <= detFewMaxRows/8; t++ {
 		if err := d.k[fmt.Sprintf("matmul_wg_few_t%d", t)].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
 			return err
@@ -173,7 +179,7 @@ const (
 func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps, kpart int) {
 	bn = matMulWGRows[len(matMulWGRows)-1]
 	for _, b := range matMulWGRows {
-		if m <= b {
+		if m <= b && !(b == 192 && d.wgNo192) {
 			bn = b
 			break
 		}

@@ -138,6 +138,19 @@ template <> __device__ __forceinline__ void wgmma_bf16<128>(float *d, unsigned l
 	               WGMMA_D8(56)
 	             : "l"(a), "l"(b));
 }
+template <> __device__ __forceinline__ void wgmma_bf16<192>(float *d, unsigned long long a, unsigned long long b) {
+	asm volatile("wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+	             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+	             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+	             "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+	             "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+	             "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+	             "}, %96, %97, 1, 1, 1, 0, 0;"
+	             : WGMMA_D8(0), WGMMA_D8(8), WGMMA_D8(16), WGMMA_D8(24), WGMMA_D8(32), WGMMA_D8(40), WGMMA_D8(48),
+	               WGMMA_D8(56), WGMMA_D8(64), WGMMA_D8(72), WGMMA_D8(80), WGMMA_D8(88)
+	             : "l"(a), "l"(b));
+}
 template <> __device__ __forceinline__ void wgmma_bf16<256>(float *d, unsigned long long a, unsigned long long b) {
 	asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
 	             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -548,6 +561,7 @@ MATMUL_WG(matmul_wg_n48, 48, false)
 MATMUL_WG(matmul_wg_n64, 64, false)
 MATMUL_WG(matmul_wg_n96, 96, false)
 MATMUL_WG(matmul_wg_n128, 128, false)
+MATMUL_WG(matmul_wg_n192, 192, false)
 MATMUL_WG(matmul_wg_n256, 256, false)
 MATMUL_WG(matmul_wg_part_n64, 64, true)
 MATMUL_WG(matmul_wg_part_n128, 128, true)
