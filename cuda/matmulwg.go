@@ -52,9 +52,9 @@ const (
 // in EBB_KERNEL_DEFINES a producer warp.
 func matMulWGBlock() int {
 	if kernelDefineInt("MWG_REGS", 1) == 0 {
-		return 256 + 32
+		return matMulWGThreads
 	}
-	return 256 + 128
+	return matMulWGThreads - 32 + 128
 }
 
 // initMatMulWG lets matmul_wg's kernels have their shared memory, where
