@@ -65,30 +65,41 @@ func KernelSource() (string, error) {
 // each setting compiles once.
 func kernelDefines(v string) (string, error) {
 	var b strings.Builder
-	for _, d := range strings.Split(v, ",") {
-		if d = strings.TrimSpace(d); d == "" {
-			continue
+	for _, d := range defineEntries(v) {
+		if !validDefineName(d.name) || strings.ContainsAny(d.value, "\n\r") {
+			return "", fmt.Errorf("EBB_KERNEL_DEFINES: %q is not NAME=VALUE", d.text)
 		}
-		name, value, _ := strings.Cut(d, "=")
-		if !validDefineName(name) || strings.ContainsAny(value, "\n\r") {
-			return "", fmt.Errorf("EBB_KERNEL_DEFINES: %q is not NAME=VALUE", d)
-		}
-		fmt.Fprintf(&b, "#define %s %s\n", name, value)
+		fmt.Fprintf(&b, "#define %s %s\n", d.name, d.value)
 	}
 	return b.String(), nil
 }
 
 // kernelDefineInt is the integer $EBB_KERNEL_DEFINES gives name, or def:
-// for the tunables the host must know too (a kernel's block size).
+// for the tunables the host must know too (a kernel's block size). It
+// reads the entries as kernelDefines does, so both see the same value.
 func kernelDefineInt(name string, def int) int {
-	for _, d := range strings.Split(os.Getenv("EBB_KERNEL_DEFINES"), ",") {
-		if n, v, ok := strings.Cut(strings.TrimSpace(d), "="); ok && n == name {
-			if i, err := strconv.Atoi(v); err == nil {
+	for _, d := range defineEntries(os.Getenv("EBB_KERNEL_DEFINES")) {
+		if d.name == name {
+			if i, err := strconv.Atoi(strings.TrimSpace(d.value)); err == nil {
 				return i
 			}
 		}
 	}
 	return def
+}
+
+// defineEntry is one NAME=VALUE of $EBB_KERNEL_DEFINES, text as written.
+type defineEntry struct{ text, name, value string }
+
+func defineEntries(v string) []defineEntry {
+	var out []defineEntry
+	for _, d := range strings.Split(v, ",") {
+		if d = strings.TrimSpace(d); d != "" {
+			name, value, _ := strings.Cut(d, "=")
+			out = append(out, defineEntry{d, name, value})
+		}
+	}
+	return out
 }
 
 func validDefineName(s string) bool {

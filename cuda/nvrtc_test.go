@@ -60,6 +60,7 @@ func TestKernelDefineInt(t *testing.T) {
 		{"A=3, MWG_REGS=0 ,B", 0},
 		{"MWG_REGS_X=0", 1},
 		{"MWG_REGS=x", 1},
+		{"MWG_REGS= 0", 0}, // the kernels get "#define MWG_REGS  0"
 	} {
 		t.Setenv("EBB_KERNEL_DEFINES", tc.env)
 		if got := kernelDefineInt("MWG_REGS", 1); got != tc.want {
