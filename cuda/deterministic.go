@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 
 	"ebb/device"
 	"ebb/memory"
@@ -153,6 +154,42 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 		return
 	}
 	d.matMulWG(out, outF32, x, w, m, n, k, glu, normFold{})
+}
+
+// ProjectQKV implements device.QKVProjector for deterministic inference:
+// where the qkv product runs on matmul_wg_part (decode batches past
+// matMulWGDetPartFrom rows, long prefills) and a head is one weight tile,
+// matmul_wg_part_qkv prepares q, k and v in its epilogue with
+// prepare_qkv16's code, so with the bits every other step gets from
+// MatMul and PrepareQKV. EBB_DET_QKV_EPILOGUE=0 leaves them to
+// prepare_qkv16, for A/B runs.
+func (d *Device) ProjectQKV(qkv, x, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) bool {
+	if d.err != nil || !d.det || !d.wgmma || d.noQKVEpilogue {
+		return false
+	}
+	m, k, n := x.Dim(0), x.Dim(-1), w.Dim(0)
+	hk, dim := kCache.Dim(1), kCache.Dim(2)
+	hq := qkv.Dim(1) - 2*hk
+	if dim != matMulWGTileRows || qkv.Dim(2) != dim || n != (hq+2*hk)*dim || w.Dim(-1) != k || qkv.Numel() != m*n ||
+		positions.Numel() != m || slots.Numel() < m || x.DType != device.BF16 || w.DType != device.BF16 ||
+		qkv.DType != device.BF16 || kCache.DType != device.BF16 || vCache.DType != device.BF16 ||
+		!detProductFits(n, k) || x.Ptr%16 != 0 || w.Ptr%16 != 0 || !qkv16Layout(qkv, kCache, vCache) ||
+		m <= d.few.detRows {
+		return false
+	}
+	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
+	if kpart == 0 {
+		return false
+	}
+	hasNorm := 0
+	if qNorm.Valid() {
+		hasNorm = 1
+	}
+	d.launchWG(strings.Replace(name, "part_", "part_qkv_", 1), grid, d.wgBlock, matMulWGQKVShared(bn), 1,
+		wgOperands{w: w.Ptr, n: n, x: x.Ptr, m: m, k: k, box: bn},
+		P(qkv.Ptr), I(m), I(n), I(k), I(kps), I(kpart), P(qNorm.Ptr), P(kNorm.Ptr), I(hasNorm), F(eps),
+		P(kCache.Ptr), P(vCache.Ptr), I(hq), I(hk), P(positions.Ptr), P(slots.Ptr), P(cos.Ptr), P(sin.Ptr))
+	return true
 }
 
 // detFoldRows is the most rows for which deterministic inference folds

@@ -73,7 +73,11 @@ func (d *Device) initMatMulWG() error {
 		if err := d.k[fmt.Sprintf("matmul_wg_part_n%d", bn)].SetMaxDynamicShared(matMulWGShared(bn)); err != nil {
 			return err
 		}
+		if err := d.k[fmt.Sprintf("matmul_wg_part_qkv_n%d", bn)].SetMaxDynamicShared(matMulWGQKVShared(bn)); err != nil {
+			return err
+		}
 	}
+	d.noQKVEpilogue = os.Getenv("EBB_DET_QKV_EPILOGUE") == "0"
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
 	d.wgOneTile = os.Getenv("EBB_MATMUL_WG_PERSIST") == "0"
 	d.wgNo192 = os.Getenv("EBB_MATMUL_WG_N192") == "0"
@@ -102,6 +106,10 @@ func matMulWGShared(bn int) int {
 	stage := (matMulWGTileRows + bn) * matMulWGBK * 2
 	return min(matMulWGMaxStages, matMulWGRingBytes/stage)*stage + 1024
 }
+
+// matMulWGQKVShared is matmul_wg_part_qkv's shared memory: matmul_wg's,
+// and the tile staged as bf16 for its epilogue (bn rows of one head).
+func matMulWGQKVShared(bn int) int { return matMulWGShared(bn) + bn*matMulWGTileRows*2 }
 
 // matMulWGTightRows is the largest batch tile whose blocks ask for only the
 // shared memory they use (matMulWGUsed), not the whole ring

@@ -377,6 +377,16 @@ type AttentionPreparer interface {
 	PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, meta AttnMeta, scale, eps float32) bool
 }
 
+// QKVProjector is implemented by devices whose qkv product can prepare
+// what it computes (PrepareQKV in the product's epilogue), so that q, k
+// and v are not written and read back by another launch.
+type QKVProjector interface {
+	// ProjectQKV is MatMul(qkv, x, w) without bias, followed by PrepareQKV,
+	// with the bits of the two. It returns false, having done nothing,
+	// where it does not apply.
+	ProjectQKV(qkv, x, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, eps float32) bool
+}
+
 // Deterministic is implemented by devices that can compute every row of a
 // step the same way whatever else is in it (batch-invariant kernels), so
 // that a request's tokens and logprobs do not depend on the batch, prefix

@@ -266,6 +266,7 @@ func (m *Model) forward(in Inputs, a activations) {
 	// without one (gate_up with silu) still is, through fusedDev.
 	fusedDev, _ := dev.(device.Fused)
 	preparer, _ := dev.(device.AttentionPreparer)
+	projector, _ := dev.(device.QKVProjector)
 	accumulating, _ := dev.(device.Accumulating)
 	normer, _ := m.Comm.(device.AllReduceNormer)
 	fused := fusedDev
@@ -337,22 +338,32 @@ func (m *Model) forward(in Inputs, a activations) {
 	last, pruned := len(w.Layers)-1, m.logitRowsOnly(in, t) && !capture
 	sparse := 0 // sparse layers so far
 	for i, l := range w.Layers {
-		matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		k, v := m.KV[2*i], m.KV[2*i+1]
+		// prepared: the product prepared q, k and v itself.
+		prepared := !lazyNorm.Valid() && !l.QKVBias.Valid() && projector != nil &&
+			projector.ProjectQKV(a.qkv, a.x, l.QKV, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+		if !prepared {
+			matMulX(flat(a.qkv), l.QKV, l.QKVBias)
+		}
+		prepareQKV := func() {
+			if !prepared {
+				dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+			}
+		}
 		if i == last && in.LogitRows.Numel() == 0 && !capture {
 			// A prefill chunk that completes no sequence: the last layer's
 			// K and V are all that a later step reads.
-			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+			prepareQKV()
 			return
 		}
 		if i == last && pruned {
-			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+			prepareQKV()
 			t = in.LogitRows.Numel()
 			a = a.logitRows(t, in.LogitRows, dev)
 			dev.Attention(a.attn, a.qkv, k, v, in.LastAttn, scale)
-		} else if preparer == nil ||
+		} else if prepared || preparer == nil ||
 			!preparer.PrepareAttention(a.attn, a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, in.Attn, scale, eps) {
-			dev.PrepareQKV(a.qkv, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+			prepareQKV()
 			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		}
 		// A sparse layer's router and experts read x as it is.

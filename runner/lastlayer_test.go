@@ -17,19 +17,9 @@ import (
 func TestLastLayerOnLogitRows(t *testing.T) {
 	for _, arch := range []string{"qwen3", "llama"} {
 		t.Run(arch, func(t *testing.T) {
-			dir := tinymodel.TestDir(t, arch, nil)
 			dev := cpu.New(0)
-			m, err := model.Load(dev, dir, model.Options{ContextLen: 256})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := m.AllocKV(256); err != nil {
-				t.Fatal(err)
-			}
-			r, err := New(m, Limits{MaxTokens: 128, MaxSeqs: 4})
-			if err != nil {
-				t.Fatal(err)
-			}
+			r := smallRunner(t, dev, tinymodel.TestDir(t, arch, nil))
+			m := r.Model
 			seq := func(n, start, firstSlot int, sample bool) SeqStep {
 				s := SeqStep{Tokens: make([]int32, n-start), Start: start, Sample: sample, Params: Greedy}
 				for i := range s.Tokens {
@@ -70,6 +60,24 @@ func TestLastLayerOnLogitRows(t *testing.T) {
 			}
 		})
 	}
+}
+
+// smallRunner is a runner of a tiny model's directory on dev: 256 slots,
+// steps of up to 128 tokens and 4 sequences.
+func smallRunner(t *testing.T, dev device.Device, dir string) *Runner {
+	t.Helper()
+	m, err := model.Load(dev, dir, model.Options{ContextLen: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.AllocKV(256); err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(m, Limits{MaxTokens: 128, MaxSeqs: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
 }
 
 // logits runs seqs' forward and returns its logit rows, with the last

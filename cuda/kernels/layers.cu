@@ -221,6 +221,55 @@ extern "C" __global__ void __launch_bounds__(128)
 	}
 }
 
+// QkvHeads is what preparing a (token, head) unit of the qkv projection
+// needs besides the unit: the per-head norms (has_norm), the caches, and
+// the heads' counts and size.
+struct QkvHeads {
+	const bf16 *qnorm, *knorm;
+	bf16 *kc, *vc;
+	int hq, hk, d;
+	float eps;
+	int has_norm;
+};
+
+// qkv16_finish prepares unit (token t, head h) in prepare_qkv16's 16-byte
+// layout: the lane's raw dims 8c..8c+7 of each half in xa and xb (g = d/16
+// lanes a unit), the rotation at the token's position in cs and sn (q and
+// k heads), its cache slot (k and v heads). A q head goes back to the
+// token's row of qkv, qrow; k and v to the caches. Every lane calls it
+// (head_inv's shuffles); t < 0 marks a lane without a unit. prepare_qkv16
+// and matmul_wg_part_qkv's epilogue share it, and with it their bits.
+__device__ __forceinline__ void qkv16_finish(uint4 xa, uint4 xb, const float cs[8], const float sn[8], int t, int h,
+                                             long long slot, bf16 *qrow, const QkvHeads &p, int c) {
+	const int g = p.d / 16, half = p.d / 2;
+	float inv = 0.f;
+	if (p.has_norm) {
+		float af[8], bf[8];
+		unpack8(xa, af);
+		unpack8(xb, bf);
+		inv = head_inv(af, bf, g, p.d, p.eps);
+	}
+	if (t < 0) return;
+	if (h < p.hq + p.hk) {
+		uint4 wa = make_uint4(0, 0, 0, 0), wb = wa;
+		if (p.has_norm) {
+			const bf16 *w = h < p.hq ? p.qnorm : p.knorm;
+			wa = *(const uint4 *)(w + 8 * c);
+			wb = *(const uint4 *)(w + half + 8 * c);
+		}
+		norm_rope8(xa, xb, p.has_norm, wa, wb, inv, cs, sn);
+	}
+	bf16 *dst;
+	if (h < p.hq) {
+		dst = qrow + (long long)h * p.d;
+	} else {
+		const bool is_k = h < p.hq + p.hk;
+		dst = (is_k ? p.kc : p.vc) + (slot * p.hk + (is_k ? h - p.hq : h - p.hq - p.hk)) * p.d;
+	}
+	*(uint4 *)(dst + 8 * c) = xa;
+	*(uint4 *)(dst + half + 8 * c) = xb;
+}
+
 // prepare_qkv16 is prepare_qkv for d % 16 == 0 in the 16-byte layout
 // (unpack8): each thread loads the 32 bytes of each of its QKV16_UNITS
 // (token, head) units, and its cache slot, before any arithmetic, where
@@ -265,35 +314,9 @@ extern "C" __global__ void __launch_bounds__(128)
 		}
 	}
 #pragma unroll
-	for (int i = 0; i < QKV16_UNITS; i++) {
-		const int t = tok[i], h = head[i];
-		float inv = 0.f;
-		if (has_norm) {
-			float af[8], bf[8];
-			unpack8(xa[i], af);
-			unpack8(xb[i], bf);
-			inv = head_inv(af, bf, g, d, eps);
-		}
-		if (t < 0) continue;
-		if (h < hq + hk) {
-			uint4 wa = make_uint4(0, 0, 0, 0), wb = wa;
-			if (has_norm) {
-				const bf16 *w = h < hq ? qnorm : knorm;
-				wa = *(const uint4 *)(w + 8 * c);
-				wb = *(const uint4 *)(w + half + 8 * c);
-			}
-			norm_rope8(xa[i], xb[i], has_norm, wa, wb, inv, cs[i], sn[i]);
-		}
-		bf16 *dst;
-		if (h < hq) {
-			dst = qkv + ((long long)t * (hq + 2 * hk) + h) * d;
-		} else {
-			const bool is_k = h < hq + hk;
-			dst = (is_k ? kc : vc) + (slot[i] * hk + (is_k ? h - hq : h - hq - hk)) * d;
-		}
-		*(uint4 *)(dst + 8 * c) = xa[i];
-		*(uint4 *)(dst + half + 8 * c) = xb[i];
-	}
+	for (int i = 0; i < QKV16_UNITS; i++)
+		qkv16_finish(xa[i], xb[i], cs[i], sn[i], tok[i], head[i], slot[i], qkv + (long long)tok[i] * (hq + 2 * hk) * d,
+		             QkvHeads{qnorm, knorm, kc, vc, hq, hk, d, eps, has_norm}, c);
 }
 
 // gemv computes out[m, n] = sum_k x[m, k] w[n, k] for a few rows m (M of

@@ -267,10 +267,69 @@ template <int BN> __device__ __forceinline__ void mwg_stage(float *d, unsigned s
 #endif
 }
 
-template <int BN, bool PART>
+// MwgQkv is what matmul_wg_part_qkv's epilogue needs to prepare the qkv
+// projection as prepare_qkv16 would (QkvHeads, and the step's positions,
+// rotation tables and cache slots).
+struct MwgQkv {
+	QkvHeads heads;
+	const int *pos, *slots;
+	const float *cos_t, *sin_t;
+};
+
+// mwg_prepare_qkv is matmul_wg_part_qkv's epilogue. A weight tile is one
+// head of MWG_ROWS dims, so a block holds whole (token, head) units: the
+// tile goes to shared memory as the bf16 the product would have stored
+// (stg: BN rows of 256 bytes, row r's 16-byte chunk c at 16 (c ^ (r & 7)),
+// so that neither the fragments' stores nor the units' loads meet in a
+// bank), then each 8 consumers take a unit through qkv16_finish, with
+// prepare_qkv16's bits. The step inputs (positions, slots, rotations) are
+// read before the tile is staged.
+template <int BN>
+__device__ __forceinline__ void mwg_prepare_qkv(const float *d, unsigned char *stg, int trow, int q, int row0, int head,
+                                                int m, int N, bf16 *qkv, const MwgQkv &p) {
+	constexpr int PASSES = BN / 32; // 32 units a pass of 256 consumers
+	const int tid = threadIdx.x, c = tid & 7, hq = p.heads.hq, hk = p.heads.hk;
+	float cs[PASSES][8], sn[PASSES][8];
+	long long slot[PASSES];
+	int tok[PASSES];
+#pragma unroll
+	for (int i = 0; i < PASSES; i++) {
+		const int r = row0 + i * 32 + (tid >> 3);
+		tok[i] = r < m ? r : -1;
+		slot[i] = 0;
+		if (r < m) {
+			if (head >= hq) slot[i] = p.slots[r];
+			if (head < hq + hk) {
+				const long long ps = p.pos[r];
+				load8f(p.cos_t + ps * (MWG_ROWS / 2) + 8 * c, cs[i]);
+				load8f(p.sin_t + ps * (MWG_ROWS / 2) + 8 * c, sn[i]);
+			}
+		}
+	}
+	// The last tile's units have read stg.
+	asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+#pragma unroll
+	for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			const int r = 8 * j + 2 * q + (e & 1), n = trow + 8 * (e >> 1);
+			*(bf16 *)(stg + r * 256 + (((n >> 3) ^ (r & 7)) << 4) + 2 * (n & 7)) = f2bf(d[4 * j + e]);
+		}
+	asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+#pragma unroll
+	for (int i = 0; i < PASSES; i++) {
+		const int r = i * 32 + (tid >> 3);
+		const unsigned char *row = stg + r * 256;
+		const uint4 xa = *(const uint4 *)(row + ((c ^ (r & 7)) << 4));
+		const uint4 xb = *(const uint4 *)(row + (((8 + c) ^ (r & 7)) << 4));
+		qkv16_finish(xa, xb, cs[i], sn[i], tok[i], head, slot[i], qkv + (long long)tok[i] * N, p.heads, c);
+	}
+}
+
+template <int BN, bool PART, bool PREP>
 __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *out, int out_f32, int m, int N, int K,
                                int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps,
-                               int kpart) {
+                               int kpart, const MwgQkv &qp) {
 #ifdef MWG_ON
 	constexpr int WBYTES = MWG_ROWS * 128, STAGE = WBYTES + BN * 128, S = mwg_stages(BN);
 	constexpr int NU = (BN * 8 + MWG_CONSUMERS - 1) / MWG_CONSUMERS; // x chunks a consumer normalises
@@ -444,6 +503,11 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 				for (int i = 0; i < BN / 2; i++) d[i] = run[i] + d[i];
 		}
 
+		if (PREP) {
+			mwg_prepare_qkv<BN>(d, wg_smem + (base - smem_u32(wg_smem)) + S * STAGE, trow, q, row0, tile, m, N, (bf16 *)out,
+			                    qp);
+			continue;
+		}
 		const long long half = N / 2;
 		const int warp = tid >> 5;
 		// add adds fragment j to the residual and leaves each warp's sums of
@@ -553,8 +617,8 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	    NAME(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, void *out, int out_f32, int m,     \
 	         int N, int K, int glu, int kps, bf16 *residual, const bf16 *norm_w, float *sq, int nsq, float eps,        \
 	         int kpart) {                                                                                              \
-		matmul_wg_impl<BN, PART>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps, residual, norm_w, sq, nsq, eps,       \
-		                         kpart);                                                                             \
+		matmul_wg_impl<BN, PART, false>(&wmap, &xmap, out, out_f32, m, N, K, glu, kps, residual, norm_w, sq, nsq, eps, \
+		                                kpart, MwgQkv{});                                                            \
 	}
 MATMUL_WG(matmul_wg_n32, 32, false)
 MATMUL_WG(matmul_wg_n48, 48, false)
@@ -565,3 +629,19 @@ MATMUL_WG(matmul_wg_n192, 192, false)
 MATMUL_WG(matmul_wg_n256, 256, false)
 MATMUL_WG(matmul_wg_part_n64, 64, true)
 MATMUL_WG(matmul_wg_part_n128, 128, true)
+
+// matmul_wg_part_qkv is matmul_wg_part for the qkv projection of heads of
+// MWG_ROWS dims, which it prepares in its epilogue (mwg_prepare_qkv) in
+// place of prepare_qkv16: q back into out, k and v into the caches.
+// Deterministic inference; the host checks the shapes.
+#define MATMUL_WG_QKV(NAME, BN)                                                                                         \
+	extern "C" __global__ void __launch_bounds__(MWG_BLOCK, 1)                                                         \
+	    NAME(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, bf16 *out, int m, int N, int K,    \
+	         int kps, int kpart, const bf16 *qnorm, const bf16 *knorm, int has_norm, float eps, bf16 *kc, bf16 *vc,    \
+	         int hq, int hk, const int *pos, const int *slots, const float *cos_t, const float *sin_t) {               \
+		matmul_wg_impl<BN, true, true>(                                                                               \
+		    &wmap, &xmap, out, 0, m, N, K, 0, kps, nullptr, nullptr, nullptr, 0, 0.f, kpart,                          \
+		    MwgQkv{QkvHeads{qnorm, knorm, kc, vc, hq, hk, MWG_ROWS, eps, has_norm}, pos, slots, cos_t, sin_t});      \
+	}
+MATMUL_WG_QKV(matmul_wg_part_qkv_n64, 64)
+MATMUL_WG_QKV(matmul_wg_part_qkv_n128, 128)
