@@ -157,13 +157,15 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 }
 
 // ProjectQKV implements device.QKVProjector for deterministic inference:
-// where the qkv product runs on matmul_wg_part (decode batches past
-// matMulWGDetPartFrom rows, long prefills) and a head is one weight tile,
-// matmul_wg_part_qkv prepares q, k and v in its epilogue with
-// prepare_qkv16's code, so with the bits every other step gets from
-// MatMul and PrepareQKV. EBB_DET_QKV_EPILOGUE=0 leaves them to
-// prepare_qkv16, for A/B runs.
-func (d *Device) ProjectQKV(qkv, x, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) bool {
+// the qkv product prepares q, k and v itself where a head is one weight
+// tile of matmul_wg (128 dims), with prepare_qkv16's code (qkv16_finish),
+// so with the bits every other step gets from MatMul and PrepareQKV. On
+// matmul_wg_part (decode batches past matMulWGDetPartFrom rows, long
+// prefills) each block prepares the heads it computes; on matmul_wg_few
+// (up to detFewQKVRows rows, with the norm folded in where detFold says)
+// the last block of a head does. The batches between keep prepare_qkv16.
+// EBB_DET_QKV_EPILOGUE=0 leaves every step to it, for A/B runs.
+func (d *Device) ProjectQKV(qkv, x, normW, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) bool {
 	if d.err != nil || !d.det || !d.wgmma || d.noQKVEpilogue {
 		return false
 	}
@@ -171,25 +173,57 @@ func (d *Device) ProjectQKV(qkv, x, w, qNorm, kNorm, positions, cos, sin, kCache
 	hk, dim := kCache.Dim(1), kCache.Dim(2)
 	hq := qkv.Dim(1) - 2*hk
 	if dim != matMulWGTileRows || qkv.Dim(2) != dim || n != (hq+2*hk)*dim || w.Dim(-1) != k || qkv.Numel() != m*n ||
-		positions.Numel() != m || slots.Numel() < m || x.DType != device.BF16 || w.DType != device.BF16 ||
-		qkv.DType != device.BF16 || kCache.DType != device.BF16 || vCache.DType != device.BF16 ||
-		!detProductFits(n, k) || x.Ptr%16 != 0 || w.Ptr%16 != 0 || !qkv16Layout(qkv, kCache, vCache) ||
-		m <= d.few.detRows {
+		x.Numel() != m*k || positions.Numel() != m || slots.Numel() < m || x.DType != device.BF16 ||
+		w.DType != device.BF16 || qkv.DType != device.BF16 || kCache.DType != device.BF16 ||
+		vCache.DType != device.BF16 || !detProductFits(n, k) || x.Ptr%16 != 0 || w.Ptr%16 != 0 ||
+		!qkv16Layout(qkv, kCache, vCache) {
 		return false
 	}
 	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
-	if kpart == 0 {
-		return false
+	prep := []uint64{P(qNorm.Ptr), P(kNorm.Ptr), I(boolInt(qNorm.Valid())), F(eps), P(kCache.Ptr), P(vCache.Ptr),
+		I(hq), I(hk), P(positions.Ptr), P(slots.Ptr), P(cos.Ptr), P(sin.Ptr)}
+	if m <= min(d.few.detRows, detFewQKVRows) {
+		splits := int(grid.Z)
+		per := max(1, d.few.warps/splits)
+		if (matMulWGTileRows/16)%per != 0 || n/matMulWGTileRows > qkvHeadCounters {
+			return false
+		}
+		if normW.Valid() {
+			p := d.pendingNorm
+			if !d.detFold(m, k) || p.residual != x.Ptr || p.rows != m || p.cols != k || normW.Numel() != k {
+				return false
+			}
+			d.pendingNorm = pendingNorm{}
+		}
+		d.launch(fmt.Sprintf("matmul_wg_few_qkv_t%d", (m+7)/8), D1((n/16+per-1)/per), D1(per*splits*32),
+			matMulWGFewShared(per*splits), append([]uint64{P(qkv.Ptr), P(x.Ptr), P(w.Ptr), I(m), I(n), I(k), I(kps),
+				I(splits), P(normW.Ptr), F(eps), P(d.qkvCounters())}, prep...)...)
+		return true
 	}
-	hasNorm := 0
-	if qNorm.Valid() {
-		hasNorm = 1
+	if m <= d.few.detRows || kpart == 0 || normW.Valid() {
+		return false
 	}
 	d.launchWG(strings.Replace(name, "part_", "part_qkv_", 1), grid, d.wgBlock, matMulWGQKVShared(bn), 1,
 		wgOperands{w: w.Ptr, n: n, x: x.Ptr, m: m, k: k, box: bn},
-		P(qkv.Ptr), I(m), I(n), I(k), I(kps), I(kpart), P(qNorm.Ptr), P(kNorm.Ptr), I(hasNorm), F(eps),
-		P(kCache.Ptr), P(vCache.Ptr), I(hq), I(hk), P(positions.Ptr), P(slots.Ptr), P(cos.Ptr), P(sin.Ptr))
+		append([]uint64{P(qkv.Ptr), I(m), I(n), I(k), I(kps), I(kpart)}, prep...)...)
 	return true
+}
+
+// detFewQKVRows is the most rows whose matmul_wg_few product prepares q, k
+// and v (its last block a head does, after the head's other blocks): past
+// two rows prepare_qkv16's many blocks were faster. H100, 0.6B shape, flag
+// on, ms a decode step (128 in, 64 out), epilogue on / off / on: batch 1
+// 0.926 / 0.935 / 0.923, 2 1.004 / 1.009 / 0.990, 8 1.066 / 1.032 / 1.066,
+// 16 1.298 / 1.241 / 1.301 (batch 256, on matmul_wg_part_qkv, 3.684 /
+// 3.796 / 3.692).
+const detFewQKVRows = 2
+
+// qkvHeadCounters are matmul_wg_few_qkv's counters (one a head), the last
+// of d.counters but one.
+const qkvHeadCounters = 1024
+
+func (d *Device) qkvCounters() uintptr {
+	return d.counters.Ptr + uintptr(4*(d.counters.Numel()-1-qkvHeadCounters))
 }
 
 // detFoldRows is the most rows for which deterministic inference folds

@@ -373,69 +373,101 @@ func TestDeterministicFold(t *testing.T) {
 	}
 }
 
-// TestDeterministicProjectQKV: matmul_wg_part_qkv leaves q, k and v with
-// the bits of MatMul then PrepareQKV (prepare_qkv16), with and without the
-// per-head norms, at decode batches and a prefill that take it, and within
-// bf16 rounding of the CPU reference; batches it does not take are left
-// to the caller.
+// TestDeterministicProjectQKV: the qkv products that prepare q, k and v
+// themselves (matmul_wg_few_qkv up to detFewQKVRows, with and without the norm
+// folded in; matmul_wg_part_qkv at decode batches past 48 rows and a
+// prefill) leave them with the bits of the product then PrepareQKV
+// (prepare_qkv16), with and without the per-head norms, and within bf16
+// rounding of the CPU reference; the batches between (cluster tiles) are
+// left to the caller.
 func TestDeterministicProjectQKV(t *testing.T) {
 	const hq, hk, d, hidden, eps = 16, 8, 128, 1024, 1e-6
 	const n = (hq + 2*hk) * d
-	for _, m := range []int{16, 48, 49, 64, 100, 256, 700} {
-		for _, norm := range []bool{true, false} {
-			t.Run(fmt.Sprintf("m%d-norm%v", m, norm), func(t *testing.T) {
-				p := detPair(t)
-				x := p.random(device.BF16, 1, m, hidden)
-				w := p.random(device.BF16, 0.03, n, hidden)
-				var qn, kn both
-				if norm {
-					qn, kn = p.floats(device.BF16, onesPlus(p, d), d), p.floats(device.BF16, onesPlus(p, d), d)
+	for _, tc := range []struct {
+		m          int
+		norm, fold bool
+	}{{1, true, false}, {1, true, true}, {2, false, true}, {2, true, false}, {3, true, false}, {16, false, false},
+		{17, true, false}, {48, true, false}, {49, true, false}, {64, false, false}, {100, true, false},
+		{256, true, false}, {700, true, false}, {700, false, false}} {
+		t.Run(fmt.Sprintf("m%d-norm%v-fold%v", tc.m, tc.norm, tc.fold), func(t *testing.T) {
+			p := detPair(t)
+			m := tc.m
+			x := p.random(device.BF16, 1, m, hidden)
+			w := p.random(device.BF16, 0.03, n, hidden)
+			var qn, kn, normW both
+			if tc.norm {
+				qn, kn = p.floats(device.BF16, onesPlus(p, d), d), p.floats(device.BF16, onesPlus(p, d), d)
+			}
+			slots := m + 37
+			var positions, slotIDs []int32
+			for i, s := range p.rng.Perm(slots)[:m] {
+				positions, slotIDs = append(positions, int32(i*7%1024)), append(slotIDs, int32(s))
+			}
+			pos, sl := p.ints(positions), p.ints(slotIDs)
+			cos, sin := ropeTables(p, 1024, d/2)
+			kc, vc := p.random(device.BF16, 1, slots, hk, d), p.random(device.BF16, 1, slots, hk, d)
+			kc2, vc2 := p.clone(device.BF16, kc), p.clone(device.BF16, vc)
+			// fold: x is a residual that o_proj's MatMulAdd leaves, normalised
+			// by the product (RMSNormMatMul) with normW.
+			var xo, wo, x2 both
+			residual := func(x both) {
+				if !p.gpu.MatMulAdd(xo.g, wo.g, false, x.g, w.g, false) {
+					t.Fatal("MatMulAdd declined")
 				}
-				slots := m + 37
-				var positions, slotIDs []int32
-				for i, s := range p.rng.Perm(slots)[:m] {
-					positions, slotIDs = append(positions, int32(i*7%1024)), append(slotIDs, int32(s))
+			}
+			if tc.fold {
+				normW = p.floats(device.BF16, onesPlus(p, hidden), hidden)
+				xo, wo = p.random(device.BF16, 1, m, 2*hidden), p.random(device.BF16, 0.02, hidden, 2*hidden)
+				x2 = p.clone(device.BF16, x)
+				residual(x)
+			}
+			got := p.random(device.BF16, 0, m, hq+2*hk, d)
+			if !p.gpu.ProjectQKV(got.g, x.g, normW.g, w.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, eps) {
+				if name, _, _, _, _ := p.gpu.matMulWGShape(m, n, hidden); m <= detFewQKVRows || (m > 16 && strings.HasPrefix(name, "matmul_wg_part_")) {
+					t.Fatalf("ProjectQKV declined %d rows, which take %s", m, name)
 				}
-				pos, sl := p.ints(positions), p.ints(slotIDs)
-				cos, sin := ropeTables(p, 1024, d/2)
-				kc, vc := p.random(device.BF16, 1, slots, hk, d), p.random(device.BF16, 1, slots, hk, d)
-				kc2, vc2 := p.clone(device.BF16, kc), p.clone(device.BF16, vc)
-				got := p.random(device.BF16, 0, m, hq+2*hk, d)
-				if !p.gpu.ProjectQKV(got.g, x.g, w.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc2.g, vc2.g, sl.g, eps) {
-					if name, _, _, _, _ := p.gpu.matMulWGShape(m, n, hidden); m > 16 && strings.HasPrefix(name, "matmul_wg_part_") {
-						t.Fatalf("ProjectQKV declined %d rows, which take %s", m, name)
-					}
-					return
+				return
+			}
+			if m > detFewQKVRows && m <= 48 {
+				t.Fatalf("ProjectQKV took %d rows", m)
+			}
+			want := p.random(device.BF16, 0, m, hq+2*hk, d)
+			if tc.fold {
+				residual(x2)
+				if !p.gpu.RMSNormMatMul(want.g.View(m, n), x2.g, normW.g, w.g, eps, false) {
+					t.Fatal("RMSNormMatMul declined")
 				}
-				if m <= 48 {
-					t.Fatalf("ProjectQKV took %d rows", m)
-				}
-				want := p.random(device.BF16, 0, m, hq+2*hk, d)
+			} else {
 				p.gpu.MatMul(want.g.View(m, n), x.g, w.g, device.Tensor{})
-				p.gpu.PrepareQKV(want.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, eps)
-				g, _ := p.download(got)
-				wq, _ := p.download(want)
-				for i := range g {
-					if i%n < hq*d && math.Float32bits(g[i]) != math.Float32bits(wq[i]) {
-						t.Fatalf("q: token %d element %d: %v, want %v (MatMul then PrepareQKV)", i/n, i%n, g[i], wq[i])
+			}
+			p.gpu.PrepareQKV(want.g, qn.g, kn.g, pos.g, cos.g, sin.g, kc.g, vc.g, sl.g, eps)
+			if err := p.gpu.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			g, _ := p.download(got)
+			wq, _ := p.download(want)
+			for i := range g {
+				if i%n < hq*d && math.Float32bits(g[i]) != math.Float32bits(wq[i]) {
+					t.Fatalf("q: token %d element %d: %v, want %v (the product then PrepareQKV)", i/n, i%n, g[i], wq[i])
+				}
+			}
+			for _, c := range [][2]both{{kc2, kc}, {vc2, vc}} {
+				a, _ := p.download(c[0])
+				b, _ := p.download(c[1])
+				for i := range a {
+					if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+						t.Fatalf("caches: element %d: %v, want %v", i, a[i], b[i])
 					}
 				}
-				for _, c := range [][2]both{{kc2, kc}, {vc2, vc}} {
-					a, _ := p.download(c[0])
-					b, _ := p.download(c[1])
-					for i := range a {
-						if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
-							t.Fatalf("caches: element %d: %v, want %v", i, a[i], b[i])
-						}
-					}
-				}
-				// The CPU reference, from the same caches.
-				p.cpu.MatMul(got.c.View(m, n), x.c, w.c, device.Tensor{})
-				p.cpu.PrepareQKV(got.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc2.c, vc2.c, sl.c, eps)
-				p.closeQueries("q", got, hq, hk, d, 3e-2)
-				p.close("k cache", kc2, 3e-2, 3e-2)
-				p.close("v cache", vc2, 2e-2, 2e-2)
-			})
-		}
+			}
+			if tc.fold {
+				return // the CPU reference has no fold; the unfolded cases compare with it
+			}
+			p.cpu.MatMul(got.c.View(m, n), x.c, w.c, device.Tensor{})
+			p.cpu.PrepareQKV(got.c, qn.c, kn.c, pos.c, cos.c, sin.c, kc2.c, vc2.c, sl.c, eps)
+			p.closeQueries("q", got, hq, hk, d, 3e-2)
+			p.close("k cache", kc2, 3e-2, 3e-2)
+			p.close("v cache", vc2, 2e-2, 2e-2)
+		})
 	}
 }

@@ -128,7 +128,7 @@ func (d *Device) matMulTCShape(m, n, k int) (string, Dim3) {
 	cols := (n + 15) / 16
 	splits := 1
 	for cols*splits*2 <= 2*d.ctx.SMs && k/32 >= 2*splits*matMulTCWarps &&
-		int64(2*splits*cols*t*32*4)*4 <= d.partO.Bytes() && cols <= d.counters.Numel()-1-matMulCountersAt {
+		int64(2*splits*cols*t*32*4)*4 <= d.partO.Bytes() && cols <= d.counters.Numel()-1-qkvHeadCounters-matMulCountersAt {
 		splits *= 2
 	}
 	return fmt.Sprintf("matmul_tc_t%d", t), Dim3{uint32(cols), 1, uint32(splits)}

@@ -82,8 +82,10 @@ func (d *Device) initMatMulWG() error {
 	d.wgOneTile = os.Getenv("EBB_MATMUL_WG_PERSIST") == "0"
 	d.wgNo192 = os.Getenv("EBB_MATMUL_WG_N192") == "0"
 	for t := 1; t <= detFewMaxRows/8; t++ {
-		if err := d.k[fmt.Sprintf("matmul_wg_few_t%d", t)].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
-			return err
+		for _, name := range []string{"matmul_wg_few_t%d", "matmul_wg_few_qkv_t%d"} {
+			if err := d.k[fmt.Sprintf(name, t)].SetMaxDynamicShared(matMulWGFewShared(matMulWGMaxCluster)); err != nil {
+				return err
+			}
 		}
 	}
 	for _, bn := range moeWGRows {

@@ -381,10 +381,12 @@ type AttentionPreparer interface {
 // what it computes (PrepareQKV in the product's epilogue), so that q, k
 // and v are not written and read back by another launch.
 type QKVProjector interface {
-	// ProjectQKV is MatMul(qkv, x, w) without bias, followed by PrepareQKV,
-	// with the bits of the two. It returns false, having done nothing,
-	// where it does not apply.
-	ProjectQKV(qkv, x, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, eps float32) bool
+	// ProjectQKV is MatMul(qkv, x, w) without bias, or with normW set
+	// RMSNormMatMul(qkv, x, normW, w, eps, false) (x being the residual
+	// the last MatMulAdd left), followed by PrepareQKV, with the bits of
+	// the two. It returns false, having done nothing, where it does not
+	// apply.
+	ProjectQKV(qkv, x, normW, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots Tensor, eps float32) bool
 }
 
 // Deterministic is implemented by devices that can compute every row of a

@@ -340,9 +340,15 @@ func (m *Model) forward(in Inputs, a activations) {
 	for i, l := range w.Layers {
 		k, v := m.KV[2*i], m.KV[2*i+1]
 		// prepared: the product prepared q, k and v itself.
-		prepared := !lazyNorm.Valid() && !l.QKVBias.Valid() && projector != nil &&
-			projector.ProjectQKV(a.qkv, a.x, l.QKV, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
-		if !prepared {
+		qkvIn := a.x
+		if lazyNorm.Valid() {
+			qkvIn = a.h
+		}
+		prepared := !l.QKVBias.Valid() && projector != nil &&
+			projector.ProjectQKV(a.qkv, qkvIn, lazyNorm, l.QKV, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
+		if prepared {
+			lazyNorm = device.Tensor{}
+		} else {
 			matMulX(flat(a.qkv), l.QKV, l.QKVBias)
 		}
 		prepareQKV := func() {

@@ -18,7 +18,10 @@ type projectingDevice struct {
 	inside              bool
 }
 
-func (d *projectingDevice) ProjectQKV(qkv, x, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) bool {
+func (d *projectingDevice) ProjectQKV(qkv, x, normW, w, qNorm, kNorm, positions, cos, sin, kCache, vCache, slots device.Tensor, eps float32) bool {
+	if normW.Valid() {
+		return false // the CPU device folds no norm into a product
+	}
 	d.projected++
 	d.inside = true
 	defer func() { d.inside = false }()

@@ -68,9 +68,45 @@ __device__ __forceinline__ uint2 lds_u2(unsigned a) {
 	return v;
 }
 
-template <int T>
+// mwf_prepare_head is matmul_wg_few_qkv's epilogue, run by every thread
+// once the block's rows of out are stored: the last block to store a
+// head's rows (counters[head], zero between launches) prepares the head of
+// each of the m tokens with qkv16_finish, reading the rows the head's
+// blocks stored (the bf16 prepare_qkv16 would read), so with its bits.
+__device__ __forceinline__ void mwf_prepare_head(bf16 *qkv, int head, int blocks_a_head, int m, int N, int *counters,
+                                                 const MwgQkv &p) {
+	__shared__ int last;
+	__threadfence(); // the stores, before the count that lets another block read them
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		last = atomicAdd(counters + head, 1) == blocks_a_head - 1;
+		if (last) counters[head] = 0;
+	}
+	__syncthreads();
+	// Whole warps (head_inv's shuffles), 8 lanes a token.
+	if (!last || threadIdx.x >= (8 * m + 31) / 32 * 32) return;
+	__threadfence();
+	const int c = threadIdx.x & 7, u = threadIdx.x >> 3, t = u < m ? u : -1;
+	const int hq = p.heads.hq, hk = p.heads.hk;
+	const bf16 *row = qkv + (long long)max(t, 0) * N + (long long)head * MWG_ROWS;
+	const uint4 xa = __ldcg((const uint4 *)(row + 8 * c)), xb = __ldcg((const uint4 *)(row + MWG_ROWS / 2 + 8 * c));
+	float cs[8], sn[8];
+	long long slot = 0;
+	if (t >= 0) {
+		if (head >= hq) slot = p.slots[t];
+		if (head < hq + hk) {
+			const long long ps = p.pos[t];
+			load8f(p.cos_t + ps * (MWG_ROWS / 2) + 8 * c, cs);
+			load8f(p.sin_t + ps * (MWG_ROWS / 2) + 8 * c, sn);
+		}
+	}
+	qkv16_finish(xa, xb, cs, sn, t, head, slot, qkv + (long long)t * N, p.heads, c);
+}
+
+template <int T, bool PREP>
 __device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, int glu,
-                                   int kps, int splits, bf16 *residual, const bf16 *norm_w, float eps) {
+                                   int kps, int splits, bf16 *residual, const bf16 *norm_w, float eps, int *counters,
+                                   const MwgQkv &qp) {
 	constexpr int STAGE = MWF_STAGE(T), NORM_ROW = 16 + 8 * T;
 	extern __shared__ __align__(128) unsigned char mwf_smem[];
 	__shared__ float4 red[MWF_MAX_WARPS][T][32];
@@ -169,19 +205,23 @@ __device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const 
 #pragma unroll
 		for (int u = 0; u < T; u++) red[warp][u][lane] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
 		__syncthreads();
-		if (s != 0) return;
+		if (s != 0 && !PREP) return;
+		if (s == 0)
 #pragma unroll
-		for (int u = 0; u < T; u++) {
-			float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-			for (int p = 0; p < splits; p++) {
-				const float4 f = red[warp + p][u][lane];
-				v.x += f.x, v.y += f.y, v.z += f.z, v.w += f.w;
+			for (int u = 0; u < T; u++) {
+				float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+				for (int p = 0; p < splits; p++) {
+					const float4 f = red[warp + p][u][lane];
+					v.x += f.x, v.y += f.y, v.z += f.z, v.w += f.w;
+				}
+				acc[u][0] = v.x, acc[u][1] = v.y, acc[u][2] = v.z, acc[u][3] = v.w;
 			}
-			acc[u][0] = v.x, acc[u][1] = v.y, acc[u][2] = v.z, acc[u][3] = v.w;
-		}
 	}
-	if (!active) return;
+	if (!active && !PREP) return;
 	// acc[u]: c0, c1 weight row g, batch rows 8 u + 2q, + 1; c2, c3 row g + 8.
+	// With PREP every thread goes on to the epilogue: only split 0's
+	// active warps store.
+	if (!PREP || (active && s == 0))
 #pragma unroll
 	for (int u = 0; u < T; u++)
 #pragma unroll
@@ -197,13 +237,35 @@ __device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const 
 			else if (out_f32) ((float *)out)[r * (long long)N + n] = acc[u][e];
 			else ((bf16 *)out)[r * (long long)N + n] = f2bf(acc[u][e]);
 		}
+	if (PREP) {
+		const int per = blockDim.x / 32 / splits; // 16-row groups a block, within one head (the host checks)
+		mwf_prepare_head((bf16 *)out, blockIdx.x * per * 16 / MWG_ROWS, MWG_ROWS / 16 / per, m, N, counters, qp);
+	}
 }
 
 #define MATMUL_WG_FEW(T)                                                                                              \
 	extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32)                                                   \
 	    matmul_wg_few_t##T(void *out, int out_f32, const bf16 *x, const bf16 *w, int m, int N, int K, int glu, int kps, \
 	                       int splits, bf16 *residual, const bf16 *norm_w, float eps) {                              \
-		matmul_wg_few_impl<T>(out, out_f32, x, w, m, N, K, glu, kps, splits, residual, norm_w, eps);                   \
+		matmul_wg_few_impl<T, false>(out, out_f32, x, w, m, N, K, glu, kps, splits, residual, norm_w, eps, nullptr,     \
+		                             MwgQkv{});                                                                        \
 	}
 MATMUL_WG_FEW(1)
 MATMUL_WG_FEW(2)
+
+// matmul_wg_few_qkv is matmul_wg_few for the qkv projection of heads of
+// MWG_ROWS dims, which the last block of each head prepares
+// (mwf_prepare_head) in place of prepare_qkv16. The norm mode as
+// matmul_wg_few's (norm_w); deterministic inference, the host checks the
+// shapes.
+#define MATMUL_WG_FEW_QKV(T)                                                                                          \
+	extern "C" __global__ void __launch_bounds__(MWF_MAX_WARPS * 32) matmul_wg_few_qkv_t##T(                          \
+	    bf16 *out, const bf16 *x, const bf16 *w, int m, int N, int K, int kps, int splits, const bf16 *norm_w,          \
+	    float norm_eps, int *counters, const bf16 *qnorm, const bf16 *knorm, int has_norm, float eps, bf16 *kc,        \
+	    bf16 *vc, int hq, int hk, const int *pos, const int *slots, const float *cos_t, const float *sin_t) {         \
+		matmul_wg_few_impl<T, true>(                                                                                 \
+		    out, 0, x, w, m, N, K, 0, kps, splits, nullptr, norm_w, norm_eps, counters,                               \
+		    MwgQkv{QkvHeads{qnorm, knorm, kc, vc, hq, hk, MWG_ROWS, eps, has_norm}, pos, slots, cos_t, sin_t});     \
+	}
+MATMUL_WG_FEW_QKV(1)
+MATMUL_WG_FEW_QKV(2)
