@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"slices"
@@ -428,7 +429,7 @@ func TestDeterministicProjectQKV(t *testing.T) {
 				}
 				return
 			}
-			if m > detFewQKVRows && m <= 48 {
+			if m > detFewQKVRows && m <= cmp.Or(p.gpu.detPartFrom, matMulWGDetPartFrom) {
 				t.Fatalf("ProjectQKV took %d rows", m)
 			}
 			want := p.random(device.BF16, 0, m, hq+2*hk, d)

@@ -78,6 +78,9 @@ func (d *Device) initMatMulWG() error {
 		}
 	}
 	d.noQKVEpilogue = os.Getenv("EBB_DET_QKV_EPILOGUE") == "0"
+	if n, err := strconv.Atoi(os.Getenv("EBB_DET_PART_FROM")); err == nil && n > 0 {
+		d.detPartFrom = n
+	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
 	d.wgOneTile = os.Getenv("EBB_MATMUL_WG_PERSIST") == "0"
 	d.wgNo192 = os.Getenv("EBB_MATMUL_WG_N192") == "0"
@@ -171,7 +174,10 @@ const matMulWGPartRows = 128
 // 1.862 / 2.315 / 2.768 / 4.478; qkv and gate_up on part tiles 1.843 /
 // 2.278 / 2.630 / 4.262 and 1.844 / 2.282 / 2.656 / 4.269; qkv alone 1.849
 // / 2.318 / 2.646 / 4.147 and 1.813 / 2.261 / 2.655 / 4.141 (gate_up's
-// part tiles, 23.9 us at batch 256, against 19.9 on clusters).
+// part tiles, 23.9 us at batch 256, against 19.9 on clusters). Since the
+// qkv product on part tiles prepares q, k and v too (matmul_wg_part_qkv),
+// EBB_DET_PART_FROM=16 sends 17-48 rows there as well, for A/B runs (not
+// yet measured).
 const (
 	matMulWGDetPartFrom   = 48
 	matMulWGDetPartTiles  = 32
@@ -201,7 +207,7 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	if pt := (m + matMulWGPartRows - 1) / matMulWGPartRows; splits > 1 && pt*tiles >= d.ctx.SMs && !d.noPart {
 		return "matmul_wg_part_n128", matMulWGPartRows, d.persistentGrid(pt * tiles), kt, kps
 	}
-	if d.det && m > matMulWGDetPartFrom && tiles >= matMulWGDetPartTiles && splits >= matMulWGDetPartSplits && !d.noPart {
+	if d.det && m > cmp.Or(d.detPartFrom, matMulWGDetPartFrom) && tiles >= matMulWGDetPartTiles && splits >= matMulWGDetPartSplits && !d.noPart {
 		pt := (m + matMulWGDetPartRows - 1) / matMulWGDetPartRows
 		return "matmul_wg_part_n64", matMulWGDetPartRows, d.persistentGrid(pt * tiles), kt, kps
 	}

@@ -339,11 +339,11 @@ func (m *Model) forward(in Inputs, a activations) {
 	sparse := 0 // sparse layers so far
 	for i, l := range w.Layers {
 		k, v := m.KV[2*i], m.KV[2*i+1]
-		// prepared: the product prepared q, k and v itself.
 		qkvIn := a.x
 		if lazyNorm.Valid() {
 			qkvIn = a.h
 		}
+		// prepared: the product prepared q, k and v itself.
 		prepared := !l.QKVBias.Valid() && projector != nil &&
 			projector.ProjectQKV(a.qkv, qkvIn, lazyNorm, l.QKV, l.QNorm, l.KNorm, in.Positions, w.RopeCos, w.RopeSin, k, v, in.OutSlots, eps)
 		if prepared {
