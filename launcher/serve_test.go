@@ -75,7 +75,22 @@ type server struct {
 	log      *strings.Builder
 }
 
+// startServer starts `ebb serve` with extra flags and waits until it is
+// healthy. freePort's ports are free only when it asks, so a server that
+// finds one taken by then (other packages' tests run beside these) is
+// started again on new ones.
 func startServer(t *testing.T, extra ...string) *server {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		if s, taken := startServerOnce(t, attempt < 3, extra...); !taken {
+			return s
+		}
+	}
+}
+
+// startServerOnce is one attempt of startServer; taken reports a port
+// taken before the server bound it, where retry allows another attempt.
+func startServerOnce(t *testing.T, retry bool, extra ...string) (_ *server, taken bool) {
 	t.Helper()
 	port, zport := freePort(t), freePort(t)
 	s := &server{url: fmt.Sprintf("http://127.0.0.1:%d", port), zmq: fmt.Sprintf("tcp://127.0.0.1:%d", zport),
@@ -119,20 +134,27 @@ func startServer(t *testing.T, extra ...string) *server {
 	})
 	deadline := time.Now().Add(60 * time.Second)
 	for time.Now().Before(deadline) {
-		if resp, err := http.Get(s.url + "/health"); err == nil {
+		// A port another process took may accept and never answer.
+		if resp, err := (&http.Client{Timeout: 2 * time.Second}).Get(s.url + "/health"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				return s
+				return s, false
 			}
 		}
 		select {
 		case err := <-s.exited:
+			s.exited <- err // for the cleanup
+			<-logged
+			if retry && strings.Contains(s.log.String(), "address already in use") {
+				t.Logf("ebb serve found a port taken; starting it again: %s", strings.TrimSpace(s.log.String()))
+				return nil, true
+			}
 			t.Fatalf("ebb serve exited: %v\n%s", err, s.log.String())
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
 	t.Fatalf("ebb serve did not become healthy\n%s", s.log.String())
-	return nil
+	return nil, false
 }
 
 func (s *server) post(t *testing.T, path string, body any, out any) int {
