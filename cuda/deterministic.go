@@ -160,8 +160,8 @@ func (d *Device) detMatMul(out uintptr, outF32 bool, x, w uintptr, m, n, k int, 
 // the qkv product prepares q, k and v itself where a head is one weight
 // tile of matmul_wg (128 dims), with prepare_qkv16's code (qkv16_finish),
 // so with the bits every other step gets from MatMul and PrepareQKV. On
-// matmul_wg_part (decode batches past matMulWGDetPartFrom rows, long
-// prefills) each block prepares the heads it computes; on matmul_wg_few
+// matmul_wg_part (steps of more than matMulWGDetPartFrom tokens, decode or
+// prefill) each block prepares the heads it computes; on matmul_wg_few
 // (up to detFewQKVRows rows, with the norm folded in where detFold says)
 // the last block of a head does. The batches between keep prepare_qkv16.
 // EBB_DET_QKV_EPILOGUE=0 leaves every step to it, for A/B runs.
