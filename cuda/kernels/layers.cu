@@ -232,6 +232,28 @@ struct QkvHeads {
 	int has_norm;
 };
 
+// QkvStep is the step inputs that preparing a unit reads: the tokens'
+// positions and cache slots, and the rotation tables (half a head wide).
+struct QkvStep {
+	const int *pos, *slots;
+	const float *cos_t, *sin_t;
+
+	// load gives lane c of token t's unit of head h (t < 0: none) what
+	// qkv16_finish takes of the step: the rotation at the token's position
+	// (q and k heads) and its cache slot (k and v heads; 0 otherwise).
+	__device__ __forceinline__ void load(int t, int h, int hq, int hk, int half, int c, float cs[8], float sn[8],
+	                                     long long &slot) const {
+		slot = 0;
+		if (t < 0) return;
+		if (h >= hq) slot = slots[t];
+		if (h < hq + hk) {
+			const long long p = pos[t];
+			load8f(cos_t + p * half + 8 * c, cs);
+			load8f(sin_t + p * half + 8 * c, sn);
+		}
+	}
+};
+
 // qkv16_finish prepares unit (token t, head h) in prepare_qkv16's 16-byte
 // layout: the lane's raw dims 8c..8c+7 of each half in xa and xb (g = d/16
 // lanes a unit), the rotation at the token's position in cs and sn (q and
@@ -300,18 +322,12 @@ extern "C" __global__ void __launch_bounds__(128)
 		tok[i] = ok ? (int)(u / nh) : -1;
 		head[i] = head0 + (ok ? (int)(u % nh) : 0);
 		xa[i] = xb[i] = make_uint4(0, 0, 0, 0);
-		slot[i] = 0;
 		if (ok) {
 			const bf16 *row = qkv + ((long long)tok[i] * (hq + 2 * hk) + head[i]) * d;
 			xa[i] = *(const uint4 *)(row + 8 * c);
 			xb[i] = *(const uint4 *)(row + half + 8 * c);
-			if (head[i] >= hq) slot[i] = slots[tok[i]];
 		}
-		if (ok && head[i] < hq + hk) {
-			const long long p = pos[tok[i]];
-			load8f(cos_t + p * half + 8 * c, cs[i]);
-			load8f(sin_t + p * half + 8 * c, sn[i]);
-		}
+		QkvStep{pos, slots, cos_t, sin_t}.load(tok[i], head[i], hq, hk, half, c, cs[i], sn[i], slot[i]);
 	}
 #pragma unroll
 	for (int i = 0; i < QKV16_UNITS; i++)

@@ -267,13 +267,11 @@ template <int BN> __device__ __forceinline__ void mwg_stage(float *d, unsigned s
 #endif
 }
 
-// MwgQkv is what matmul_wg_part_qkv's epilogue needs to prepare the qkv
-// projection as prepare_qkv16 would (QkvHeads, and the step's positions,
-// rotation tables and cache slots).
+// MwgQkv is what the qkv products' epilogues (matmul_wg_part_qkv,
+// matmul_wg_few_qkv) need to prepare the projection as prepare_qkv16 would.
 struct MwgQkv {
 	QkvHeads heads;
-	const int *pos, *slots;
-	const float *cos_t, *sin_t;
+	QkvStep step;
 };
 
 // mwg_prepare_qkv is matmul_wg_part_qkv's epilogue. A weight tile is one
@@ -288,7 +286,7 @@ template <int BN>
 __device__ __forceinline__ void mwg_prepare_qkv(const float *d, unsigned char *stg, int trow, int q, int row0, int head,
                                                 int m, int N, bf16 *qkv, const MwgQkv &p) {
 	constexpr int PASSES = BN / 32; // 32 units a pass of 256 consumers
-	const int tid = threadIdx.x, c = tid & 7, hq = p.heads.hq, hk = p.heads.hk;
+	const int tid = threadIdx.x, c = tid & 7;
 	float cs[PASSES][8], sn[PASSES][8];
 	long long slot[PASSES];
 	int tok[PASSES];
@@ -296,15 +294,7 @@ __device__ __forceinline__ void mwg_prepare_qkv(const float *d, unsigned char *s
 	for (int i = 0; i < PASSES; i++) {
 		const int r = row0 + i * 32 + (tid >> 3);
 		tok[i] = r < m ? r : -1;
-		slot[i] = 0;
-		if (r < m) {
-			if (head >= hq) slot[i] = p.slots[r];
-			if (head < hq + hk) {
-				const long long ps = p.pos[r];
-				load8f(p.cos_t + ps * (MWG_ROWS / 2) + 8 * c, cs[i]);
-				load8f(p.sin_t + ps * (MWG_ROWS / 2) + 8 * c, sn[i]);
-			}
-		}
+		p.step.load(tok[i], head, p.heads.hq, p.heads.hk, MWG_ROWS / 2, c, cs[i], sn[i], slot[i]);
 	}
 	// The last tile's units have read stg.
 	asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
@@ -641,7 +631,7 @@ MATMUL_WG(matmul_wg_part_n128, 128, true)
 	         int hq, int hk, const int *pos, const int *slots, const float *cos_t, const float *sin_t) {               \
 		matmul_wg_impl<BN, true, true>(                                                                               \
 		    &wmap, &xmap, out, 0, m, N, K, 0, kps, nullptr, nullptr, nullptr, 0, 0.f, kpart,                          \
-		    MwgQkv{QkvHeads{qnorm, knorm, kc, vc, hq, hk, MWG_ROWS, eps, has_norm}, pos, slots, cos_t, sin_t});      \
+		    MwgQkv{QkvHeads{qnorm, knorm, kc, vc, hq, hk, MWG_ROWS, eps, has_norm}, QkvStep{pos, slots, cos_t, sin_t}}); \
 	}
 MATMUL_WG_QKV(matmul_wg_part_qkv_n64, 64)
 MATMUL_WG_QKV(matmul_wg_part_qkv_n128, 128)

@@ -87,19 +87,11 @@ __device__ __forceinline__ void mwf_prepare_head(bf16 *qkv, int head, int blocks
 	if (!last || threadIdx.x >= (8 * m + 31) / 32 * 32) return;
 	__threadfence();
 	const int c = threadIdx.x & 7, u = threadIdx.x >> 3, t = u < m ? u : -1;
-	const int hq = p.heads.hq, hk = p.heads.hk;
 	const bf16 *row = qkv + (long long)max(t, 0) * N + (long long)head * MWG_ROWS;
 	const uint4 xa = __ldcg((const uint4 *)(row + 8 * c)), xb = __ldcg((const uint4 *)(row + MWG_ROWS / 2 + 8 * c));
 	float cs[8], sn[8];
-	long long slot = 0;
-	if (t >= 0) {
-		if (head >= hq) slot = p.slots[t];
-		if (head < hq + hk) {
-			const long long ps = p.pos[t];
-			load8f(p.cos_t + ps * (MWG_ROWS / 2) + 8 * c, cs);
-			load8f(p.sin_t + ps * (MWG_ROWS / 2) + 8 * c, sn);
-		}
-	}
+	long long slot;
+	p.step.load(t, head, p.heads.hq, p.heads.hk, MWG_ROWS / 2, c, cs, sn, slot);
 	qkv16_finish(xa, xb, cs, sn, t, head, slot, qkv + (long long)t * N, p.heads, c);
 }
 
@@ -265,7 +257,7 @@ MATMUL_WG_FEW(2)
 	    bf16 *vc, int hq, int hk, const int *pos, const int *slots, const float *cos_t, const float *sin_t) {         \
 		matmul_wg_few_impl<T, true>(                                                                                 \
 		    out, 0, x, w, m, N, K, 0, kps, splits, nullptr, norm_w, norm_eps, counters,                               \
-		    MwgQkv{QkvHeads{qnorm, knorm, kc, vc, hq, hk, MWG_ROWS, eps, has_norm}, pos, slots, cos_t, sin_t});     \
+		    MwgQkv{QkvHeads{qnorm, knorm, kc, vc, hq, hk, MWG_ROWS, eps, has_norm}, QkvStep{pos, slots, cos_t, sin_t}}); \
 	}
 MATMUL_WG_FEW_QKV(1)
 MATMUL_WG_FEW_QKV(2)
