@@ -50,7 +50,7 @@ type Device struct {
 	wgBlock       int            // matmul_wg's threads a block (matMulWGBlock)
 	wgNo192       bool           // batches of 129-192 rows take the 256-row tile (EBB_MATMUL_WG_N192=0)
 	noQKVEpilogue bool           // deterministic qkv products leave q, k and v to prepare_qkv16 (EBB_DET_QKV_EPILOGUE=0)
-	detPartFrom   int            // deterministic decode's qkv runs on matmul_wg_part past this many rows (EBB_DET_PART_FROM; 0: matMulWGDetPartFrom)
+	detPartFrom   int            // deterministic qkv products run on matmul_wg_part past this many rows (EBB_DET_PART_FROM; 0: matMulWGDetPartFrom)
 	noDetFold     bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
 	few           fewSettings    // the products matmul_wg_few takes (EBB_MATMUL_FEW, EBB_DET_FEW_*)
 	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)

@@ -435,7 +435,7 @@ func TestKernelNamesForEveryRowCount(t *testing.T) {
 // 128-row batch tiles alone fill the GPU and its weight tiles are split,
 // persistent blocks running a tile's K in the splits' lengths (as few
 // blocks as finish in the rounds one block an SM would take), and (64-row
-// tiles) deterministic decode batches past 48 rows of products with 32
+// tiles) deterministic batches past 16 rows of products with 32
 // weight tiles or more in 4 splits or more; elsewhere, and with
 // EBB_MATMUL_WG_PART=0, clusters split K.
 func TestMatMulWGPartShape(t *testing.T) {
@@ -457,7 +457,9 @@ func TestMatMulWGPartShape(t *testing.T) {
 		{"gate_up (two splits), batch 256", 256, 6144, 1024, false, "matmul_wg_n256", Dim3{48, 1, 2}, 8, 0, false},
 		{"qkv, batch 256", 256, 4096, 1024, false, "matmul_wg_part_n64", Dim3{128, 1, 1}, 16, 4, false},
 		{"qkv, batch 64", 64, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},
-		{"qkv, batch 48", 48, 4096, 1024, false, "matmul_wg_n48", Dim3{32, 1, 4}, 4, 0, false},
+		{"qkv, batch 48", 48, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},
+		{"qkv, batch 17", 17, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},
+		{"qkv, batch 16 (matmul_wg_few's)", 16, 4096, 1024, false, "matmul_wg_n32", Dim3{32, 1, 4}, 4, 0, false},
 		{"qkv, batch 64, flag off", 64, 4096, 1024, false, "matmul_wg_n64", Dim3{32, 1, 4}, 4, 0, true},
 		{"o_proj, batch 256", 256, 1024, 2048, false, "matmul_wg_n256", Dim3{8, 1, 8}, 4, 0, false},
 		{"down, uneven splits", 4096, 1024, 3072, false, "matmul_wg_part_n128", Dim3{128, 1, 1}, 48, 6, false},

@@ -176,10 +176,13 @@ const matMulWGPartRows = 128
 // / 2.318 / 2.646 / 4.147 and 1.813 / 2.261 / 2.655 / 4.141 (gate_up's
 // part tiles, 23.9 us at batch 256, against 19.9 on clusters). Since the
 // qkv product on part tiles prepares q, k and v too (matmul_wg_part_qkv),
-// EBB_DET_PART_FROM=16 sends 17-48 rows there as well, for A/B runs (not
-// yet measured).
+// 17-48 rows take them as well: 128 in, 64 out, batch 17 / 24 / 32 / 48,
+// from 49 rows 1.419 / 1.443 / 1.535 / 1.671 and 1.415 / 1.435 / 1.523 /
+// 1.674, from 17 rows 1.305 / 1.340 / 1.376 / 1.539 and 1.305 / 1.335 /
+// 1.377 / 1.539 (EBB_DET_PART_FROM=48 for A/B runs). Up to 16 rows
+// matmul_wg_few takes the product.
 const (
-	matMulWGDetPartFrom   = 48
+	matMulWGDetPartFrom   = 16
 	matMulWGDetPartTiles  = 32
 	matMulWGDetPartSplits = 4
 	matMulWGDetPartRows   = 64

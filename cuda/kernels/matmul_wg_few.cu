@@ -30,6 +30,12 @@
 #define MWF_STAGES 4 // 64-wide steps of K a warp has in flight (matMulWGFewStages)
 #endif
 #define MWF_MAX_WARPS 8
+// MWF_PREP_EARLY: matmul_wg_few_qkv's blocks load their step inputs
+// (positions, slots, rotations) before the product rather than after it
+// (0, for A/B runs).
+#ifndef MWF_PREP_EARLY
+#define MWF_PREP_EARLY 1
+#endif
 // A stage's rows of 128 bytes: 16 of weights, 8 T of x (T batch tiles of
 // 8 rows, the mma's N), norm_w.
 #define MWF_STAGE(T) ((17 + 8 * (T)) * 128)
@@ -73,8 +79,11 @@ __device__ __forceinline__ uint2 lds_u2(unsigned a) {
 // head's rows (counters[head], zero between launches) prepares the head of
 // each of the m tokens with qkv16_finish, reading the rows the head's
 // blocks stored (the bf16 prepare_qkv16 would read), so with its bits.
+// Every block has loaded its lanes' step inputs (unit t, lane c: cs, sn,
+// slot) before its product, so that the last block does not wait for them.
 __device__ __forceinline__ void mwf_prepare_head(bf16 *qkv, int head, int blocks_a_head, int m, int N, int *counters,
-                                                 const MwgQkv &p) {
+                                                 const MwgQkv &p, int t, int c, const float cs[8], const float sn[8],
+                                                 long long slot) {
 	__shared__ int last;
 	__threadfence(); // the stores, before the count that lets another block read them
 	__syncthreads();
@@ -86,12 +95,8 @@ __device__ __forceinline__ void mwf_prepare_head(bf16 *qkv, int head, int blocks
 	// Whole warps (head_inv's shuffles), 8 lanes a token.
 	if (!last || threadIdx.x >= (8 * m + 31) / 32 * 32) return;
 	__threadfence();
-	const int c = threadIdx.x & 7, u = threadIdx.x >> 3, t = u < m ? u : -1;
 	const bf16 *row = qkv + (long long)max(t, 0) * N + (long long)head * MWG_ROWS;
 	const uint4 xa = __ldcg((const uint4 *)(row + 8 * c)), xb = __ldcg((const uint4 *)(row + MWG_ROWS / 2 + 8 * c));
-	float cs[8], sn[8];
-	long long slot;
-	p.step.load(t, head, p.heads.hq, p.heads.hk, MWG_ROWS / 2, c, cs, sn, slot);
 	qkv16_finish(xa, xb, cs, sn, t, head, slot, qkv + (long long)t * N, p.heads, c);
 }
 
@@ -140,6 +145,13 @@ __device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const 
 	DEP();
 	for (int t = 0; t < MWF_STAGES && t < steps; t++) inputs(t);
 	cp_async_commit();
+	// PREP: this lane's unit of the head (8 lanes a token) and its step
+	// inputs, for mwf_prepare_head.
+	const int head = blockIdx.x * per * 16 / MWG_ROWS, pc = threadIdx.x & 7;
+	const int pt = PREP && (int)(threadIdx.x >> 3) < m ? (int)(threadIdx.x >> 3) : -1;
+	float pcs[8], psn[8];
+	long long pslot = 0;
+	if (PREP && MWF_PREP_EARLY) qp.step.load(pt, head, qp.heads.hq, qp.heads.hk, MWG_ROWS / 2, pc, pcs, psn, pslot);
 	// add mode: this thread's residual values, requested now.
 	float hpre[T][4];
 	if (residual && s == 0 && active)
@@ -229,10 +241,9 @@ __device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const 
 			else if (out_f32) ((float *)out)[r * (long long)N + n] = acc[u][e];
 			else ((bf16 *)out)[r * (long long)N + n] = f2bf(acc[u][e]);
 		}
-	if (PREP) {
-		const int per = blockDim.x / 32 / splits; // 16-row groups a block, within one head (the host checks)
-		mwf_prepare_head((bf16 *)out, blockIdx.x * per * 16 / MWG_ROWS, MWG_ROWS / 16 / per, m, N, counters, qp);
-	}
+	if (PREP && !MWF_PREP_EARLY) qp.step.load(pt, head, qp.heads.hq, qp.heads.hk, MWG_ROWS / 2, pc, pcs, psn, pslot);
+	if (PREP) // per: 16-row groups a block, within one head (the host checks)
+		mwf_prepare_head((bf16 *)out, head, MWG_ROWS / 16 / per, m, N, counters, qp, pt, pc, pcs, psn, pslot);
 }
 
 #define MATMUL_WG_FEW(T)                                                                                              \
