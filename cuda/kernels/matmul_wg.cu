@@ -274,28 +274,48 @@ struct MwgQkv {
 	QkvStep step;
 };
 
+// MwgQkvUnits are the step inputs of a block's units (token row0 + 32 i +
+// tid / 8, head: a consumer's 8 lanes a unit) that mwg_prepare_qkv takes:
+// qkv16_finish's rotation and cache slot, and the token (-1: none).
+template <int BN> struct MwgQkvUnits {
+	static constexpr int PASSES = BN / 32; // 32 units a pass of 256 consumers
+	float cs[PASSES][8], sn[PASSES][8];
+	long long slot[PASSES];
+	int tok[PASSES];
+
+	__device__ __forceinline__ void load(const MwgQkv &p, int row0, int head, int m) {
+		const int tid = threadIdx.x, c = tid & 7;
+#pragma unroll
+		for (int i = 0; i < PASSES; i++) {
+			const int r = row0 + i * 32 + (tid >> 3);
+			tok[i] = r < m ? r : -1;
+			p.step.load(tok[i], head, p.heads.hq, p.heads.hk, MWG_ROWS / 2, c, cs[i], sn[i], slot[i]);
+		}
+	}
+};
+
+// MWG_QKV_EARLY is the largest batch tile whose matmul_wg_part_qkv
+// consumers load their units' step inputs before the product rather than
+// after it (0, for A/B runs): the 128-row tile's consumers would hold 64
+// more registers through the product beside 128 of sums. H100, 0.6B shape,
+// flag on, ms a decode step (128 in, 128 out), batch 32 / 64 / 256, early
+// 1.410 / 1.678 / 4.024 and 1.446 / 1.671 / 3.992, late 1.435 / 1.679 /
+// 4.132 and 1.455 / 1.681 / 4.100 (ptxas: 168 registers, no spill).
+#ifndef MWG_QKV_EARLY
+#define MWG_QKV_EARLY 64
+#endif
+
 // mwg_prepare_qkv is matmul_wg_part_qkv's epilogue. A weight tile is one
 // head of MWG_ROWS dims, so a block holds whole (token, head) units: the
 // tile goes to shared memory as the bf16 the product would have stored
 // (stg: BN rows of 256 bytes, row r's 16-byte chunk c at 16 (c ^ (r & 7)),
 // so that neither the fragments' stores nor the units' loads meet in a
-// bank), then each 8 consumers take a unit through qkv16_finish, with
-// prepare_qkv16's bits. The step inputs (positions, slots, rotations) are
-// read before the tile is staged.
+// bank), then each 8 consumers take a unit, with the step inputs in u,
+// through qkv16_finish, with prepare_qkv16's bits.
 template <int BN>
-__device__ __forceinline__ void mwg_prepare_qkv(const float *d, unsigned char *stg, int trow, int q, int row0, int head,
-                                                int m, int N, bf16 *qkv, const MwgQkv &p) {
-	constexpr int PASSES = BN / 32; // 32 units a pass of 256 consumers
+__device__ __forceinline__ void mwg_prepare_qkv(const float *d, unsigned char *stg, int trow, int q, int head, int N,
+                                                bf16 *qkv, const MwgQkv &p, const MwgQkvUnits<BN> &u) {
 	const int tid = threadIdx.x, c = tid & 7;
-	float cs[PASSES][8], sn[PASSES][8];
-	long long slot[PASSES];
-	int tok[PASSES];
-#pragma unroll
-	for (int i = 0; i < PASSES; i++) {
-		const int r = row0 + i * 32 + (tid >> 3);
-		tok[i] = r < m ? r : -1;
-		p.step.load(tok[i], head, p.heads.hq, p.heads.hk, MWG_ROWS / 2, c, cs[i], sn[i], slot[i]);
-	}
 	// The last tile's units have read stg.
 	asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
 #pragma unroll
@@ -307,12 +327,12 @@ __device__ __forceinline__ void mwg_prepare_qkv(const float *d, unsigned char *s
 		}
 	asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
 #pragma unroll
-	for (int i = 0; i < PASSES; i++) {
+	for (int i = 0; i < u.PASSES; i++) {
 		const int r = i * 32 + (tid >> 3);
 		const unsigned char *row = stg + r * 256;
 		const uint4 xa = *(const uint4 *)(row + ((c ^ (r & 7)) << 4));
 		const uint4 xb = *(const uint4 *)(row + (((8 + c) ^ (r & 7)) << 4));
-		qkv16_finish(xa, xb, cs[i], sn[i], tok[i], head, slot[i], qkv + (long long)tok[i] * N, p.heads, c);
+		qkv16_finish(xa, xb, u.cs[i], u.sn[i], u.tok[i], head, u.slot[i], qkv + (long long)u.tok[i] * N, p.heads, c);
 	}
 }
 
@@ -424,8 +444,10 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 		if (PART)
 #pragma unroll
 			for (int i = 0; i < BN / 2; i++) run[i] = 0.f;
+		MwgQkvUnits<PREP ? BN : 32> units;
 		{
 			if (ring == 0) DEP();
+			if constexpr (PREP && BN <= MWG_QKV_EARLY) units.load(qp, row0, tile, m);
 			// add mode: the residual of this block's first two groups of 8
 			// batch rows is requested now, so that the epilogue finds it.
 			if (FOLD && residual) {
@@ -493,9 +515,10 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 				for (int i = 0; i < BN / 2; i++) d[i] = run[i] + d[i];
 		}
 
-		if (PREP) {
-			mwg_prepare_qkv<BN>(d, wg_smem + (base - smem_u32(wg_smem)) + S * STAGE, trow, q, row0, tile, m, N, (bf16 *)out,
-			                    qp);
+		if constexpr (PREP) {
+			if (BN > MWG_QKV_EARLY) units.load(qp, row0, tile, m);
+			mwg_prepare_qkv<BN>(d, wg_smem + (base - smem_u32(wg_smem)) + S * STAGE, trow, q, tile, N, (bf16 *)out, qp,
+			                    units);
 			continue;
 		}
 		const long long half = N / 2;

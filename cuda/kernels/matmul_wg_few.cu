@@ -32,7 +32,9 @@
 #define MWF_MAX_WARPS 8
 // MWF_PREP_EARLY: matmul_wg_few_qkv's blocks load their step inputs
 // (positions, slots, rotations) before the product rather than after it
-// (0, for A/B runs).
+// (0, for A/B runs). H100, 0.6B shape, flag on, ms a decode step (128 in,
+// 128 out), batch 1 / 2: early 0.932 / 1.008 and 0.920 / 1.009, late 0.942
+// / 1.018 and 0.950 / 1.025.
 #ifndef MWF_PREP_EARLY
 #define MWF_PREP_EARLY 1
 #endif
