@@ -81,11 +81,10 @@ __device__ __forceinline__ uint2 lds_u2(unsigned a) {
 // head's rows (counters[head], zero between launches) prepares the head of
 // each of the m tokens with qkv16_finish, reading the rows the head's
 // blocks stored (the bf16 prepare_qkv16 would read), so with its bits.
-// Every block has loaded its lanes' step inputs (unit t, lane c: cs, sn,
-// slot) before its product, so that the last block does not wait for them.
+// Every block has loaded its lanes' step inputs (u: token tid / 8) before
+// its product, so that the last block does not wait for them.
 __device__ __forceinline__ void mwf_prepare_head(bf16 *qkv, int head, int blocks_a_head, int m, int N, int *counters,
-                                                 const MwgQkv &p, int t, int c, const float cs[8], const float sn[8],
-                                                 long long slot) {
+                                                 const MwgQkv &p, const MwgQkvUnits<32> &u) {
 	__shared__ int last;
 	__threadfence(); // the stores, before the count that lets another block read them
 	__syncthreads();
@@ -97,9 +96,10 @@ __device__ __forceinline__ void mwf_prepare_head(bf16 *qkv, int head, int blocks
 	// Whole warps (head_inv's shuffles), 8 lanes a token.
 	if (!last || threadIdx.x >= (8 * m + 31) / 32 * 32) return;
 	__threadfence();
+	const int c = threadIdx.x & 7, t = u.tok[0];
 	const bf16 *row = qkv + (long long)max(t, 0) * N + (long long)head * MWG_ROWS;
 	const uint4 xa = __ldcg((const uint4 *)(row + 8 * c)), xb = __ldcg((const uint4 *)(row + MWG_ROWS / 2 + 8 * c));
-	qkv16_finish(xa, xb, cs, sn, t, head, slot, qkv + (long long)t * N, p.heads, c);
+	qkv16_finish(xa, xb, u.cs[0], u.sn[0], t, head, u.slot[0], qkv + (long long)t * N, p.heads, c);
 }
 
 template <int T, bool PREP>
@@ -147,13 +147,11 @@ __device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const 
 	DEP();
 	for (int t = 0; t < MWF_STAGES && t < steps; t++) inputs(t);
 	cp_async_commit();
-	// PREP: this lane's unit of the head (8 lanes a token) and its step
-	// inputs, for mwf_prepare_head.
-	const int head = blockIdx.x * per * 16 / MWG_ROWS, pc = threadIdx.x & 7;
-	const int pt = PREP && (int)(threadIdx.x >> 3) < m ? (int)(threadIdx.x >> 3) : -1;
-	float pcs[8], psn[8];
-	long long pslot = 0;
-	if (PREP && MWF_PREP_EARLY) qp.step.load(pt, head, qp.heads.hq, qp.heads.hk, MWG_ROWS / 2, pc, pcs, psn, pslot);
+	// PREP: this lane's unit of the head (8 lanes a token, at most 256
+	// threads: one pass) and its step inputs, for mwf_prepare_head.
+	const int head = blockIdx.x * per * 16 / MWG_ROWS;
+	MwgQkvUnits<32> unit;
+	if (PREP && MWF_PREP_EARLY) unit.load(qp, 0, head, m);
 	// add mode: this thread's residual values, requested now.
 	float hpre[T][4];
 	if (residual && s == 0 && active)
@@ -243,9 +241,9 @@ __device__ void matmul_wg_few_impl(void *out, int out_f32, const bf16 *x, const 
 			else if (out_f32) ((float *)out)[r * (long long)N + n] = acc[u][e];
 			else ((bf16 *)out)[r * (long long)N + n] = f2bf(acc[u][e]);
 		}
-	if (PREP && !MWF_PREP_EARLY) qp.step.load(pt, head, qp.heads.hq, qp.heads.hk, MWG_ROWS / 2, pc, pcs, psn, pslot);
+	if (PREP && !MWF_PREP_EARLY) unit.load(qp, 0, head, m);
 	if (PREP) // per: 16-row groups a block, within one head (the host checks)
-		mwf_prepare_head((bf16 *)out, head, MWG_ROWS / 16 / per, m, N, counters, qp, pt, pc, pcs, psn, pslot);
+		mwf_prepare_head((bf16 *)out, head, MWG_ROWS / 16 / per, m, N, counters, qp, unit);
 }
 
 #define MATMUL_WG_FEW(T)                                                                                              \
