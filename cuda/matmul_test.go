@@ -436,7 +436,8 @@ func TestKernelNamesForEveryRowCount(t *testing.T) {
 // persistent blocks running a tile's K in the splits' lengths (as few
 // blocks as finish in the rounds one block an SM would take), and (64-row
 // tiles) deterministic batches past 16 rows of products with 32
-// weight tiles or more in 4 splits or more; elsewhere, and with
+// weight tiles or more in 4 splits or more, (128-row tiles) past 128 rows
+// in 2 or 3 splits; elsewhere, and with
 // EBB_MATMUL_WG_PART=0, clusters split K.
 func TestMatMulWGPartShape(t *testing.T) {
 	for _, c := range []struct {
@@ -454,7 +455,10 @@ func TestMatMulWGPartShape(t *testing.T) {
 		{"o_proj, a prefill chunk", 8192, 1024, 2048, false, "matmul_wg_part_n128", Dim3{128, 1, 1}, 32, 4, false},
 		{"o_proj, EBB_MATMUL_WG_PART=0", 8192, 1024, 2048, true, "matmul_wg_n256", Dim3{8, 32, 8}, 4, 0, false},
 		{"gate_up (48 tiles, 2 splits)", 384, 6144, 1024, false, "matmul_wg_part_n128", Dim3{72, 1, 1}, 16, 8, false},
-		{"gate_up (two splits), batch 256", 256, 6144, 1024, false, "matmul_wg_n256", Dim3{48, 1, 2}, 8, 0, false},
+		{"gate_up (two splits), batch 256", 256, 6144, 1024, false, "matmul_wg_part_n128", Dim3{96, 1, 1}, 16, 8, false},
+		{"gate_up (two splits), batch 129", 129, 6144, 1024, false, "matmul_wg_part_n128", Dim3{96, 1, 1}, 16, 8, false},
+		{"gate_up (two splits), batch 128", 128, 6144, 1024, false, "matmul_wg_n128", Dim3{48, 1, 2}, 8, 0, false},
+		{"gate_up (two splits), batch 256, flag off", 256, 6144, 1024, false, "matmul_wg_n256", Dim3{48, 1, 2}, 8, 0, true},
 		{"qkv, batch 256", 256, 4096, 1024, false, "matmul_wg_part_n64", Dim3{128, 1, 1}, 16, 4, false},
 		{"qkv, batch 64", 64, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},
 		{"qkv, batch 48", 48, 4096, 1024, false, "matmul_wg_part_n64", Dim3{32, 1, 1}, 16, 4, false},

@@ -181,6 +181,20 @@ const matMulWGPartRows = 128
 // 1.674, from 17 rows 1.305 / 1.340 / 1.376 / 1.539 and 1.305 / 1.335 /
 // 1.377 / 1.539 (EBB_DET_PART_FROM=48 for A/B runs). Up to 16 rows
 // matmul_wg_few takes the product.
+//
+// The same products in fewer splits (gate_up's two) run on 128-row part
+// tiles from two such tiles (129 rows): 48 weight tiles x 2 are 96 blocks,
+// as many as the clusters of two had, each running both splits without
+// the exchange (the 64-row tiles above gave gate_up 192 tiles and 23.9
+// us). H100, 0.6B shape, flag on, ms a decode step (128 in, 128 out),
+// batch 192 / 256, rounds of one A/B run: clusters 3.257 / 4.097, 3.273 /
+// 4.070, 3.277 / 4.051, 3.961 (256 only), 4.019; part tiles 3.266 / 3.994,
+// 3.201 / 3.989, 3.235 / 3.994, 3.939, 3.946 (flag off 2.964-3.015 /
+// 3.522-3.605). Batch 1 and 128 do not reach it (0.916-0.937 against
+// 0.919-0.944). One split (kps 16: new bits) measured the same at batch
+// 256 and cost batch 1 about 0.09 ms through matmul_wg_few's longer
+// chains, as did o_proj's and down_proj's eight splits made four (256:
+// 3.85 with both; branch wip/det-wg-knob, EBB_DET_WG).
 const (
 	matMulWGDetPartFrom   = 16
 	matMulWGDetPartTiles  = 32
@@ -213,6 +227,10 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	if d.det && m > cmp.Or(d.detPartFrom, matMulWGDetPartFrom) && tiles >= matMulWGDetPartTiles && splits >= matMulWGDetPartSplits && !d.noPart {
 		pt := (m + matMulWGDetPartRows - 1) / matMulWGDetPartRows
 		return "matmul_wg_part_n64", matMulWGDetPartRows, d.persistentGrid(pt * tiles), kt, kps
+	}
+	if d.det && m > matMulWGPartRows && tiles >= matMulWGDetPartTiles && splits > 1 && !d.noPart {
+		pt := (m + matMulWGPartRows - 1) / matMulWGPartRows
+		return "matmul_wg_part_n128", matMulWGPartRows, d.persistentGrid(pt * tiles), kt, kps
 	}
 	// Past the largest tile (deterministic inference's prefills), a batch
 	// tile a blockIdx.y.
