@@ -221,16 +221,16 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	splits := max(1, min(kt, matMulWGMaxCluster, d.ctx.SMs/tiles))
 	kps = (kt + splits - 1) / splits
 	splits = (kt + kps - 1) / kps
-	if pt := (m + matMulWGPartRows - 1) / matMulWGPartRows; splits > 1 && pt*tiles >= d.ctx.SMs && !d.noPart {
+	// Deterministic products of too few splits for the 64-row part tiles
+	// below (gate_up's two) take 128-row ones from two tiles.
+	pt := (m + matMulWGPartRows - 1) / matMulWGPartRows
+	few := d.det && pt >= 2 && tiles >= matMulWGDetPartTiles && splits < matMulWGDetPartSplits
+	if splits > 1 && (pt*tiles >= d.ctx.SMs || few) && !d.noPart {
 		return "matmul_wg_part_n128", matMulWGPartRows, d.persistentGrid(pt * tiles), kt, kps
 	}
 	if d.det && m > cmp.Or(d.detPartFrom, matMulWGDetPartFrom) && tiles >= matMulWGDetPartTiles && splits >= matMulWGDetPartSplits && !d.noPart {
-		pt := (m + matMulWGDetPartRows - 1) / matMulWGDetPartRows
-		return "matmul_wg_part_n64", matMulWGDetPartRows, d.persistentGrid(pt * tiles), kt, kps
-	}
-	if d.det && m > matMulWGPartRows && tiles >= matMulWGDetPartTiles && splits > 1 && !d.noPart {
-		pt := (m + matMulWGPartRows - 1) / matMulWGPartRows
-		return "matmul_wg_part_n128", matMulWGPartRows, d.persistentGrid(pt * tiles), kt, kps
+		pt64 := (m + matMulWGDetPartRows - 1) / matMulWGDetPartRows
+		return "matmul_wg_part_n64", matMulWGDetPartRows, d.persistentGrid(pt64 * tiles), kt, kps
 	}
 	// Past the largest tile (deterministic inference's prefills), a batch
 	// tile a blockIdx.y.
