@@ -63,6 +63,8 @@ type Device struct {
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
 	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
+	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
+	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	// det: deterministic inference (deterministic.go), with attn_det's
@@ -145,7 +147,7 @@ var kernelNames = []string{
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
-	"moe_route", "moe_sort", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_gemv_glu", "moe_down_combine", "moe_shared_add",
+	"moe_route", "moe_norm_route", "moe_sort", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_gemv_glu", "moe_down_combine", "moe_down_bulk", "moe_shared_add",
 	"moe_wg_n32", "moe_wg_n64", "moe_wg_n128",
 	"allreduce_f32", "allreduce_f32_v4", "allreduce_add_rmsnorm", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
@@ -224,6 +226,7 @@ func (d *Device) init() error {
 			os.Getenv("EBB_SKIP_KERNELS"))
 	}
 	d.moeGemvTokens = moeGemvTokens
+	d.noMoEFold = os.Getenv("EBB_MOE_FOLD") == "0"
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
 		d.moeGemvTokens = n
 	}

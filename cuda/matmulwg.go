@@ -97,6 +97,10 @@ func (d *Device) initMatMulWG() error {
 		}
 	}
 	d.moeWG = os.Getenv("EBB_MOE_WG") != "0"
+	if err := d.k["moe_down_bulk"].SetMaxDynamicShared(moeDownBulkMaxShared); err != nil {
+		return err
+	}
+	d.noMoEBulk = os.Getenv("EBB_MOE_BULK") == "0"
 	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_WG_ROWS")); err == nil && slices.Contains(matMulWGRows, n) {
 		d.wgMaxRows = n
 	}

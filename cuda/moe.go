@@ -9,7 +9,10 @@ import (
 // Mixture-of-experts layers (moe.cu): routing, pairs grouped by expert,
 // the experts' products over their own rows, and the weighted sum.
 
-var _ device.MoE = (*Device)(nil)
+var (
+	_ device.MoE      = (*Device)(nil)
+	_ device.MoEFused = (*Device)(nil)
+)
 
 const (
 	moeMaxExperts = 256 // moe_route keeps 8 logits a lane
@@ -74,10 +77,7 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 	}
 	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
 	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
-	if out.Numel() != t*h || ids.Numel() != t*k || weights.Numel() != t*k || gateUp.Dim(2) != h ||
-		down.Dim(0) != e || down.Dim(1) != h || down.Dim(2) != inter || x.DType != device.BF16 ||
-		gateUp.DType != device.BF16 || down.DType != device.BF16 || h%8 != 0 || inter%8 != 0 || k > moeMaxTopK ||
-		e > moeMaxExperts || work.Bytes() < d.MoEWorkBytes(t, k, e, inter, h) {
+	if out.Numel() != t*h || !d.moeExpertsFit(x, ids, weights, gateUp, down, work) {
 		d.fail(fmt.Errorf("moe experts: out %v, x %v, ids %v, weights %v, gate_up %v, down %v, work %v", out, x, ids, weights, gateUp, down, work))
 		return
 	}
@@ -90,12 +90,7 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		// A few tokens: a gemv per (token, choice) pair, and the down
 		// products summed as they are formed. Deterministic inference
 		// keeps moe_gemm, whose rows have the same bits at any batch size.
-		wpo := d.gemvWarps(inter*p, h)
-		d.launch("moe_gemv_glu", Dim3{X: uint32((inter + 8/wpo - 1) / (8 / wpo)), Y: uint32(p), Z: 1}, D1(256), 0,
-			P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo))
-		d.launch("moe_down_combine", Dim3{X: uint32((h + moeDownCols - 1) / moeDownCols), Y: uint32(t), Z: 1}, D1(256), 0, P(out.Ptr),
-			I(boolInt(out.DType == device.F32)), P(w.act), P(ids.Ptr), P(weights.Ptr), I(k), P(down.Ptr), I(e), I(h),
-			I(inter))
+		d.moeExpertsGemv(out.Ptr, out.DType == device.F32, 0, x, ids, weights, gateUp, down, w)
 		return
 	}
 	if bn := d.moeWGTile(p, e, inter, h); bn > 0 {
@@ -112,6 +107,106 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		P(w.y), P(w.act), P(0), I(k), P(down.Ptr), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
 	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
 		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
+}
+
+// moeExpertsFit says whether MoEExperts takes these operands.
+func (d *Device) moeExpertsFit(x, ids, weights, gateUp, down, work device.Tensor) bool {
+	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
+	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
+	return ids.Numel() == t*k && weights.Numel() == t*k && gateUp.Dim(2) == h && down.Dim(0) == e && down.Dim(1) == h &&
+		down.Dim(2) == inter && x.DType == device.BF16 && gateUp.DType == device.BF16 && down.DType == device.BF16 &&
+		h%8 == 0 && inter%8 == 0 && k <= moeMaxTopK && e <= moeMaxExperts && work.Bytes() >= d.MoEWorkBytes(t, k, e, inter, h)
+}
+
+// moeExpertsGemv is MoEExperts on the pair gemv, the sum into out or
+// (residual set) added into residual with its blocks' sums of squares in
+// d.rowSquares.
+func (d *Device) moeExpertsGemv(out uintptr, outF32 bool, residual uintptr, x, ids, weights, gateUp, down device.Tensor, w moeWork) {
+	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
+	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
+	p := t * k
+	wpo := d.gemvWarps(inter*p, h)
+	d.launch("moe_gemv_glu", Dim3{X: uint32((inter + 8/wpo - 1) / (8 / wpo)), Y: uint32(p), Z: 1}, D1(256), 0,
+		P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo))
+	var sq uintptr
+	if residual != 0 {
+		sq = d.rowSquares.Ptr
+	}
+	// One token's down products take bulk copies: 12-layer 30B-A3B copy,
+	// H200, ms a decode step with and without (two rounds each): batch 1
+	// 0.892 / 0.892 against 0.902 / 0.903, batch 4 1.736 against 1.668
+	// (four 48 KB blocks a column group fill the SMs four times over).
+	name, shared := "moe_down_combine", 0
+	if rows := k * moeDownCols * inter * 2; t == 1 && d.wgmma && !d.noMoEBulk && rows <= moeDownBulkMaxShared {
+		name, shared = "moe_down_bulk", rows
+	}
+	d.launch(name, Dim3{X: uint32(moeDownParts(h)), Y: uint32(t), Z: 1}, D1(256), shared, P(out),
+		I(boolInt(outF32)), P(w.act), P(ids.Ptr), P(weights.Ptr), I(k), P(down.Ptr), I(e), I(h), I(inter), P(residual), P(sq))
+}
+
+// moeDownBulkMaxShared is the most shared memory moe_down_bulk is given
+// for its block's rows of the chosen experts (k * MOE_DOWN_COLS * I bf16):
+// top 8 of the 30B-A3B shape's experts take 48 KB.
+const moeDownBulkMaxShared = 192 << 10
+
+// moeDownParts is moe_down_combine's blocks a token: its partial sums of
+// squares a row in add mode.
+func moeDownParts(hidden int) int { return (hidden + moeDownCols - 1) / moeDownCols }
+
+const (
+	moeRouteBlocks    = 8    // MOE_ROUTE_BLOCKS: moe_norm_route's cluster
+	moeRouteThreads   = 512  // MOE_ROUTE_WARPS warps
+	moeRouteMaxHidden = 8192 // 8 * MOE_ROUTE_XS
+)
+
+// MatMulAddMoERoute implements device.MoEFused for one token: MatMulAdd's
+// gemv in squares mode, then moe_norm_route (a cluster; sm_90 and later),
+// in place of o_proj's last block normalising, the router's gemv and
+// moe_route. With MoEExpertsAdd, the 30B-A3B shape's batch-1 decode step
+// went from 3.389 to 3.099 ms (H200, EBB_MOE_FOLD=0 against on, one run);
+// ncu a layer: o_proj 14.5 -> 8.6 us, router and routing 3.2 + 4.6 ->
+// 7.5 us, add_rmsnorm's 3.2 us gone.
+func (d *Device) MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weights device.Tensor, eps float32, norm bool) bool {
+	t, h, e, k := residual.Dim(0), residual.Dim(-1), router.Dim(0), ids.Dim(-1)
+	if d.det || d.noMoEFold || d.ctx.CCMajor < 9 || t != 1 || h%8 != 0 || h > moeRouteMaxHidden || router.Dim(-1) != h ||
+		e > moeMaxExperts || k > moeMaxTopK || k > e || ids.Numel() != k || weights.Numel() != k ||
+		weights.DType != device.F32 || x.Numel() != h || x.DType != device.BF16 || router.DType != device.BF16 ||
+		normW.Numel() != h || x.Ptr%16 != 0 || router.Ptr%16 != 0 || normW.Ptr%16 != 0 ||
+		!d.MatMulAdd(in, w, false, residual, router, false) {
+		return false
+	}
+	p := d.pendingNorm
+	d.pendingNorm = pendingNorm{}
+	if d.err != nil || d.skipKernels["moe_norm_route"] {
+		return true
+	}
+	if kern := d.kernel("moe_norm_route"); kern != nil {
+		d.fail(d.ctx.LaunchCluster(kern, Dim3{X: 1, Y: 1, Z: moeRouteBlocks}, D1(moeRouteThreads), 0, moeRouteBlocks, nil,
+			P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps),
+			P(router.Ptr), I(e), I(h), I(k), I(boolInt(norm))))
+	}
+	return true
+}
+
+// MoEExpertsAdd implements device.MoEFused for one token: the pair gemv,
+// then the down products adding into the residual and leaving their
+// blocks' sums of squares, so that the next layer's qkv gemv normalises
+// the residual (no add_rmsnorm launch).
+func (d *Device) MoEExpertsAdd(residual, x, ids, weights, gateUp, down, work, next device.Tensor) bool {
+	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
+	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
+	if d.det || d.noMoEFold || t != 1 || t > d.moeGemvTokens || residual.DType != device.BF16 || residual.Numel() != t*h ||
+		next.Dim(-1) != h || t*moeDownParts(h) > d.rowSquares.Numel() || residual.Ptr%16 != 0 ||
+		!d.moeExpertsFit(x, ids, weights, gateUp, down, work) {
+		return false
+	}
+	if d.err != nil {
+		return true
+	}
+	w, _ := moeLayout(work.Ptr, t, k, e, inter, h)
+	d.moeExpertsGemv(0, false, residual.Ptr, x, ids, weights, gateUp, down, w)
+	d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: t, cols: h, parts: moeDownParts(h)}
+	return true
 }
 
 // MoESharedAdd implements device.MoE.

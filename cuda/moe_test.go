@@ -278,3 +278,191 @@ func TestMoESharedAdd(t *testing.T) {
 		}
 	}
 }
+
+// TestMatMulAddMoERoute: o_proj's add, the norm, the router product and
+// the routing of one token in two launches (the gemv in squares mode, then
+// moe_norm_route's cluster) match the CPU's separate MatMul, AddRMSNorm,
+// MatMul and MoERoute: the residual and x within bf16 rounding, and the
+// same experts wherever the router's logits are not within rounding of a
+// tie. Shapes it does not take are declined with nothing done.
+func TestMatMulAddMoERoute(t *testing.T) {
+	p := newPair(t)
+	if p.gpu.ctx.CCMajor < 9 {
+		t.Skip("moe_norm_route needs thread block clusters (sm_90)")
+	}
+	type routeCase struct {
+		in, hidden, experts, k int
+		norm                   bool
+	}
+	var cases []routeCase
+	for range 3 { // a token's routing is checked only away from near ties
+		cases = append(cases, routeCase{4096, 2048, 128, 8, true}, routeCase{2048, 1024, 256, 16, true},
+			routeCase{512, 512, 60, 4, false}, routeCase{1024, 4096, 16, 2, true}, routeCase{256, 1024, 130, 8, true})
+	}
+	checked := 0
+	for _, c := range cases {
+		name := fmt.Sprintf("%d -> %d, %d experts, top %d", c.in, c.hidden, c.experts, c.k)
+		in := p.random(device.BF16, 1, 1, c.in)
+		wo := p.random(device.BF16, float32(1/math.Sqrt(float64(c.in))), c.hidden, c.in)
+		res := p.random(device.BF16, 2, 1, c.hidden)
+		normW := p.random(device.BF16, 0.5, c.hidden)
+		router := p.random(device.BF16, float32(4/math.Sqrt(float64(c.hidden))), c.experts, c.hidden)
+		x := p.random(device.BF16, 0, 1, c.hidden)
+		out := p.random(device.BF16, 0, 1, c.hidden)
+		logits := p.random(device.BF16, 0, 1, c.experts)
+		ids := p.ints(make([]int32, c.k), 1, c.k)
+		w := p.random(device.F32, 0, 1, c.k)
+		if !p.gpu.MatMulAddMoERoute(in.g, wo.g, res.g, x.g, normW.g, router.g, ids.g, w.g, 1e-6, c.norm) {
+			t.Fatalf("%s: not taken", name)
+		}
+		p.cpu.MatMul(out.c, in.c, wo.c, device.Tensor{})
+		p.cpu.AddRMSNorm(res.c, out.c, x.c, normW.c, 1e-6)
+		p.cpu.MatMul(logits.c, x.c, router.c, device.Tensor{})
+		p.cpu.MoERoute(ids.c, w.c, logits.c, c.norm)
+		p.close(name+": residual", res, 3e-2, 1e-2)
+		p.close(name+": x", x, 3e-2, 2e-2)
+		gi, ci := make([]int32, c.k), make([]int32, c.k)
+		p.sync()
+		if err := p.gpu.DownloadI32(ids.g, gi); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.cpu.DownloadI32(ids.c, ci); err != nil {
+			t.Fatal(err)
+		}
+		_, lc := p.download(logits)
+		row := slices.Clone(lc)
+		sort.Slice(row, func(i, j int) bool { return row[i] > row[j] })
+		tie := false
+		for j := 0; j < c.k && j+1 < c.experts; j++ {
+			tie = tie || row[j]-row[j+1] < 0.05 // bf16 logits from x rounded apart
+		}
+		if tie {
+			continue
+		}
+		checked++
+		if !slices.Equal(gi, ci) {
+			t.Fatalf("%s: gpu experts %v, cpu %v (logits %v)", name, gi, ci, row[:c.k+1])
+		}
+		p.close(name+": weights", w, 1e-3, 2e-2)
+	}
+	if checked < len(cases)/3 {
+		t.Fatalf("only %d of %d tokens without a near tie", checked, len(cases))
+	}
+	for _, c := range []struct {
+		name            string
+		rows, hidden, k int
+	}{{"two tokens", 2, 2048, 8}, {"hidden past 8,192", 1, 8200, 8}} {
+		res := p.random(device.BF16, 1, c.rows, c.hidden)
+		before, _ := p.download(res)
+		if p.gpu.MatMulAddMoERoute(p.random(device.BF16, 1, c.rows, 256).g, p.random(device.BF16, 1, c.hidden, 256).g, res.g,
+			p.random(device.BF16, 1, c.rows, c.hidden).g, p.random(device.BF16, 1, c.hidden).g,
+			p.random(device.BF16, 1, 128, c.hidden).g, p.ints(make([]int32, c.rows*c.k), c.rows, c.k).g,
+			p.random(device.F32, 0, c.rows, c.k).g, 1e-6, true) {
+			t.Fatalf("%s: taken", c.name)
+		}
+		if after, _ := p.download(res); !slices.Equal(before, after) {
+			t.Fatalf("%s: declined, but the residual changed", c.name)
+		}
+	}
+}
+
+// TestMoEExpertsAddThenRMSNormMatMul: one token's experts added into the
+// residual (moe_down_combine's add mode), then the next product
+// normalising that residual from the blocks' sums of squares, match the
+// CPU's MoEExperts, AddRMSNorm and MatMul.
+func TestMoEExpertsAddThenRMSNormMatMul(t *testing.T) {
+	p := newPair(t)
+	for _, c := range []struct{ experts, k, inter, hidden, next int }{
+		{128, 8, 768, 2048, 5120}, {16, 4, 96, 128, 384}, {32, 8, 768, 1024, 1024}, {8, 2, 48, 72, 96},
+	} {
+		name := fmt.Sprintf("%d experts, top %d, %d x %d, then %d", c.experts, c.k, c.inter, c.hidden, c.next)
+		x := p.random(device.BF16, 1, 1, c.hidden)
+		gateUp := p.random(device.BF16, float32(1/math.Sqrt(float64(c.hidden))), c.experts, 2*c.inter, c.hidden)
+		down := p.random(device.BF16, float32(1/math.Sqrt(float64(c.inter))), c.experts, c.hidden, c.inter)
+		idv, wv := make([]int32, c.k), make([]float32, c.k)
+		for j, e := range p.rng.Perm(c.experts)[:c.k] {
+			idv[j], wv[j] = int32(e), float32(1+p.rng.IntN(64))/64
+		}
+		ids, w := p.ints(idv, 1, c.k), p.floats(device.F32, wv, 1, c.k)
+		next := p.random(device.BF16, float32(1/math.Sqrt(float64(c.hidden))), c.next, c.hidden)
+		normW := p.random(device.BF16, 0.5, c.hidden)
+		res := p.random(device.BF16, 2, 1, c.hidden)
+		out := p.random(device.BF16, 0, 1, c.hidden)
+		normed := p.random(device.BF16, 0, 1, c.hidden)
+		y := p.random(device.BF16, 0, 1, c.next)
+		work, err := p.gpu.Alloc(memory.Workspace, device.I32, int(p.gpu.MoEWorkBytes(1, c.k, c.experts, c.inter, c.hidden)/4)+1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !p.gpu.MoEExpertsAdd(res.g, x.g, ids.g, w.g, gateUp.g, down.g, work, next.g) {
+			t.Fatalf("%s: not taken", name)
+		}
+		if !p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6, false) {
+			t.Fatalf("%s: the next product does not normalise", name)
+		}
+		p.cpu.MoEExperts(out.c, x.c, ids.c, w.c, gateUp.c, down.c, device.Tensor{})
+		p.cpu.AddRMSNorm(res.c, out.c, normed.c, normW.c, 1e-6)
+		p.cpu.MatMul(y.c, normed.c, next.c, device.Tensor{})
+		p.close(name+": residual", res, 6e-2, 2e-2)
+		p.close(name+": next product", y, 6e-2, 3e-2)
+		p.gpu.Free(memory.Workspace, work)
+	}
+	// Two tokens take the plain path (the next product's norm for several
+	// rows reads few partial sums).
+	work, err := p.gpu.Alloc(memory.Workspace, device.I32, int(p.gpu.MoEWorkBytes(2, 2, 8, 48, 64)/4)+1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.gpu.MoEExpertsAdd(p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 2, 64).g, p.ints([]int32{0, 1, 2, 3}, 2, 2).g,
+		p.random(device.F32, 1, 2, 2).g, p.random(device.BF16, 1, 8, 96, 64).g, p.random(device.BF16, 1, 8, 64, 48).g, work,
+		p.random(device.BF16, 1, 32, 64).g) {
+		t.Fatal("two tokens: taken")
+	}
+}
+
+// TestMoEDownBulkSameBits: moe_down_bulk (one token's weights by bulk
+// copies into shared memory) gives moe_down_combine's bits, into a sum
+// and added into a residual.
+func TestMoEDownBulkSameBits(t *testing.T) {
+	p := newPair(t)
+	if !p.gpu.wgmma {
+		t.Skip("moe_down_bulk runs on the sm_90a build")
+	}
+	for _, c := range []struct{ rows, experts, k, inter, hidden int }{
+		{1, 128, 8, 768, 2048}, {1, 16, 16, 48, 64}, {1, 32, 8, 768, 1024}, {1, 8, 2, 96, 1024},
+	} {
+		name := fmt.Sprintf("%d rows, %d experts, top %d, %d x %d", c.rows, c.experts, c.k, c.inter, c.hidden)
+		x := p.random(device.BF16, 1, c.rows, c.hidden)
+		gateUp := p.random(device.BF16, float32(1/math.Sqrt(float64(c.hidden))), c.experts, 2*c.inter, c.hidden)
+		down := p.random(device.BF16, float32(1/math.Sqrt(float64(c.inter))), c.experts, c.hidden, c.inter)
+		idv, wv := make([]int32, c.rows*c.k), make([]float32, c.rows*c.k)
+		for r := range c.rows {
+			for j, e := range p.rng.Perm(c.experts)[:c.k] {
+				idv[r*c.k+j], wv[r*c.k+j] = int32(e), float32(1+p.rng.IntN(64))/64
+			}
+		}
+		ids, w := p.ints(idv, c.rows, c.k), p.floats(device.F32, wv, c.rows, c.k)
+		work, err := p.gpu.Alloc(memory.Workspace, device.I32, int(p.gpu.MoEWorkBytes(c.rows, c.k, c.experts, c.inter, c.hidden)/4)+1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res := p.random(device.BF16, 2, c.rows, c.hidden)
+		var outs, sums [2][]uint16
+		for i, off := range []bool{true, false} {
+			p.gpu.noMoEBulk = off
+			out := p.random(device.BF16, 0, c.rows, c.hidden)
+			p.gpu.MoEExperts(out.g, x.g, ids.g, w.g, gateUp.g, down.g, work)
+			outs[i] = p.bits(out.g)
+			r := p.clone(device.BF16, res)
+			if !p.gpu.MoEExpertsAdd(r.g, x.g, ids.g, w.g, gateUp.g, down.g, work, p.random(device.BF16, 1, 64, c.hidden).g) {
+				t.Fatalf("%s: not added", name)
+			}
+			sums[i] = p.bits(r.g)
+		}
+		p.gpu.noMoEBulk = false
+		if !slices.Equal(outs[0], outs[1]) || !slices.Equal(sums[0], sums[1]) {
+			t.Fatalf("%s: bulk copies give other bits", name)
+		}
+		p.gpu.Free(memory.Workspace, work)
+	}
+}

@@ -437,6 +437,22 @@ type MoE interface {
 	MoESharedAdd(out, y, gate Tensor)
 }
 
+// MoEFused is implemented by devices that fold a sparse layer's norms and
+// routing into its launches for the few rows of a decode step, as Fused
+// does for a dense layer's. Both return false, having done nothing, where
+// they do not apply; the model then runs the separate operations, which
+// define the result.
+type MoEFused interface {
+	// MatMulAddMoERoute: residual += in @ w^T, rounded as AddRMSNorm
+	// rounds it, x = rmsnorm(residual) * normW, then MoERoute of
+	// x @ router^T into ids and weights.
+	MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weights Tensor, eps float32, norm bool) bool
+	// MoEExpertsAdd: residual += MoEExperts(x, ...), rounded as AddRMSNorm
+	// rounds it, leaving what RMSNormMatMul needs to take next (a product
+	// of residual's width) after it, as MatMulAdd does.
+	MoEExpertsAdd(residual, x, ids, weights, gateUp, down, work, next Tensor) bool
+}
+
 // Accumulating is implemented by devices that add a matmul's product into
 // its output where that is cheaper than a separate add.
 type Accumulating interface {

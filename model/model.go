@@ -273,6 +273,7 @@ func (m *Model) forward(in Inputs, a activations) {
 	if m.Comm != nil {
 		fused = nil
 	}
+	moeFused, _ := fused.(device.MoEFused) // nil under tensor parallelism, as fused
 	reduce := func(t device.Tensor) {
 		if m.Comm != nil {
 			m.Comm.AllReduceSum(t)
@@ -372,8 +373,6 @@ func (m *Model) forward(in Inputs, a activations) {
 			prepareQKV()
 			dev.Attention(a.attn, a.qkv, k, v, in.Attn, scale)
 		}
-		// A sparse layer's router and experts read x as it is.
-		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, l.GateUp, true)
 		// The last layer's x goes to GatherRows, and a biased qkv is not
 		// normalised on the fly.
 		norm, nextQKV := w.Norm, device.Tensor{}
@@ -384,21 +383,32 @@ func (m *Model) forward(in Inputs, a activations) {
 			}
 		}
 		if l.Sparse() {
-			ids := a.expertIDs.Rows(0, t)
+			ids, weights := a.expertIDs.Rows(0, t), a.expertWeights.Rows(0, t)
 			if capture {
 				ids = in.Routed.Rows(sparse, sparse+1).View(t, c.MoE.TopK)
 			}
 			sparse++
 			moe := dev.(device.MoE)
-			dev.MatMul(a.routerLogits.Rows(0, t), a.x, l.Router, device.Tensor{})
-			moe.MoERoute(ids, a.expertWeights.Rows(0, t), a.routerLogits.Rows(0, t), c.MoE.NormTopK)
-			moe.MoEExperts(a.tmp, a.x, ids, a.expertWeights.Rows(0, t), l.ExpertGateUp, l.ExpertDown, a.moeWork)
+			// The router and experts read x as it is.
+			if moeFused == nil || l.OBias.Valid() ||
+				!moeFused.MatMulAddMoERoute(flat(a.attn), l.O, a.h, a.x, l.PostNorm, l.Router, ids, weights, eps, c.MoE.NormTopK) {
+				addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, device.Tensor{}, false)
+				dev.MatMul(a.routerLogits.Rows(0, t), a.x, l.Router, device.Tensor{})
+				moe.MoERoute(ids, weights, a.routerLogits.Rows(0, t), c.MoE.NormTopK)
+			}
+			if !l.SharedGate.Valid() && nextQKV.Valid() && moeFused != nil &&
+				moeFused.MoEExpertsAdd(a.h, a.x, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork, nextQKV) {
+				lazyNorm = norm
+				continue
+			}
+			moe.MoEExperts(a.tmp, a.x, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork)
 			if l.SharedGate.Valid() {
 				m.sharedExpert(a, l, t, moe, fusedDev)
 			}
 			addTmp(norm)
 			continue
 		}
+		addNorm(flat(a.attn), l.O, l.OBias, false, l.PostNorm, l.GateUp, true)
 		if lazyNorm.Valid() && fused.RMSNormMatMul(a.act, a.h, lazyNorm, l.GateUp, eps, true) {
 			// The product that normalised x also applied silu: each gate
 			// met its up in one thread or group of warps.

@@ -13,23 +13,16 @@
 #define MOE_MAX_TOPK 16 // moe_down_combine's per-lane arrays (moeMaxTopK)
 #define MOE_STAGES 4 // cp.async steps in flight: a decode step's few rows leave it bound by reading weights
 
-// moe_route: one warp a row of router logits [T, E] (E <= 256): a float
-// softmax, its k largest probabilities (the lower expert first on a tie)
-// into ids [T, k] and weights [T, k], divided by their sum when norm, and
-// rounded to bf16 as transformers rounds the routing weights.
-extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logits, int T, int E, int k, int norm) {
-	DEP(); // every moe kernel reads what the one before it wrote
-	const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-	if (row >= T) return;
-	const bf16 *l = logits + (long long)row * E;
-	float v[8];
+// moe_route_row: one warp picks a row's experts from its logits, v[i]
+// that of expert lane + 32 i (-inf past E): a float softmax, its k
+// largest probabilities (the lower expert first on a tie) into ids [k] and
+// weights [k], divided by their sum when norm, and rounded to bf16 as
+// transformers rounds the routing weights.
+__device__ __forceinline__ void moe_route_row(float v[8], int *ids, float *weights, int E, int k, int norm) {
+	const int lane = threadIdx.x & 31;
 	float m = -EBB_INF;
 #pragma unroll
-	for (int i = 0; i < 8; i++) {
-		const int e = lane + 32 * i;
-		v[i] = e < E ? bf2f(l[e]) : -EBB_INF;
-		m = fmaxf(m, v[i]);
-	}
+	for (int i = 0; i < 8; i++) m = fmaxf(m, v[i]);
 	m = warp_max(m);
 	float s = 0.f;
 #pragma unroll
@@ -59,10 +52,111 @@ extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logit
 	}
 	if (lane == 0) {
 		for (int j = 0; j < k; j++) {
-			ids[(long long)row * k + j] = chosen[j];
-			weights[(long long)row * k + j] = rbf(norm ? picked[j] / sum : picked[j]);
+			ids[j] = chosen[j];
+			weights[j] = rbf(norm ? picked[j] / sum : picked[j]);
 		}
 	}
+}
+
+// moe_route: one warp a row of router logits [T, E] (E <= 256), picked by
+// moe_route_row into ids [T, k] and weights [T, k].
+extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logits, int T, int E, int k, int norm) {
+	DEP(); // every moe kernel reads what the one before it wrote
+	const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+	if (row >= T) return;
+	const bf16 *l = logits + (long long)row * E;
+	float v[8];
+#pragma unroll
+	for (int i = 0; i < 8; i++) {
+		const int e = lane + 32 * i;
+		v[i] = e < E ? bf2f(l[e]) : -EBB_INF;
+	}
+	moe_route_row(v, ids + (long long)row * k, weights + (long long)row * k, E, k, norm);
+}
+
+// moe_norm_route is a decode step's norm, router product and moe_route for
+// one token in one launch, where separately they were three kernels in a
+// row, each waiting for the one before (o_proj's last block adding and
+// normalising, a gemv of the 0.5 MB router, one warp routing: 30B-A3B
+// shape, 17 us a layer of a batch-1 step on the H100, more than reading
+// the chosen experts' down weights).
+//
+// h is the residual as MatMulAdd's gemv left it, with nsq partial sums of
+// its squares in sq; x = rmsnorm(h) * norm_w is formed as the normalising
+// gemv forms it and written out for the experts. A cluster of
+// MOE_ROUTE_BLOCKS blocks shares the router: warp w of block b takes expert
+// rows b * MOE_ROUTE_WARPS + w + MOE_ROUTE_ROWS j, and loads the first row's
+// first MOE_ROUTE_PRE 16-byte chunks a lane before it waits for the
+// previous kernel (the router's weights never change in a step). Each
+// block stores its logits, rounded to bf16 as the router product's output
+// is, in block 0's shared memory; after the cluster's barrier one warp of
+// block 0 routes them as moe_route does. H <= 8 * MOE_ROUTE_XS.
+#define MOE_ROUTE_BLOCKS 8 // moeRouteBlocks: a portable cluster
+#define MOE_ROUTE_WARPS 16
+#define MOE_ROUTE_ROWS (MOE_ROUTE_BLOCKS * MOE_ROUTE_WARPS)
+#define MOE_ROUTE_PRE 8   // a 2,048-wide row is 8 chunks a lane
+#define MOE_ROUTE_XS 1024 // moeRouteMaxHidden / 8: x's chunks in shared memory
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+	const unsigned au[4] = {a.x, a.y, a.z, a.w}, bu[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+	for (int e = 0; e < 4; e++) {
+		acc += __uint_as_float(au[e] << 16) * __uint_as_float(bu[e] << 16);
+		acc += __uint_as_float(au[e] & 0xffff0000u) * __uint_as_float(bu[e] & 0xffff0000u);
+	}
+	return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
+    moe_norm_route(int *ids, float *weights, bf16 *x, const bf16 *h, const bf16 *norm_w, const float *sq, int nsq,
+                   float eps, const bf16 *router, int E, int H, int k, int norm) {
+#if __CUDA_ARCH__ >= 900
+	__shared__ uint4 xs[MOE_ROUTE_XS];
+	__shared__ float logits[MOE_MAX_EXPERTS]; // block 0's: every block's logits
+	__shared__ float red[32];
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rank = blockIdx.z, kv = H / 8;
+	const int r0 = rank * MOE_ROUTE_WARPS + warp;
+	const uint4 *w0 = (const uint4 *)(router + (long long)min(r0, E - 1) * H);
+	uint4 pre[MOE_ROUTE_PRE];
+#pragma unroll
+	for (int c = 0; c < MOE_ROUTE_PRE; c++) {
+		const int i = lane + 32 * c;
+		if (r0 < E && i < kv) pre[c] = __ldcs(w0 + i);
+	}
+	DEP();
+	// The row's scale: the same bits in every block.
+	float ss = 0.f;
+	for (int j = threadIdx.x; j < nsq; j += blockDim.x) ss += __ldcg(sq + j);
+	const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+	for (int i = threadIdx.x; i < kv; i += blockDim.x) {
+		xs[i] = rmsnorm8(__ldcg((const uint4 *)h + i), __ldg((const uint4 *)norm_w + i), inv);
+		if (i % MOE_ROUTE_BLOCKS == rank) ((uint4 *)x)[i] = xs[i];
+	}
+	__syncthreads();
+	for (int r = r0, j = 0; r < E; r += MOE_ROUTE_ROWS, j++) {
+		const uint4 *wr = (const uint4 *)(router + (long long)r * H);
+		float acc = 0.f;
+		int i = lane;
+		if (j == 0) {
+#pragma unroll
+			for (int c = 0; c < MOE_ROUTE_PRE; c++, i += 32)
+				if (i < kv) acc = dot8(pre[c], xs[i], acc);
+		}
+		for (; i < kv; i += 32) acc = dot8(__ldcs(wr + i), xs[i], acc);
+		acc = warp_sum(acc);
+		if (lane == 0) { // into block 0's logits[r]
+			unsigned remote;
+			asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(smem_u32(logits + r)));
+			asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(rbf(acc)) : "memory");
+		}
+	}
+	cluster_sync();
+	if (rank != 0 || warp != 0) return;
+	float v[8];
+#pragma unroll
+	for (int i = 0; i < 8; i++) v[i] = lane + 32 * i < E ? logits[lane + 32 * i] : -EBB_INF;
+	moe_route_row(v, ids, weights, E, k, norm);
+#endif
 }
 
 // moe_sort (one block of 1024 threads) lists the P = T*k pairs grouped by
@@ -391,6 +485,41 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu(bf16 *act, const 
 // Output columns of one token that a moe_down_combine block takes.
 #define MOE_DOWN_COLS 4
 
+// moe_down_finish adds a moe_down_combine block's dots [column][pair] in
+// ascending expert order, each term and partial sum rounded as
+// moe_combine rounds them, into out or (residual set) the residual; every
+// thread of the block calls it.
+__device__ __forceinline__ void moe_down_finish(void *out, int out_f32, const int *ids, const float *weights, int k,
+                                                int H, bf16 *residual, float *sq, long long t, int n0,
+                                                float dots[MOE_DOWN_COLS][MOE_MAX_TOPK], int *order) {
+	constexpr int R = MOE_DOWN_COLS;
+	if (threadIdx.x == 0) moe_pair_order(order, ids + t * k, k);
+	__syncthreads();
+	const int r = threadIdx.x, n = n0 + r;
+	if (r >= R) return;
+	float acc = 0.f;
+	if (n < H)
+		for (int j = 0; j < k; j++) {
+			const float term = weights[t * k + order[j]] * rbf(dots[r][order[j]]);
+			acc = out_f32 ? acc + term : rbf(acc + rbf(term));
+		}
+	if (residual) {
+		float v = 0.f;
+		if (n < H) {
+			v = rbf(bf2f(residual[t * H + n]) + acc);
+			residual[t * H + n] = f2bf(v);
+		}
+		float s = v * v;
+#pragma unroll
+		for (int o = 1; o < R; o <<= 1) s += __shfl_xor_sync((1u << R) - 1, s, o);
+		if (r == 0) sq[t * gridDim.x + blockIdx.x] = s;
+		return;
+	}
+	if (n >= H) return;
+	if (out_f32) ((float *)out)[t * H + n] = acc;
+	else ((bf16 *)out)[t * H + n] = f2bf(acc);
+}
+
 // moe_down_combine: the down products of a token's k pairs and their
 // weighted sum in one pass; a block takes MOE_DOWN_COLS output columns
 // from n0 of token blockIdx.y. Its (column, pair) dot products are spread
@@ -406,9 +535,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu(bf16 *act, const 
 // moe_gemv_glu passed its dep_wait and let this kernel launch: they and
 // the weights they pick are read before this kernel waits for
 // moe_gemv_glu's act.
+//
+// With residual set (bf16 out, the add mode of gemv_fused's squares mode)
+// the sum is added to the residual, rounded as add_rmsnorm rounds it, and
+// the block leaves in sq[t * gridDim.x + blockIdx.x] the sum of its
+// columns' squares, from which the next layer's qkv gemv normalises the
+// residual as it reads it: the layer needs no add_rmsnorm of its own.
 extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, int out_f32, const bf16 *act,
                                                                    const int *ids, const float *weights, int k,
-                                                                   const bf16 *w, int E, int H, int I) {
+                                                                   const bf16 *w, int E, int H, int I,
+                                                                   bf16 *residual, float *sq) {
 	// Q products a warp in each pass: the 8 warps take R columns of up to
 	// top 8 in one pass.
 	constexpr int R = MOE_DOWN_COLS, Q = R;
@@ -440,13 +576,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, in
 #pragma unroll
 			for (int s = 0; s < Q; s++) {
 				if (!ok[s]) continue;
-				const uint4 aq = __ldg(ar[s] + i);
-				const unsigned wu[4] = {cur[s].x, cur[s].y, cur[s].z, cur[s].w}, au[4] = {aq.x, aq.y, aq.z, aq.w};
-#pragma unroll
-				for (int e = 0; e < 4; e++) {
-					dot[s] += __uint_as_float(wu[e] << 16) * __uint_as_float(au[e] << 16);
-					dot[s] += __uint_as_float(wu[e] & 0xffff0000u) * __uint_as_float(au[e] & 0xffff0000u);
-				}
+				dot[s] = dot8(cur[s], __ldg(ar[s] + i), dot[s]);
 				cur[s] = next[s];
 			}
 		}
@@ -457,18 +587,59 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, in
 			if (lane == 0 && ok[s]) dots[q / k][q % k] = d;
 		}
 	}
-	if (threadIdx.x == 0) moe_pair_order(order, ids + t * k, k);
-	__syncthreads();
-	const int r = threadIdx.x, n = n0 + r;
-	if (r >= R || n >= H) return;
-	// Each term and partial sum rounded as moe_combine rounds them.
-	float acc = 0.f;
-	for (int j = 0; j < k; j++) {
-		const float term = weights[t * k + order[j]] * rbf(dots[r][order[j]]);
-		acc = out_f32 ? acc + term : rbf(acc + rbf(term));
+	moe_down_finish(out, out_f32, ids, weights, k, H, residual, sq, t, n0, dots, order);
+}
+
+// moe_down_bulk is moe_down_combine (the same products, sums and bits)
+// with its weights brought in by the copy engine: before it waits for
+// moe_gemv_glu, one thread asks for the block's columns of each chosen
+// expert (contiguous in w [E, H, I]: k copies of MOE_DOWN_COLS rows) into
+// shared memory, so that all of them are in flight at once without
+// holding registers, and the block's eight warps then take its (column,
+// pair) products from shared memory. Dynamic shared memory: k *
+// MOE_DOWN_COLS * I bf16 (sm_90: bulk copies).
+extern "C" __global__ void __launch_bounds__(256) moe_down_bulk(void *out, int out_f32, const bf16 *act, const int *ids,
+                                                                const float *weights, int k, const bf16 *w, int E,
+                                                                int H, int I, bf16 *residual, float *sq) {
+#if __CUDA_ARCH__ >= 900
+	constexpr int R = MOE_DOWN_COLS;
+	extern __shared__ __align__(128) unsigned char moe_down_smem[];
+	__shared__ __align__(8) unsigned long long bar;
+	__shared__ float dots[R][MOE_MAX_TOPK];
+	__shared__ int order[MOE_MAX_TOPK];
+	const long long t = blockIdx.y;
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * R, cols = min(R, H - n0);
+	const unsigned rows = smem_u32(moe_down_smem), b = smem_u32(&bar), bytes = (unsigned)cols * I * 2;
+	if (threadIdx.x == 0) {
+		// ids come from moe_route, which finished before moe_gemv_glu let
+		// this kernel launch.
+		mbar_init(b, 1);
+		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+		mbar_expect_tx(b, bytes * k);
+		for (int j = 0; j < k; j++) {
+			const int e = min(max(ids[t * k + j], 0), E - 1);
+			asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+			                 rows + j * R * I * 2),
+			             "l"(w + ((long long)e * H + n0) * I), "r"(bytes), "r"(b)
+			             : "memory");
+		}
 	}
-	if (out_f32) ((float *)out)[t * H + n] = acc;
-	else ((bf16 *)out)[t * H + n] = f2bf(acc);
+	__syncthreads();
+	DEP();
+	mbar_wait(b, 0);
+	const int kv = I / 8;
+	for (int q = warp; q < R * k; q += 8) {
+		const int r = q / k, j = q % k;
+		if (r >= cols) continue;
+		const uint4 *wr = (const uint4 *)(moe_down_smem + (size_t)(j * R + r) * I * 2);
+		const uint4 *ar = (const uint4 *)(act + (t * k + j) * I);
+		float d = 0.f;
+		for (int i = lane; i < kv; i += 32) d = dot8(wr[i], __ldg(ar + i), d);
+		d = warp_sum(d);
+		if (lane == 0) dots[r][j] = d;
+	}
+	moe_down_finish(out, out_f32, ids, weights, k, H, residual, sq, t, n0, dots, order);
+#endif
 }
 
 // moe_shared_add: out[t] += sigmoid(gate[t]) * y[t] (Qwen2-MoE's shared
