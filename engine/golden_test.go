@@ -125,7 +125,13 @@ func writeGoldenModel(t *testing.T, g golden) string {
 // graph path (static buffers, padding to a captured size) is what runs.
 func openCPU(t *testing.T, dir string) *engine.Engine {
 	t.Helper()
-	e, err := engine.Open(engine.Config{ModelDir: dir, Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 64,
+	return openOn(t, dir, "cpu")
+}
+
+// openOn is openCPU on the named CPU backend.
+func openOn(t *testing.T, dir, backend string) *engine.Engine {
+	t.Helper()
+	e, err := engine.Open(engine.Config{ModelDir: dir, Device: backend, MaxRunningRequests: 8, ChunkedPrefillSize: 64,
 		MaxTotalTokens: 4096, CUDAGraphMaxBS: 8, EnableReturnRoutedExperts: isMoE(t, dir)})
 	if err != nil {
 		t.Fatal(err)
