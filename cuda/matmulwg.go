@@ -294,8 +294,17 @@ func (d *Device) launchWG(name string, grid Dim3, threads, shared, cluster int, 
 		d.fail(err)
 		return
 	}
+	d.launchCluster(name, grid, D1(threads), shared, cluster, []TensorMap{wmap, xmap}, args...)
+}
+
+// launchCluster is launch for a kernel of thread block clusters of cluster
+// blocks along z, with tensor maps as its first parameters.
+func (d *Device) launchCluster(name string, grid, block Dim3, shared, cluster int, maps []TensorMap, args ...uint64) {
+	if d.err != nil || d.skipKernels[name] {
+		return
+	}
 	if kern := d.kernel(name); kern != nil {
-		d.fail(d.ctx.LaunchCluster(kern, grid, D1(threads), shared, cluster, []TensorMap{wmap, xmap}, args...))
+		d.fail(d.ctx.LaunchCluster(kern, grid, block, shared, cluster, maps, args...))
 	}
 }
 

@@ -177,14 +177,9 @@ func (d *Device) MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weigh
 	}
 	p := d.pendingNorm
 	d.pendingNorm = pendingNorm{}
-	if d.err != nil || d.skipKernels["moe_norm_route"] {
-		return true
-	}
-	if kern := d.kernel("moe_norm_route"); kern != nil {
-		d.fail(d.ctx.LaunchCluster(kern, Dim3{X: 1, Y: 1, Z: moeRouteBlocks}, D1(moeRouteThreads), 0, moeRouteBlocks, nil,
-			P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps),
-			P(router.Ptr), I(e), I(h), I(k), I(boolInt(norm))))
-	}
+	d.launchCluster("moe_norm_route", Dim3{X: 1, Y: 1, Z: moeRouteBlocks}, D1(moeRouteThreads), 0, moeRouteBlocks, nil,
+		P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps),
+		P(router.Ptr), I(e), I(h), I(k), I(boolInt(norm)))
 	return true
 }
 
