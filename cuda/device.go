@@ -64,6 +64,7 @@ type Device struct {
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
 	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
 	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
+	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
 	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
@@ -227,6 +228,7 @@ func (d *Device) init() error {
 	}
 	d.moeGemvTokens = moeGemvTokens
 	d.noMoEFold = os.Getenv("EBB_MOE_FOLD") == "0"
+	d.moeRouteWarps = kernelDefineInt("MOE_ROUTE_WARPS", moeRouteWarps)
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
 		d.moeGemvTokens = n
 	}

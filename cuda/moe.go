@@ -155,7 +155,7 @@ func moeDownParts(hidden int) int { return (hidden + moeDownCols - 1) / moeDownC
 
 const (
 	moeRouteBlocks    = 8    // MOE_ROUTE_BLOCKS: moe_norm_route's cluster
-	moeRouteThreads   = 512  // MOE_ROUTE_WARPS warps
+	moeRouteWarps     = 16   // MOE_ROUTE_WARPS, unless EBB_KERNEL_DEFINES sets it
 	moeRouteMaxHidden = 8192 // 8 * MOE_ROUTE_XS
 )
 
@@ -177,7 +177,7 @@ func (d *Device) MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weigh
 	}
 	p := d.pendingNorm
 	d.pendingNorm = pendingNorm{}
-	d.launchCluster("moe_norm_route", Dim3{X: 1, Y: 1, Z: moeRouteBlocks}, D1(moeRouteThreads), 0, moeRouteBlocks, nil,
+	d.launchCluster("moe_norm_route", Dim3{X: 1, Y: 1, Z: moeRouteBlocks}, D1(32*d.moeRouteWarps), 0, moeRouteBlocks, nil,
 		P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps),
 		P(router.Ptr), I(e), I(h), I(k), I(boolInt(norm)))
 	return true

@@ -91,10 +91,21 @@ extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logit
 // block stores its logits, rounded to bf16 as the router product's output
 // is, in block 0's shared memory; after the cluster's barrier one warp of
 // block 0 routes them as moe_route does. H <= 8 * MOE_ROUTE_XS.
+//
+// In a batch-1 step the kernel costs twice its time alone (15.5 against
+// 7.5 us a 30B-A3B layer, H200): likely its cluster waits for eight SMs
+// with room for 512 threads while o_proj's blocks hold them. Warps a block
+// and chunks loaded early are tunables (EBB_KERNEL_DEFINES, which the host
+// reads too) for the A/B runs that would show it: MOE_ROUTE_WARPS=8 gives
+// each warp two rows, the second loaded after the wait.
 #define MOE_ROUTE_BLOCKS 8 // moeRouteBlocks: a portable cluster
-#define MOE_ROUTE_WARPS 16
+#ifndef MOE_ROUTE_WARPS
+#define MOE_ROUTE_WARPS 16 // moeRouteWarps
+#endif
 #define MOE_ROUTE_ROWS (MOE_ROUTE_BLOCKS * MOE_ROUTE_WARPS)
-#define MOE_ROUTE_PRE 8   // a 2,048-wide row is 8 chunks a lane
+#ifndef MOE_ROUTE_PRE
+#define MOE_ROUTE_PRE 8 // a 2,048-wide row is 8 chunks a lane
+#endif
 #define MOE_ROUTE_XS 1024 // moeRouteMaxHidden / 8: x's chunks in shared memory
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
