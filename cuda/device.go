@@ -140,7 +140,7 @@ func init() {
 
 var kernelNames = []string{
 	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "rmsnorm_v8", "add_rmsnorm_v8", "add_rmsnorm_f32x_v8", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
-	"gather_rows", "fill_bf16", "fill_f32", "bits_hash", "attn_prefill", "apply_penalties", "resolve_tokens",
+	"gather_rows", "fill_bf16", "fill_f32", "fill_uniform_bf16", "fill_uniform_f32", "bits_hash", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"sample_scan_det_f32", "sample_scan_det_bf16", "token_logprobs_det", "attn_det_d64", "attn_det_d128", "attn_det_dec_d64", "attn_det_dec_d128",
@@ -468,6 +468,19 @@ func (d *Device) Fill(dst device.Tensor, v float32) {
 		d.launch("fill_f32", gridFor(n), D1(256), 0, P(dst.Ptr), uint64(n), F(v))
 	default:
 		d.fail(fmt.Errorf("fill %v", dst))
+	}
+}
+
+// FillUniform implements device.UniformFiller.
+func (d *Device) FillUniform(dst device.Tensor, seed uint64, step float32) {
+	n := int64(dst.Numel())
+	switch dst.DType {
+	case device.BF16:
+		d.launch("fill_uniform_bf16", gridFor(n), D1(256), 0, P(dst.Ptr), uint64(n), seed, F(step))
+	case device.F32:
+		d.launch("fill_uniform_f32", gridFor(n), D1(256), 0, P(dst.Ptr), uint64(n), seed, F(step))
+	default:
+		d.fail(fmt.Errorf("fill uniform %v", dst))
 	}
 }
 

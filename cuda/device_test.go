@@ -184,6 +184,25 @@ func TestEmbeddingGatherCopyFill(t *testing.T) {
 	}
 }
 
+// TestFillUniform: --load-format dummy's draws on the GPU are the host's
+// (device.UniformAt) bit for bit, rounded to bf16 as an upload rounds them.
+func TestFillUniform(t *testing.T) {
+	p := newPair(t)
+	for _, dt := range []device.DType{device.BF16, device.F32} {
+		for _, n := range []int{1000, 3<<20 + 5} {
+			seed, step := uint64(n)*0x51ed27, device.UniformStep(0.0625)
+			want := make([]float32, n)
+			for i := range want {
+				want[i] = device.UniformAt(seed, uint64(i), step)
+			}
+			f := p.floats(dt, want, n)
+			p.gpu.Fill(f.g, 0) // so that a fill that writes nothing fails
+			p.gpu.FillUniform(f.g, seed, step)
+			p.close(fmt.Sprintf("fill uniform %s, %d", dt, n), f, 0, 0)
+		}
+	}
+}
+
 // TestConvert covers the dtype conversions: bf16 to float32 eight at a time
 // (a multiple of 8) or one at a time, and float32 to bf16.
 func TestConvert(t *testing.T) {

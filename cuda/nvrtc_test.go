@@ -2,6 +2,9 @@ package cuda
 
 import (
 	"errors"
+	"os"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -92,5 +95,43 @@ func TestKernelDefines(t *testing.T) {
 		if err != nil || got != tc.want {
 			t.Errorf("%q: %q, %v; want %q", tc.in, got, err, tc.want)
 		}
+	}
+}
+
+// TestLaunchedKernelsAreLoaded: every kernel the host launches by a literal
+// name is one OpenDevice resolves (kernelNames), so that a new kernel left
+// out of the list fails here, not at its first launch on a GPU.
+func TestLaunchedKernelsAreLoaded(t *testing.T) {
+	loaded := map[string]bool{}
+	for _, n := range kernelNames {
+		loaded[n] = true
+	}
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(files) == 0 {
+		// tools/gpu_check.sh runs the test binary from the repository root.
+		t.Skip("the package's source is not in the working directory")
+	}
+	call := regexp.MustCompile(`\b(?:launch|launchCluster|kernel)\("([a-z0-9_]+)"\s*[,)]`)
+	seen := 0
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range call.FindAllStringSubmatch(string(src), -1) {
+			seen++
+			if !loaded[m[1]] {
+				t.Errorf("%s launches %q, which kernelNames does not list", f, m[1])
+			}
+		}
+	}
+	if seen < 30 {
+		t.Fatalf("found %d launches by name; the pattern no longer matches the host code", seen)
 	}
 }

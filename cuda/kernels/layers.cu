@@ -668,6 +668,27 @@ extern "C" __global__ void fill_f32(float *x, long long n, float v) {
 	FOR_GRID(i, n) x[i] = v;
 }
 
+// uniform_at is device.UniformAt: splitmix64's i-th output, its top 24
+// bits less 2^23, times step (one rounding, so the host's bits).
+__device__ __forceinline__ float uniform_at(unsigned long long seed, unsigned long long i, float step) {
+	unsigned long long z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	z ^= z >> 31;
+	return __fmul_rn((float)((int)(z >> 40) - (1 << 23)), step);
+}
+
+// fill_uniform_* draw --load-format dummy's weights on the device.
+extern "C" __global__ void fill_uniform_bf16(bf16 *x, long long n, unsigned long long seed, float step) {
+	DEP();
+	FOR_GRID(i, n) x[i] = f2bf(uniform_at(seed, i, step));
+}
+
+extern "C" __global__ void fill_uniform_f32(float *x, long long n, unsigned long long seed, float step) {
+	DEP();
+	FOR_GRID(i, n) x[i] = uniform_at(seed, i, step);
+}
+
 // bits_hash adds mix(i, p[i]) over n 32-bit words into *out, which the
 // caller zeroes: a sum, so the order blocks finish in cannot change it.
 // The GEMM tuner compares outputs with it (bitsHash is the CPU reference).
