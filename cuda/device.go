@@ -148,7 +148,7 @@ var kernelNames = []string{
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
-	"moe_route", "moe_norm_route", "moe_sort", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_gemv_glu", "moe_down_combine", "moe_down_bulk", "moe_shared_add",
+	"moe_route", "moe_norm_route", "moe_sort", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_combine_add_rmsnorm", "moe_gemv_glu", "moe_down_combine", "moe_down_bulk", "moe_shared_add",
 	"moe_wg_n32", "moe_wg_n64", "moe_wg_n128",
 	"allreduce_f32", "allreduce_f32_v4", "allreduce_add_rmsnorm", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }

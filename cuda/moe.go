@@ -85,7 +85,6 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		return
 	}
 	w, _ := moeLayout(work.Ptr, t, k, e, inter, h)
-	p := t * k
 	if !d.det && t <= d.moeGemvTokens {
 		// A few tokens: a gemv per (token, choice) pair, and the down
 		// products summed as they are formed. Deterministic inference
@@ -93,8 +92,19 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		d.moeExpertsGemv(out.Ptr, out.DType == device.F32, 0, x, ids, weights, gateUp, down, w)
 		return
 	}
+	d.moeProducts(x, ids, gateUp, down, w)
+	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
+		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
+}
+
+// moeProducts groups the pairs by expert (moe_sort) and runs the grouped
+// gate_up and down products into w.y, in sorted order, for a combine.
+func (d *Device) moeProducts(x, ids, gateUp, down device.Tensor, w moeWork) {
+	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
+	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
+	p := t * k
 	if bn := d.moeWGTile(p, e, inter, h); bn > 0 {
-		d.moeExpertsWG(out, x, ids, weights, gateUp, down, w, bn)
+		d.moeExpertsWG(x, ids, gateUp, down, w, bn)
 		return
 	}
 	gemm, bm := d.moeTiles(p, e)
@@ -105,8 +115,30 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		P(w.act), P(x.Ptr), P(w.order), I(k), P(gateUp.Ptr), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
 	d.launch(gemm, Dim3{X: uint32((h + moeBN - 1) / moeBN), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
 		P(w.y), P(w.act), P(0), I(k), P(down.Ptr), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
-	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
-		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
+}
+
+// moeCombineNormMaxHidden is the widest row moe_combine_add_rmsnorm takes:
+// a thread holds 8 columns, a block 1,024 threads.
+const moeCombineNormMaxHidden = 8 * 1024
+
+// MoEExpertsAddRMSNorm implements device.MoEFused for the steps whose
+// experts end in moe_combine (more rows than the pair gemv takes): the
+// combine adds into the residual and normalises it in one launch
+// (moe_combine_add_rmsnorm) in place of moe_combine and add_rmsnorm.
+// Deterministic inference keeps its separate launches; EBB_MOE_FOLD=0 too.
+func (d *Device) MoEExpertsAddRMSNorm(residual, x, normW, ids, weights, gateUp, down, work device.Tensor, eps float32) bool {
+	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
+	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
+	if d.err != nil || d.det || d.noMoEFold || t == 0 || t <= d.moeGemvTokens || h%8 != 0 || h > moeCombineNormMaxHidden ||
+		residual.DType != device.BF16 || residual.Numel() != t*h || normW.DType != device.BF16 || normW.Numel() != h ||
+		residual.Ptr%16 != 0 || x.Ptr%16 != 0 || normW.Ptr%16 != 0 || !d.moeExpertsFit(x, ids, weights, gateUp, down, work) {
+		return false
+	}
+	w, _ := moeLayout(work.Ptr, t, k, e, inter, h)
+	d.moeProducts(x, ids, gateUp, down, w)
+	d.launch("moe_combine_add_rmsnorm", D1(t), D1(normThreads(h)), 0, P(residual.Ptr), P(x.Ptr), P(normW.Ptr), F(eps),
+		P(w.y), P(w.inv), P(ids.Ptr), P(weights.Ptr), I(k), I(h))
+	return true
 }
 
 // moeExpertsFit says whether MoEExperts takes these operands.
@@ -266,8 +298,8 @@ func (d *Device) moeWGTile(p, e, inter, hidden int) int {
 	return moeWGRows[len(moeWGRows)-1]
 }
 
-// moeExpertsWG is MoEExperts on moe_wg with row tiles of bn.
-func (d *Device) moeExpertsWG(out, x, ids, weights, gateUp, down device.Tensor, w moeWork, bn int) {
+// moeExpertsWG is moeProducts on moe_wg with row tiles of bn.
+func (d *Device) moeExpertsWG(x, ids, gateUp, down device.Tensor, w moeWork, bn int) {
 	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
 	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
 	p := t * k
@@ -283,6 +315,4 @@ func (d *Device) moeExpertsWG(out, x, ids, weights, gateUp, down device.Tensor, 
 		P(w.act), P(w.order), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
 	d.launchWG(name, wgrid(h), matMulWGThreads, shared, 1, wgOperands{w: down.Ptr, experts: e, n: h, x: w.act, m: p, k: inter, box: bn},
 		P(w.y), P(0), I(k), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
-	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
-		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
 }

@@ -466,3 +466,62 @@ func TestMoEDownBulkSameBits(t *testing.T) {
 		p.gpu.Free(memory.Workspace, work)
 	}
 }
+
+// TestMoEExpertsAddRMSNormSameBits: moe_combine_add_rmsnorm gives the bits
+// of moe_combine then add_rmsnorm, on moe_wg's products and moe_gemm's
+// (a hidden size off matmul_wg's 64-wide steps); the pair gemv's few rows
+// are declined.
+func TestMoEExpertsAddRMSNormSameBits(t *testing.T) {
+	p := newPair(t)
+	for _, c := range []struct {
+		rows                      []int
+		experts, k, inter, hidden int
+	}{
+		{[]int{256, 37}, 128, 8, 768, 2048}, {[]int{5}, 16, 4, 96, 128}, {[]int{64}, 8, 2, 48, 72}, {[]int{9}, 32, 8, 64, 4096},
+	} {
+		// One set of weights a shape: the CPU twin of the 30B-A3B shape's
+		// experts takes 2.4 GB of the pair's 4 GB workspace.
+		gateUp := p.random(device.BF16, float32(1/math.Sqrt(float64(c.hidden))), c.experts, 2*c.inter, c.hidden)
+		down := p.random(device.BF16, float32(1/math.Sqrt(float64(c.inter))), c.experts, c.hidden, c.inter)
+		normW := p.random(device.BF16, 0.5, c.hidden)
+		for _, rows := range c.rows {
+			name := fmt.Sprintf("%d rows, %d experts, top %d, %d x %d", rows, c.experts, c.k, c.inter, c.hidden)
+			x := p.random(device.BF16, 1, rows, c.hidden)
+			idv, wv := make([]int32, rows*c.k), make([]float32, rows*c.k)
+			for r := range rows {
+				for j, e := range p.rng.Perm(c.experts)[:c.k] {
+					idv[r*c.k+j], wv[r*c.k+j] = int32(e), float32(1+p.rng.IntN(64))/64
+				}
+			}
+			ids, w := p.ints(idv, rows, c.k), p.floats(device.F32, wv, rows, c.k)
+			work, err := p.gpu.Alloc(memory.Workspace, device.I32, int(p.gpu.MoEWorkBytes(rows, c.k, c.experts, c.inter, c.hidden)/4)+1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res := p.random(device.BF16, 2, rows, c.hidden)
+			// Apart: the experts' sum, then add_rmsnorm into a separate x.
+			sum, normed := p.random(device.BF16, 0, rows, c.hidden), p.random(device.BF16, 0, rows, c.hidden)
+			r0 := p.clone(device.BF16, res)
+			p.gpu.MoEExperts(sum.g, x.g, ids.g, w.g, gateUp.g, down.g, work)
+			p.gpu.AddRMSNorm(r0.g, sum.g, normed.g, normW.g, 1e-6)
+			// Folded: x itself is overwritten with the norm.
+			r1, x1 := p.clone(device.BF16, res), p.clone(device.BF16, x)
+			if !p.gpu.MoEExpertsAddRMSNorm(r1.g, x1.g, normW.g, ids.g, w.g, gateUp.g, down.g, work, 1e-6) {
+				t.Fatalf("%s: not taken", name)
+			}
+			if !slices.Equal(p.bits(r0.g), p.bits(r1.g)) || !slices.Equal(p.bits(normed.g), p.bits(x1.g)) {
+				t.Fatalf("%s: folded combine and norm give other bits", name)
+			}
+			p.gpu.Free(memory.Workspace, work)
+		}
+	}
+	work, err := p.gpu.Alloc(memory.Workspace, device.I32, int(p.gpu.MoEWorkBytes(2, 2, 8, 48, 64)/4)+1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.gpu.MoEExpertsAddRMSNorm(p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 2, 64).g, p.random(device.BF16, 1, 64).g,
+		p.ints([]int32{0, 1, 2, 3}, 2, 2).g, p.random(device.F32, 1, 2, 2).g, p.random(device.BF16, 1, 8, 96, 64).g,
+		p.random(device.BF16, 1, 8, 64, 48).g, work, 1e-6) {
+		t.Fatal("two tokens: taken")
+	}
+}

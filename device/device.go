@@ -451,6 +451,10 @@ type MoEFused interface {
 	// rounds it, leaving what RMSNormMatMul needs to take next (a product
 	// of residual's width) after it, as MatMulAdd does.
 	MoEExpertsAdd(residual, x, ids, weights, gateUp, down, work, next Tensor) bool
+	// MoEExpertsAddRMSNorm: residual += MoEExperts(x, ...) and then
+	// x = rmsnorm(residual) * normW, as AddRMSNorm does both, for the
+	// steps of more rows that MoEExpertsAdd does not take.
+	MoEExpertsAddRMSNorm(residual, x, normW, ids, weights, gateUp, down, work Tensor, eps float32) bool
 }
 
 // Accumulating is implemented by devices that add a matmul's product into

@@ -26,7 +26,7 @@ type fusedCPU struct {
 	*cpu.Device
 	scratch *cpu.Device // temporaries, outside the engine's planned regions
 	// Calls taken, so that the test knows the fused paths ran.
-	normed, routed, added atomic.Int64
+	normed, routed, added, combined atomic.Int64
 }
 
 var (
@@ -52,8 +52,8 @@ func openFusedCPU(t *testing.T, dir string) *engine.Engine {
 	return openOn(t, dir, "cpu-fused")
 }
 
-// fusedMoERows: MoEFused takes steps of at most this many rows, as the GPU
-// takes one.
+// fusedMoERows: MoEFused's batch-1 folds take steps of at most this many
+// rows, as the GPU takes one; MoEExpertsAddRMSNorm takes the larger ones.
 const fusedMoERows = 1
 
 // Close closes both devices.
@@ -153,6 +153,18 @@ func (d *fusedCPU) MoEExpertsAdd(residual, x, ids, weights, gateUp, down, work, 
 	return true
 }
 
+func (d *fusedCPU) MoEExpertsAddRMSNorm(residual, x, normW, ids, weights, gateUp, down, work device.Tensor, eps float32) bool {
+	if x.Dim(0) <= fusedMoERows {
+		return false // as the GPU leaves the pair gemv's rows to MoEExpertsAdd
+	}
+	y, free := d.temp(residual.Shape...)
+	defer free()
+	d.MoEExperts(y, x, ids, weights, gateUp, down, work)
+	d.AddRMSNorm(residual, y, x, normW, eps)
+	d.combined.Add(1)
+	return true
+}
+
 // TestFusedControlFlowCPU: every golden model (dense, Qwen3-MoE with and
 // without dense layers, Qwen2-MoE with its shared expert) gives the same
 // tokens, logprob bits and routed experts with the fused calls taken as
@@ -190,14 +202,18 @@ func TestFusedControlFlowCPU(t *testing.T) {
 			// no shared expert and the next qkv normalises it (one without
 			// bias: not Qwen2's).
 			// A dense layer's gate_up normalises what o_proj added.
-			layers, adds, dense := fused.Model.W.Layers, false, false
+			// Steps of more rows combine and normalise in one call where the
+			// layer has no shared expert.
+			layers, adds, dense, combines := fused.Model.W.Layers, false, false, false
 			for i, l := range layers {
 				dense = dense || !l.Sparse()
 				adds = adds || i+1 < len(layers) && l.Sparse() && !l.SharedGate.Valid() && !layers[i+1].QKVBias.Valid()
+				combines = combines || l.Sparse() && !l.SharedGate.Valid()
 			}
-			if (dev.normed.Load() > 0) != (dense || adds) || moe && (dev.routed.Load() == 0 || (dev.added.Load() > 0) != adds) {
-				t.Fatalf("fused calls taken: %d normalising products, %d routings, %d expert adds", dev.normed.Load(),
-					dev.routed.Load(), dev.added.Load())
+			if (dev.normed.Load() > 0) != (dense || adds) || moe && (dev.routed.Load() == 0 || (dev.added.Load() > 0) != adds ||
+				(dev.combined.Load() > 0) != combines) {
+				t.Fatalf("fused calls taken: %d normalising products, %d routings, %d expert adds, %d combines normalised",
+					dev.normed.Load(), dev.routed.Load(), dev.added.Load(), dev.combined.Load())
 			}
 		})
 	}

@@ -401,6 +401,10 @@ func (m *Model) forward(in Inputs, a activations) {
 				lazyNorm = norm
 				continue
 			}
+			if !l.SharedGate.Valid() && moeFused != nil &&
+				moeFused.MoEExpertsAddRMSNorm(a.h, a.x, norm, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork, eps) {
+				continue
+			}
 			moe.MoEExperts(a.tmp, a.x, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork)
 			if l.SharedGate.Valid() {
 				m.sharedExpert(a, l, t, moe, fusedDev)

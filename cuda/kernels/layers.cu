@@ -100,16 +100,14 @@ __device__ __forceinline__ void load8x(const float *p, float f[8]) {
 	for (int e = 0; e < 8; e++) f[e] = rbf(f[e]);
 }
 
-// norm_row8 is rmsnorm (residual null) or add_rmsnorm of one row.
-template <typename X>
-__device__ __forceinline__ void norm_row8(bf16 *residual, const X *x, bf16 *out, const bf16 *w, int dim, float eps) {
+// norm_vals8 is rmsnorm (residual null) or add_rmsnorm of row blockIdx.x
+// (at off) from x's 8 values at i that this thread holds (i < dim).
+__device__ __forceinline__ void norm_vals8(bf16 *residual, float v[8], bf16 *out, const bf16 *w, int dim, float eps,
+                                           long long off, int i) {
 	__shared__ float red[32];
-	const long long off = (long long)blockIdx.x * dim;
-	const int i = 8 * threadIdx.x;
-	float v[8], wv[8];
+	float wv[8];
 	float ss = 0.f;
 	if (i < dim) {
-		load8x(x + off + i, v);
 		if (residual) {
 			float r[8];
 			unpack8(*(const uint4 *)(residual + off + i), r);
@@ -127,6 +125,16 @@ __device__ __forceinline__ void norm_row8(bf16 *residual, const X *x, bf16 *out,
 		for (int e = 0; e < 8; e++) wv[e] *= rbf(v[e] * inv);
 		*(uint4 *)(out + off + i) = pack8(wv);
 	}
+}
+
+// norm_row8 is rmsnorm (residual null) or add_rmsnorm of one row.
+template <typename X>
+__device__ __forceinline__ void norm_row8(bf16 *residual, const X *x, bf16 *out, const bf16 *w, int dim, float eps) {
+	const long long off = (long long)blockIdx.x * dim;
+	const int i = 8 * threadIdx.x;
+	float v[8];
+	if (i < dim) load8x(x + off + i, v);
+	norm_vals8(residual, v, out, w, dim, eps, off, i);
 }
 
 extern "C" __global__ void rmsnorm_v8(bf16 *out, const bf16 *x, const bf16 *w, int dim, float eps) {

@@ -432,6 +432,41 @@ __device__ __forceinline__ void moe_pair_order(int order[], const int *ids_row, 
 	}
 }
 
+// moe_combine_setup: thread 0 lists token t's k choices in ascending
+// expert order, their places in y (pos) and weights (wt).
+__device__ __forceinline__ void moe_combine_setup(int *pos, float *wt, const int *inv, const int *ids,
+                                                  const float *weights, int k, long long t) {
+	if (threadIdx.x == 0) {
+		int order[MOE_MAX_TOPK];
+		moe_pair_order(order, ids + t * k, k);
+		for (int j = 0; j < k; j++) pos[j] = inv[t * k + order[j]], wt[j] = weights[t * k + order[j]];
+	}
+	__syncthreads();
+}
+
+// moe_combine8 sums columns h..h+7 of the k terms into acc (H % 8 == 0):
+// every term's 16 bytes are requested before any is added.
+__device__ __forceinline__ void moe_combine8(float acc[8], const bf16 *y, const int *pos, const float *wt, int k,
+                                             int H, int h, bool f32) {
+	uint4 v[MOE_MAX_TOPK];
+#pragma unroll
+	for (int j = 0; j < MOE_MAX_TOPK; j++)
+		if (j < k) v[j] = __ldcs((const uint4 *)(y + (long long)pos[j] * H + h));
+#pragma unroll
+	for (int i = 0; i < 8; i++) acc[i] = 0.f;
+#pragma unroll
+	for (int j = 0; j < MOE_MAX_TOPK; j++) {
+		if (j >= k) break;
+		float f[8];
+		unpack8(v[j], f);
+#pragma unroll
+		for (int i = 0; i < 8; i++) {
+			const float term = wt[j] * f[i];
+			acc[i] = f32 ? acc[i] + term : rbf(acc[i] + rbf(term));
+		}
+	}
+}
+
 // moe_combine: out[t] = sum over token t's k choices, in ascending expert
 // order, of weight * y[inv[pair]] (y [P, H], the experts' results in
 // sorted order). A bf16 out rounds each term and each partial sum, as
@@ -443,36 +478,34 @@ extern "C" __global__ void moe_combine(void *out, int out_f32, const bf16 *y, co
 	__shared__ float wt[MOE_MAX_TOPK];
 	const long long t = blockIdx.x;
 	DEP();
-	if (threadIdx.x == 0) {
-		int order[MOE_MAX_TOPK];
-		moe_pair_order(order, ids + t * k, k);
-		for (int j = 0; j < k; j++) pos[j] = inv[t * k + order[j]], wt[j] = weights[t * k + order[j]];
-	}
-	__syncthreads();
-	// Eight columns a thread (H % 8 == 0): every term's 16 bytes are
-	// requested before any is added.
+	moe_combine_setup(pos, wt, inv, ids, weights, k, t);
 	for (int h = 8 * threadIdx.x; h < H; h += 8 * blockDim.x) {
-		uint4 v[MOE_MAX_TOPK];
-#pragma unroll
-		for (int j = 0; j < MOE_MAX_TOPK; j++)
-			if (j < k) v[j] = __ldcs((const uint4 *)(y + (long long)pos[j] * H + h));
-		float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-		for (int j = 0; j < MOE_MAX_TOPK; j++) {
-			if (j >= k) break;
-			float f[8];
-			unpack8(v[j], f);
-#pragma unroll
-			for (int i = 0; i < 8; i++) {
-				const float term = wt[j] * f[i];
-				acc[i] = out_f32 ? acc[i] + term : rbf(acc[i] + rbf(term));
-			}
-		}
+		float acc[8];
+		moe_combine8(acc, y, pos, wt, k, H, h, out_f32);
 		if (out_f32) {
 			float4 *o = (float4 *)((float *)out + t * H + h);
 			o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]), o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
 		} else *(uint4 *)((bf16 *)out + t * H + h) = pack8(acc);
 	}
+}
+
+// moe_combine_add_rmsnorm is moe_combine into bf16 and then
+// add_rmsnorm_v8 (residual += the sum, x = rmsnorm(residual) * w) in one
+// launch, a block of H / 8 threads a token: the same bits, and a step of
+// 256 tokens saves a launch a sparse layer (30B-A3B shape, H200: moe_combine
+// 9.2 us, add_rmsnorm 3.6).
+extern "C" __global__ void moe_combine_add_rmsnorm(bf16 *residual, bf16 *x, const bf16 *w, float eps, const bf16 *y,
+                                                   const int *inv, const int *ids, const float *weights, int k,
+                                                   int H) {
+	__shared__ int pos[MOE_MAX_TOPK];
+	__shared__ float wt[MOE_MAX_TOPK];
+	const long long t = blockIdx.x;
+	DEP();
+	moe_combine_setup(pos, wt, inv, ids, weights, k, t);
+	const int i = 8 * threadIdx.x;
+	float v[8];
+	if (i < H) moe_combine8(v, y, pos, wt, k, H, i, false);
+	norm_vals8(residual, v, x, w, H, eps, t * H, i);
 }
 
 // ---- decode: a few tokens ----------------------------------------------------
