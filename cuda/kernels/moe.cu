@@ -93,11 +93,11 @@ extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logit
 // block 0 routes them as moe_route does. H <= 8 * MOE_ROUTE_XS.
 //
 // In a batch-1 step the kernel costs twice its time alone (15.5 against
-// 7.5 us a 30B-A3B layer, H200): likely its cluster waits for eight SMs
-// with room for 512 threads while o_proj's blocks hold them. Warps a block
-// and chunks loaded early are tunables (EBB_KERNEL_DEFINES, which the host
-// reads too) for the A/B runs that would show it: MOE_ROUTE_WARPS=8 gives
-// each warp two rows, the second loaded after the wait.
+// 7.5 us a 30B-A3B layer, H200). Smaller blocks, which might start beside
+// o_proj's, were slower: warps a block are a tunable (EBB_KERNEL_DEFINES,
+// which the host reads too), and on the 12-layer copy at batch 1 a step
+// took 0.895 ms with 16 (one row a warp), 0.921 with 8 (two rows, the
+// second loaded after the wait) and 0.977 with 4, twice each.
 #define MOE_ROUTE_BLOCKS 8 // moeRouteBlocks: a portable cluster
 #ifndef MOE_ROUTE_WARPS
 #define MOE_ROUTE_WARPS 16 // moeRouteWarps
