@@ -2,8 +2,8 @@ package device
 
 // UniformFiller is a device that draws random weights itself
 // (--load-format dummy): a 61 GB model's values made on the host and
-// copied over took most of a minute to load; the device makes them in
-// well under a second.
+// copied over took most of a minute to load; drawn on the device, a whole
+// batch-1 bench of that model runs in about 2 s (H200).
 type UniformFiller interface {
 	// FillUniform sets element i of a float tensor to UniformAt(seed, i,
 	// step), rounded to the tensor's dtype.
