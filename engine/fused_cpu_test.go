@@ -198,12 +198,11 @@ func TestFusedControlFlowCPU(t *testing.T) {
 					}
 				}
 			}
-			// The experts are added into the residual where the layer has
-			// no shared expert and the next qkv normalises it (one without
-			// bias: not Qwen2's).
-			// A dense layer's gate_up normalises what o_proj added.
-			// Steps of more rows combine and normalise in one call where the
-			// layer has no shared expert.
+			// A dense layer's gate_up normalises what o_proj added. A sparse
+			// layer without a shared expert adds its experts into the
+			// residual where the next qkv normalises it (one without bias:
+			// not Qwen2's), and in steps of more rows combines and
+			// normalises in one call.
 			layers, adds, dense, combines := fused.Model.W.Layers, false, false, false
 			for i, l := range layers {
 				dense = dense || !l.Sparse()

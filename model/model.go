@@ -396,14 +396,14 @@ func (m *Model) forward(in Inputs, a activations) {
 				dev.MatMul(a.routerLogits.Rows(0, t), a.x, l.Router, device.Tensor{})
 				moe.MoERoute(ids, weights, a.routerLogits.Rows(0, t), c.MoE.NormTopK)
 			}
-			if !l.SharedGate.Valid() && nextQKV.Valid() && moeFused != nil &&
-				moeFused.MoEExpertsAdd(a.h, a.x, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork, nextQKV) {
-				lazyNorm = norm
-				continue
-			}
-			if !l.SharedGate.Valid() && moeFused != nil &&
-				moeFused.MoEExpertsAddRMSNorm(a.h, a.x, norm, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork, eps) {
-				continue
+			if !l.SharedGate.Valid() && moeFused != nil {
+				if nextQKV.Valid() && moeFused.MoEExpertsAdd(a.h, a.x, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork, nextQKV) {
+					lazyNorm = norm
+					continue
+				}
+				if moeFused.MoEExpertsAddRMSNorm(a.h, a.x, norm, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork, eps) {
+					continue
+				}
 			}
 			moe.MoEExperts(a.tmp, a.x, ids, weights, l.ExpertGateUp, l.ExpertDown, a.moeWork)
 			if l.SharedGate.Valid() {
