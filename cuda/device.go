@@ -68,6 +68,7 @@ type Device struct {
 	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
+	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
 	det                 bool
@@ -240,6 +241,10 @@ func (d *Device) init() error {
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)
+	}
+	d.sampleWaves = sampleScanWaves
+	if n, err := strconv.Atoi(os.Getenv("EBB_SAMPLE_WAVES")); err == nil && n > 0 {
+		d.sampleWaves = n
 	}
 	if err := d.initMatMulWG(); err != nil {
 		return err

@@ -16,7 +16,7 @@ import (
 
 // pair runs the same operation on the GPU and on the CPU reference.
 type pair struct {
-	t   *testing.T
+	t   testing.TB
 	gpu *Device
 	cpu *cpu.Device
 	rng *rand.Rand
@@ -24,7 +24,7 @@ type pair struct {
 
 type both struct{ g, c device.Tensor }
 
-func newPair(t *testing.T) *pair {
+func newPair(t testing.TB) *pair {
 	t.Helper()
 	if err := Available(); err != nil {
 		t.Skip("no GPU:", err)

@@ -207,3 +207,45 @@ func TestSampleGumbelMaxHash(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkSample times one decode step's sampling of 256 rows over
+// Qwen3's vocabulary from bf16 logits: flat ones (a random model's) and
+// spread ones (a trained model's), each
+// plain and under Qwen3's generation_config.
+func BenchmarkSample(b *testing.B) {
+	const rows, v = 256, 151936
+	p := newPair(b)
+	for _, c := range []struct {
+		name  string
+		scale float32
+		f     filterCase
+	}{
+		{"flat", 0.7, filterCase{1, 1, -1, 0}},
+		{"spread", 4, filterCase{1, 1, -1, 0}},
+		{"flat-qwen3", 0.7, filterCase{1, 0.95, 20, 0}},
+		{"spread-qwen3", 4, filterCase{1, 0.95, 20, 0}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			temp, topP, topK, minP := make([]float32, rows), make([]float32, rows), make([]int32, rows), make([]float32, rows)
+			keys := make([]int32, 2*rows)
+			for i := range temp {
+				temp[i], topP[i], topK[i], minP[i] = c.f.temp, c.f.topP, c.f.topK, c.f.minP
+				keys[2*i], keys[2*i+1] = int32(p.rng.Uint32()), int32(p.rng.Uint32())
+			}
+			logits := p.random(device.BF16, c.scale, rows, v)
+			args := sampleArgs(p, temp, topP, topK, minP, keys, 0)
+			p.gpu.Sample(logits.g, args[0])
+			if err := p.gpu.Sync(); err != nil {
+				b.Fatal(err)
+			}
+			b.ResetTimer()
+			for range b.N {
+				p.gpu.Sample(logits.g, args[0])
+			}
+			if err := p.gpu.Sync(); err != nil {
+				b.Fatal(err)
+			}
+			b.ReportMetric(float64(rows*v*2)*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
+		})
+	}
+}
