@@ -109,6 +109,14 @@ func (p *pair) ints(vals []int32, shape ...int) both {
 	return out
 }
 
+// free gives tensors' memory back to both workspaces.
+func (p *pair) free(bs ...both) {
+	for _, b := range bs {
+		p.gpu.Free(memory.Workspace, b.g)
+		p.cpu.Free(memory.Workspace, b.c)
+	}
+}
+
 func (p *pair) sync() {
 	p.t.Helper()
 	if err := p.gpu.Sync(); err != nil {

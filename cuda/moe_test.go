@@ -92,6 +92,7 @@ func TestMoEExperts(t *testing.T) {
 		}
 		ids := p.ints(idv, c.rows, c.k)
 		w := p.floats(device.F32, wv, c.rows, c.k)
+		kept := []both{x, gateUp, down, ids, w}
 		work, err := p.gpu.Alloc(memory.Workspace, device.I32, int(p.gpu.MoEWorkBytes(c.rows, c.k, c.experts, c.inter, c.hidden)/4)+1)
 		if err != nil {
 			t.Fatal(err)
@@ -103,6 +104,7 @@ func TestMoEExperts(t *testing.T) {
 			p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG = mode.gemvTokens, mode.tileRows, mode.wg
 			for _, dt := range []device.DType{device.BF16, device.F32} {
 				out := p.random(dt, 0, c.rows, c.hidden)
+				kept = append(kept, out)
 				p.gpu.MoEExperts(out.g, x.g, ids.g, w.g, gateUp.g, down.g, work)
 				p.cpu.MoEExperts(out.c, x.c, ids.c, w.c, gateUp.c, down.c, device.Tensor{})
 				// A bf16 output rounds each of the k terms and each partial
@@ -125,6 +127,7 @@ func TestMoEExperts(t *testing.T) {
 				p.gpu.moeTileRows = 0
 				all, _ := p.download(out)
 				one := p.random(dt, 0, 1, c.hidden)
+				kept = append(kept, one)
 				p.gpu.MoEExperts(one.g, x.g.Rows(0, 1), ids.g.Rows(0, 1), w.g.Rows(0, 1), gateUp.g, down.g, work)
 				alone, _ := p.download(one)
 				p.gpu.moeTileRows = mode.tileRows
@@ -135,6 +138,9 @@ func TestMoEExperts(t *testing.T) {
 		}
 		p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG = moeGemvTokens, 0, wg
 		p.gpu.Free(memory.Workspace, work)
+		// The 128-expert case's weights alone are 2.4 GB in the CPU
+		// reference's float32: the next case needs the workspace back.
+		p.free(kept...)
 	}
 }
 
