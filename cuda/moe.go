@@ -298,6 +298,15 @@ func (d *Device) moeWGTile(p, e, inter, hidden int) int {
 	return moeWGRows[len(moeWGRows)-1]
 }
 
+// moeSortedFrom is the smallest moe_wg row tile whose gate and up read
+// x's rows from a sorted copy (moe_sorted_rows). 30B-A3B shape, H200, us
+// (`ebb bench moe`), rows gathered one a copy against sorted: 256 tokens
+// (32-row tiles) 317.7 / 318.6, 512 (32) 451.5 / 395.3, 1,024 (64) 700.4 /
+// 443.0, 2,048 (128) 1,207 / 576, 8,192 4,225 / 1,631, 16,384 8,229 /
+// 3,080; a prefill of 256 x 128 tokens 899 -> 447 ms. Decode batches of up
+// to 256 keep the gathered rows: the copy gains them nothing.
+const moeSortedFrom = 64
+
 // moeExpertsWG is moeProducts on moe_wg with row tiles of bn.
 func (d *Device) moeExpertsWG(x, ids, gateUp, down device.Tensor, w moeWork, bn int) {
 	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
@@ -309,10 +318,18 @@ func (d *Device) moeExpertsWG(x, ids, gateUp, down device.Tensor, w moeWork, bn 
 	wgrid := func(n int) Dim3 {
 		return Dim3{X: uint32((n + matMulWGTileRows - 1) / matMulWGTileRows), Y: uint32(rowTiles), Z: 1}
 	}
-	// gate and up: x's rows gathered one at a time; down: the sorted
-	// activations, a box of bn rows.
-	d.launchWG(name, wgrid(2*inter), matMulWGThreads, shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: x.Ptr, m: t, k: h, glu: true, box: 1},
-		P(w.act), P(w.order), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
+	// gate and up: x's rows gathered one at a time, or where the tiles are
+	// tall, first written in sorted order into y (which down fills later)
+	// and read as down reads, a box of bn rows; down: the sorted
+	// activations.
+	if bn >= d.moeSortedFrom {
+		d.launch("moe_sorted_rows", D1(t), D1(min(256, h/8)), 0, P(w.y), P(x.Ptr), P(w.inv), I(k), I(h))
+		d.launchWG(name, wgrid(2*inter), matMulWGThreads, shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: w.y, m: p, k: h, glu: true, box: bn},
+			P(w.act), P(0), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
+	} else {
+		d.launchWG(name, wgrid(2*inter), matMulWGThreads, shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: x.Ptr, m: t, k: h, glu: true, box: 1},
+			P(w.act), P(w.order), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
+	}
 	d.launchWG(name, wgrid(h), matMulWGThreads, shared, 1, wgOperands{w: down.Ptr, experts: e, n: h, x: w.act, m: p, k: inter, box: bn},
 		P(w.y), P(0), I(k), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
 }

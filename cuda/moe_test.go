@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"slices"
@@ -62,7 +63,8 @@ func TestMoERoute(t *testing.T) {
 // prefill chunk, with partial tiles (an intermediate size that is not a
 // multiple of 32) and a float32 output (a tensor-parallel partial sum),
 // on every path (the pair gemv of a few tokens, moe_wg where the build
-// has it, moe_gemm's 16- and 64-row tiles); and on moe_gemm, which
+// has it with gate and up on gathered or on sorted rows, moe_gemm's 16-
+// and 64-row tiles); and on moe_gemm, which
 // deterministic inference keeps at every batch size, a token's output has
 // the same bits alone as in a batch, whichever tile height either takes.
 func TestMoEExperts(t *testing.T) {
@@ -72,8 +74,9 @@ func TestMoEExperts(t *testing.T) {
 		{1, 16, 4, 96, 128}, {5, 16, 4, 96, 128}, {300, 16, 4, 96, 128}, {64, 128, 8, 768, 2048}, {600, 8, 2, 48, 64},
 		{1, 32, 8, 768, 2048}, {8, 32, 8, 768, 2048}, {3, 16, 16, 48, 64},
 		// moe_wg's shapes: partial weight tiles (384 and 320 rows), experts
-		// of 75 rows on average (several row tiles), and a batch of 256.
-		{300, 16, 4, 192, 320}, {256, 32, 8, 768, 2048},
+		// of 75 rows on average (several row tiles), a batch of 256, and
+		// experts of 300 rows on average (a prefill's tall tiles).
+		{300, 16, 4, 192, 320}, {256, 32, 8, 768, 2048}, {1200, 8, 2, 192, 320},
 	} {
 		name := fmt.Sprintf("%d rows, %d experts, top %d, %d x %d", c.rows, c.experts, c.k, c.inter, c.hidden)
 		x := p.random(device.BF16, 1, c.rows, c.hidden)
@@ -97,16 +100,27 @@ func TestMoEExperts(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The CPU reference (float32 whatever the GPU's dtype) once a case.
+		var ref device.Tensor
 		for _, mode := range []struct {
 			gemvTokens, tileRows int
 			wg                   bool
-		}{{moeGemvTokens, 0, wg}, {0, 0, wg}, {0, 0, false}, {0, 16, false}, {0, 64, false}} {
+			sortedFrom           int // moe_wg's gate and up on sorted rows from this tile (0: the default)
+		}{
+			{moeGemvTokens, 0, wg, 0}, {0, 0, wg, 0}, {0, 0, wg, moeWGRows[0]}, {0, 0, wg, 1 << 20},
+			{0, 0, false, 0}, {0, 16, false, 0}, {0, 64, false, 0},
+		} {
 			p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG = mode.gemvTokens, mode.tileRows, mode.wg
+			p.gpu.moeSortedFrom = cmp.Or(mode.sortedFrom, moeSortedFrom)
 			for _, dt := range []device.DType{device.BF16, device.F32} {
 				out := p.random(dt, 0, c.rows, c.hidden)
 				kept = append(kept, out)
 				p.gpu.MoEExperts(out.g, x.g, ids.g, w.g, gateUp.g, down.g, work)
-				p.cpu.MoEExperts(out.c, x.c, ids.c, w.c, gateUp.c, down.c, device.Tensor{})
+				if ref.Ptr == 0 {
+					p.cpu.MoEExperts(out.c, x.c, ids.c, w.c, gateUp.c, down.c, device.Tensor{})
+					ref = out.c
+				}
+				out.c = ref
 				// A bf16 output rounds each of the k terms and each partial
 				// sum as transformers does (the CPU reference adds in
 				// float32): about 0.004 an addition at the 30B shape's
@@ -115,7 +129,7 @@ func TestMoEExperts(t *testing.T) {
 				if dt == device.BF16 {
 					atol = 4e-2
 				}
-				p.close(fmt.Sprintf("%s %s, pair gemv up to %d tokens, tiles of %d rows, moe_wg %v", name, dt, mode.gemvTokens, mode.tileRows, mode.wg), out, atol, 3e-2)
+				p.close(fmt.Sprintf("%s %s, pair gemv up to %d tokens, tiles of %d rows, moe_wg %v, sorted rows from %d", name, dt, mode.gemvTokens, mode.tileRows, mode.wg, p.gpu.moeSortedFrom), out, atol, 3e-2)
 				if mode.gemvTokens == 0 {
 					checkMoESort(t, p.gpu, work, idv, c.rows, c.k, c.experts, c.inter, c.hidden)
 				}
@@ -136,7 +150,7 @@ func TestMoEExperts(t *testing.T) {
 				}
 			}
 		}
-		p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG = moeGemvTokens, 0, wg
+		p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG, p.gpu.moeSortedFrom = moeGemvTokens, 0, wg, moeSortedFrom
 		p.gpu.Free(memory.Workspace, work)
 		// The 128-expert case's weights alone are 2.4 GB in the CPU
 		// reference's float32: the next case needs the workspace back.

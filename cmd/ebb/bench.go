@@ -286,9 +286,9 @@ func moeCmd() *cobra.Command {
 				specs = append(specs, s)
 			}
 			return kernelBench(gpu, asJSON, specs, cuda.BenchMoE, func(out []cuda.MoEBenchResult) {
-				fmt.Printf("%7s %8s %-14s %10s %9s %8s %8s\n", "tokens", "experts", "path", "median us", "GB/s", "% peak", "TFLOP/s")
+				fmt.Printf("%7s %8s %-18s %10s %9s %8s %8s\n", "tokens", "experts", "path", "median us", "GB/s", "% peak", "TFLOP/s")
 				for _, r := range out {
-					fmt.Printf("%7d %8d %-14s %10.1f %9.0f %8.1f %8.1f\n", r.Tokens, r.Touched, r.Path, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+					fmt.Printf("%7d %8d %-18s %10.1f %9.0f %8.1f %8.1f\n", r.Tokens, r.Touched, r.Path, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
 				}
 			})
 		},

@@ -467,6 +467,22 @@ __device__ __forceinline__ void moe_combine8(float acc[8], const bf16 *y, const 
 	}
 }
 
+// moe_sorted_rows writes x's rows in the experts' sorted order (row inv[t k
+// + j] is token t's, for each of its k choices), so that moe_wg's gate and
+// up read a box of rows a stage, not one 128-byte copy a row: the tensor
+// memory accelerator's copies of a row each held moe_wg's gate and up at
+// 120 TFLOP/s where down's boxes ran at 440 (a prefill chunk of 8,192
+// tokens, 30B-A3B shape, H200). A block a token reads its row once (H % 8
+// == 0).
+extern "C" __global__ void moe_sorted_rows(bf16 *out, const bf16 *x, const int *inv, int k, int H) {
+	DEP();
+	const long long t = blockIdx.x;
+	for (int h = 8 * threadIdx.x; h < H; h += 8 * blockDim.x) {
+		const uint4 v = *(const uint4 *)(x + t * H + h);
+		for (int j = 0; j < k; j++) *(uint4 *)(out + (long long)inv[t * k + j] * H + h) = v;
+	}
+}
+
 // moe_combine: out[t] = sum over token t's k choices, in ascending expert
 // order, of weight * y[inv[pair]] (y [P, H], the experts' results in
 // sorted order). A bf16 out rounds each term and each partial sum, as
