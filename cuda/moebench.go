@@ -89,10 +89,12 @@ func (d *Device) moePath(t, k, e, inter, hidden int) string {
 	switch {
 	case !d.det && t <= d.moeGemvTokens:
 		return "moe_gemv_glu"
-	case d.moeWGTile(p, e, inter, hidden) >= d.moeSortedFrom:
-		return fmt.Sprintf("moe_wg_n%d+sorted", d.moeWGTile(p, e, inter, hidden))
 	case d.moeWGTile(p, e, inter, hidden) > 0:
-		return fmt.Sprintf("moe_wg_n%d", d.moeWGTile(p, e, inter, hidden))
+		bn := d.moeWGTile(p, e, inter, hidden)
+		if bn >= d.moeSortedFrom {
+			return fmt.Sprintf("moe_wg_n%d+sorted", bn)
+		}
+		return fmt.Sprintf("moe_wg_n%d", bn)
 	}
 	kernel, _ := d.moeTiles(p, e)
 	return kernel
