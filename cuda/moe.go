@@ -322,14 +322,13 @@ func (d *Device) moeExpertsWG(x, ids, gateUp, down device.Tensor, w moeWork, bn 
 	// tall, first written in sorted order into y (which down fills later)
 	// and read as down reads, a box of bn rows; down: the sorted
 	// activations.
+	rows, m, box, order := x.Ptr, t, 1, w.order
 	if bn >= d.moeSortedFrom {
 		d.launch("moe_sorted_rows", D1(t), D1(min(256, h/8)), 0, P(w.y), P(x.Ptr), P(w.inv), I(k), I(h))
-		d.launchWG(name, wgrid(2*inter), matMulWGThreads, shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: w.y, m: p, k: h, glu: true, box: bn},
-			P(w.act), P(0), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
-	} else {
-		d.launchWG(name, wgrid(2*inter), matMulWGThreads, shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: x.Ptr, m: t, k: h, glu: true, box: 1},
-			P(w.act), P(w.order), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
+		rows, m, box, order = w.y, p, bn, 0
 	}
+	d.launchWG(name, wgrid(2*inter), matMulWGThreads, shared, 1, wgOperands{w: gateUp.Ptr, experts: e, n: 2 * inter, x: rows, m: m, k: h, glu: true, box: box},
+		P(w.act), P(order), I(k), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
 	d.launchWG(name, wgrid(h), matMulWGThreads, shared, 1, wgOperands{w: down.Ptr, experts: e, n: h, x: w.act, m: p, k: inter, box: bn},
 		P(w.y), P(0), I(k), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
 }
