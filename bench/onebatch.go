@@ -72,6 +72,8 @@ type OneBatchResult struct {
 	TotalMs          float64   `json:"total_ms"`
 	OutputTokPerS    float64   `json:"output_tokens_per_s"` // batch*output_len / total
 	GraphDecodeSteps int64     `json:"graph_decode_steps"`
+	// ShortGraphSteps of them took the graphs of short contexts.
+	ShortGraphSteps int64 `json:"short_context_graph_steps"`
 	// OutputDigest hashes every request's generated tokens, in request
 	// order: equal digests, equal outputs (greedy), to compare builds or
 	// parallel layouts.
@@ -162,7 +164,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 			}
 		}
 		bar := newProgress(cfg.Progress, cfg.OutputLen+1, fmt.Sprintf("batch %d steps", b))
-		graphBefore := e.Runner.Stats.GraphSteps
+		graphBefore, shortBefore := e.Runner.Stats.GraphSteps, e.Runner.Stats.ShortGraphSteps
 		prof, _ := e.Dev.(device.Profiler)
 		profile := prof != nil && cfg.ProfileStep >= 0 && label == fmt.Sprintf("b%d", cfg.BatchSizes[0])
 		var steps []float64
@@ -199,6 +201,7 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		}
 		res.TotalMs = float64(time.Since(start).Microseconds()) / 1000
 		res.GraphDecodeSteps = e.Runner.Stats.GraphSteps - graphBefore
+		res.ShortGraphSteps = e.Runner.Stats.ShortGraphSteps - shortBefore
 		if len(steps) == 0 {
 			return res, fmt.Errorf("batch %d: no steps ran", b)
 		}

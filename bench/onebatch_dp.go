@@ -93,7 +93,7 @@ func combineEngines(rows []OneBatchResult) OneBatchResult {
 	c := rows[0]
 	c.Engines = rows
 	c.PrefillStepMs = nil
-	c.PrefillTokPerS, c.DecodeTokPerS, c.GraphDecodeSteps = 0, 0, 0
+	c.PrefillTokPerS, c.DecodeTokPerS, c.GraphDecodeSteps, c.ShortGraphSteps = 0, 0, 0, 0
 	for _, r := range rows {
 		c.PrefillMs, c.PrefillSteps = max(c.PrefillMs, r.PrefillMs), max(c.PrefillSteps, r.PrefillSteps)
 		c.DecodeMedianMs, c.DecodeP90Ms = max(c.DecodeMedianMs, r.DecodeMedianMs), max(c.DecodeP90Ms, r.DecodeP90Ms)
@@ -101,6 +101,7 @@ func combineEngines(rows []OneBatchResult) OneBatchResult {
 		c.PrefillTokPerS += r.PrefillTokPerS
 		c.DecodeTokPerS += r.DecodeTokPerS
 		c.GraphDecodeSteps += r.GraphDecodeSteps
+		c.ShortGraphSteps += r.ShortGraphSteps
 		if r.OutputDigest != c.OutputDigest {
 			c.OutputDigest = "differs"
 		}

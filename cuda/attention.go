@@ -23,7 +23,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 	if meta.MaxQLen > 1 && meta.Decodes > 0 && meta.Decodes < meta.NumSeqs {
 		// A mixed step: the prefill kernel would give each decode a whole
 		// tile of queries; the decodes go to the decode kernel instead.
-		if _, _, ok := d.splitDecodeKernel(g, dim, meta.Decodes*hk); ok {
+		if _, _, ok := d.splitDecodeKernel(g, dim, meta.Decodes*hk, meta.MaxKVLen); ok {
 			dec, pre := meta, meta
 			dec.NumSeqs, dec.MaxQLen = meta.Decodes, 1
 			pre.NumSeqs, pre.Decodes = meta.NumSeqs-meta.Decodes, 0
@@ -35,7 +35,7 @@ func (d *Device) Attention(out, qkv, kCache, vCache device.Tensor, meta device.A
 		}
 	}
 	if meta.MaxQLen == 1 && !meta.Sparse {
-		if name, _, ok := d.splitDecodeKernel(g, dim, meta.NumSeqs*hk); ok {
+		if name, _, ok := d.splitDecodeKernel(g, dim, meta.NumSeqs*hk, meta.MaxKVLen); ok {
 			waves, splits := d.decodeVecGrid(meta.NumSeqs*hk, g, d.gqaDecode(g, dim, meta.NumSeqs*hk))
 			d.attnDecode(name, waves, splits, true, out, qkv, kCache, vCache, meta, scale, hq, hk, dim, nil)
 			return
@@ -120,13 +120,17 @@ func decodeVecMinSplit(splits int) int {
 }
 
 // splitDecodeKernel picks the split decode kernel for g query heads a kv
-// head, the head size and a step's pairs (sequence, kv head):
-// attention_gqa.cu's tensor-core kernel for 3 to 8 heads of 128 dims, and
-// for fewer where the pairs are few (gqaDecode); attention_fast.cu's vector
+// head, the head size, a step's pairs (sequence, kv head) and its longest
+// context: attention_gqa.cu's tensor-core kernel for 3 to 8 heads of 128
+// dims, and for fewer where the pairs are few (gqaDecode), in its lean form
+// where the contexts are short (leanDecode); attention_fast.cu's vector
 // kernel for head sizes of 32 to 256 lanes' worth of 16-byte loads and up
 // to 8 heads. raw is the kernel that also prepares the step's queries and
 // newest K and V.
-func (d *Device) splitDecodeKernel(g, dim, pairs int) (name, raw string, ok bool) {
+func (d *Device) splitDecodeKernel(g, dim, pairs, maxKV int) (name, raw string, ok bool) {
+	if d.gqaDecode(g, dim, pairs) && d.leanDecode(g, pairs, maxKV) {
+		return "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128", true
+	}
 	if d.gqaDecode(g, dim, pairs) {
 		return "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", true
 	}
@@ -183,6 +187,62 @@ func (d *Device) gqaDecode(g, dim, pairs int) bool {
 	return g >= gqaDecodeFrom || 2*pairs <= 9*d.ctx.SMs
 }
 
+// gqaLeanMaxKV is the longest context at which a decode step of 3 to 8
+// query heads a kv head takes attn_decode_gqa's lean kernels (128
+// registers, four blocks an SM, one chunk in flight a warp) rather than
+// its two-chunk ones (212 registers, two blocks an SM). At short contexts a
+// block's fixed chain of loads is most of its time and more blocks an SM
+// hide it; at long ones the second chunk in flight wins. `ebb bench
+// attention`, H200, us, two-chunk against lean: 30B-A3B shape (8 heads a
+// kv head) batch 256 x 192 positions 40.8 / 33.4, x 512 77.0 / 71.0, x
+// 1,024 134.3 / 132.0, x 2,048 250.9 / 257.8, x 16,384 1,906.7 /
+// 1,970.4; batch 64 x 1,024 43.8 / 41.2, batch 128 x 1,024 68.2 / 69.5;
+// 8B shape (4) batch 256 x 1,024 256.9 / 250.8, x 4,096 959.6 / 981.5.
+// A 30B-A3B decode step at batch 256 x 128-192 positions, EBB_GQA_LEAN=0
+// against by context: 19.730 / 19.729 -> 19.433 / 19.442 ms; batch 16 x
+// 512 11.973 -> 11.815. Decode graphs are captured for both sides of the
+// bound (device.ContextDecoder).
+const gqaLeanMaxKV = 1024
+
+// gqaLeanMinPairs is the fewest pairs (sequence, kv head) that take the
+// lean kernels by context: a few blocks gain nothing from room for more on
+// an SM, and batch 1 of the 30B-A3B shape (4 pairs) lost (192 positions
+// 8.5 -> 8.9 us, a decode step 3.05 -> 3.10 ms); batch 16 (64 pairs) x 512
+// positions gained (14.5 -> 10.3 us).
+const gqaLeanMinPairs = 64
+
+// leanDecode says whether a decode step of g heads a kv head, its pairs
+// and its longest context of maxKV positions takes the lean kernels:
+// EBB_GQA_LEAN=1 always, =0 never, for A/B runs. maxKV 0 (unknown) keeps
+// the two-chunk kernels.
+func (d *Device) leanDecode(g, pairs, maxKV int) bool {
+	switch d.gqaLean {
+	case leanAlways:
+		return true
+	case leanNever:
+		return false
+	}
+	return g >= gqaDecodeFrom && pairs >= gqaLeanMinPairs && maxKV > 0 && maxKV <= gqaLeanMaxKV
+}
+
+// Lean decode modes (EBB_GQA_LEAN).
+const (
+	leanByContext = iota
+	leanAlways
+	leanNever
+)
+
+// ShortDecodeContext implements device.ContextDecoder: the decode kernels
+// of a model of hq query and hk kv heads of dim change at gqaLeanMaxKV
+// positions (0 where they do not).
+func (d *Device) ShortDecodeContext(hq, hk, dim int) int {
+	if d.det || d.gqaLean != leanByContext || hk == 0 || hq%hk != 0 || !d.gqaDecode(hq/hk, dim, gqaLeanMinPairs) ||
+		!d.leanDecode(hq/hk, gqaLeanMinPairs, gqaLeanMaxKV) {
+		return 0
+	}
+	return gqaLeanMaxKV
+}
+
 // PrepareAttention implements device.AttentionPreparer. A decode step's
 // kernel prepares its queries and newest K and V itself
 // (attn_decode_vec_raw). Where a step has about a thousand prompt tokens
@@ -205,7 +265,7 @@ func (d *Device) PrepareAttention(out, qkv, qNorm, kNorm, positions, cos, sin, k
 		return false
 	}
 	pre, decodes := meta, 0
-	if _, _, ok := d.splitDecodeKernel(hq/hk, dim, meta.Decodes*hk); ok && meta.Decodes > 0 {
+	if _, _, ok := d.splitDecodeKernel(hq/hk, dim, meta.Decodes*hk, meta.MaxKVLen); ok && meta.Decodes > 0 {
 		// As Attention splits a mixed step: the decodes, their queries
 		// prepared, to the decode kernel.
 		decodes = meta.Decodes
@@ -237,7 +297,7 @@ type decodeRaw struct {
 // attn_decode_vec takes the step (EBB_DECODE_PREPARE=separate leaves it
 // to prepare_qkv, for A/B runs).
 func (d *Device) prepareDecode(out, qkv, kc, vc device.Tensor, meta device.AttnMeta, scale float32, hq, hk, dim int, raw *decodeRaw) bool {
-	_, name, ok := d.splitDecodeKernel(hq/hk, dim, meta.NumSeqs*hk)
+	_, name, ok := d.splitDecodeKernel(hq/hk, dim, meta.NumSeqs*hk, meta.MaxKVLen)
 	if !ok || meta.Sparse || !d.rawDecode || dim%16 != 0 || raw.positions.Numel() != meta.NumSeqs {
 		return false
 	}

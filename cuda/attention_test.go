@@ -141,12 +141,17 @@ func TestPrepareDecode(t *testing.T) {
 		{"vector-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
 		{"vector-g1-no-norm", 8, 8, 128, false, []int{90, 400, 7}},
 		{"gqa-all-qwen3-ragged-full-gpu", 16, 8, 128, true, raggedContexts(80)},
+		// EBB_GQA_LEAN=1: the tensor-core kernel with one chunk in flight a warp.
+		{"lean-qwen3-30b-a3b-g8", 32, 4, 128, true, []int{700, 1, 65, 16, 17, 3000}},
+		{"lean-qwen3-8b-g4-ragged", 32, 8, 128, true, raggedContexts(80)},
+		{"lean-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			p.gpu.rawDecode = true
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
+			p.gpu.gqaLean = leanMode(tc.name)
 			qlens := repeat(1, len(tc.kvlens))
 			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
 			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
@@ -339,6 +344,13 @@ func TestAttention(t *testing.T) {
 		{"decode-gqa-g2", 16, 8, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
 		{"decode-gqa-g2-long", 16, 8, 128, []int{1}, []int{32000}},
 		{"gqa-all-g1-ragged", 8, 8, 128, repeat(1, 80), raggedContexts(80)},
+		// EBB_GQA_LEAN=1: its lean kernels.
+		{"lean-decode-gqa-g8", 32, 4, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
+		{"lean-decode-gqa-g8-long", 32, 4, 128, []int{1}, []int{32000}},
+		{"lean-decode-gqa-g5-many", 40, 8, 128, repeat(1, 200), repeat(130, 200)},
+		{"lean-mixed-gqa-g8", 32, 4, 128, []int{1, 1, 70, 1}, []int{2000, 3, 70, 64}},
+		{"lean-decode-gqa-g2-long", 16, 8, 128, []int{1}, []int{32000}},
+		{"bycontext-decode-gqa-g8-short", 32, 4, 128, repeat(1, 40), repeat(700, 40)},
 		// EBB_DECODE_GQA=0: the vector kernel's small batches.
 		{"vector-g2", 16, 8, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
 		{"vector-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
@@ -371,6 +383,7 @@ func TestAttention(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
+			p.gpu.gqaLean = leanMode(tc.name)
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
 			if strings.HasPrefix(tc.name, "sparse") {
 				for i := range meta {
@@ -446,7 +459,7 @@ func TestDecodeKernelChoice(t *testing.T) {
 		d := &Device{ctx: &Context{SMs: 132}, gqaFrom: gqaFromEnv(mode.env)}
 		for _, dim := range []int{32, 64, 128, 256} {
 			for g := 1; g <= 16; g++ {
-				name, raw, ok := d.splitDecodeKernel(g, dim, mode.pairs)
+				name, raw, ok := d.splitDecodeKernel(g, dim, mode.pairs, 0)
 				if g > 8 {
 					if ok {
 						t.Errorf("%d heads a kv head, %d dims: %q, want none", g, dim, name)
@@ -470,6 +483,57 @@ func TestDecodeKernelChoice(t *testing.T) {
 			}
 		}
 	}
+	// The lean kernels: by the step's longest context, from 3 heads a kv
+	// head, unless EBB_GQA_LEAN says always or never.
+	for _, c := range []struct {
+		mode, g, pairs, maxKV int
+		want                  string
+	}{
+		{leanByContext, 8, 1024, 192, "attn_decode_gqa_lean_d128"},
+		{leanByContext, 4, gqaLeanMinPairs, gqaLeanMaxKV, "attn_decode_gqa_lean_d128"},
+		{leanByContext, 8, gqaLeanMinPairs - 1, 192, "attn_decode_gqa_d128"},
+		{leanByContext, 8, 1024, gqaLeanMaxKV + 1, "attn_decode_gqa_d128"},
+		{leanByContext, 8, 1024, 0, "attn_decode_gqa_d128"},
+		{leanByContext, 2, 8, 192, "attn_decode_gqa_d128"},
+		{leanAlways, 8, 1024, 40000, "attn_decode_gqa_lean_d128"},
+		{leanAlways, 2, 2048, 192, "attn_decode_vec_d128_g2"},
+		{leanNever, 8, 1024, 192, "attn_decode_gqa_d128"},
+	} {
+		d := &Device{ctx: &Context{SMs: 132}, gqaLean: c.mode}
+		name, raw, _ := d.splitDecodeKernel(c.g, 128, c.pairs, c.maxKV)
+		gqa := strings.HasPrefix(name, "attn_decode_gqa")
+		if name != c.want || raw == name || (gqa && (!loaded[name] || !loaded[raw])) {
+			t.Errorf("lean mode %d, %d heads, %d pairs, longest context %d: %q / %q, want %q and its raw form, loaded",
+				c.mode, c.g, c.pairs, c.maxKV, name, raw, c.want)
+		}
+	}
+	for _, c := range []struct {
+		mode, hq, hk, dim, want int
+	}{
+		{leanByContext, 32, 4, 128, gqaLeanMaxKV},
+		{leanByContext, 16, 8, 128, 0},
+		{leanByContext, 32, 8, 64, 0},
+		{leanAlways, 32, 4, 128, 0},
+		{leanNever, 32, 4, 128, 0},
+	} {
+		d := &Device{ctx: &Context{SMs: 132}, gqaLean: c.mode}
+		if got := d.ShortDecodeContext(c.hq, c.hk, c.dim); got != c.want {
+			t.Errorf("lean mode %d, %d/%d heads of %d: ShortDecodeContext %d, want %d", c.mode, c.hq, c.hk, c.dim, got, c.want)
+		}
+	}
+}
+
+// leanMode is the EBB_GQA_LEAN setting a case's name asks for: "lean-"
+// always, "bycontext-" by the longest context, otherwise never (the
+// two-chunk kernels at every context).
+func leanMode(name string) int {
+	switch {
+	case strings.HasPrefix(name, "lean-"):
+		return leanAlways
+	case strings.HasPrefix(name, "bycontext-"):
+		return leanByContext
+	}
+	return leanNever
 }
 
 // decodeKernelMode is the EBB_DECODE_GQA setting a case's name asks for:

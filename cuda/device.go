@@ -58,6 +58,7 @@ type Device struct {
 	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
 	gqaFrom       int            // the fewest query heads a kv head that decode on attn_decode_gqa (EBB_DECODE_GQA; 0: gqaDecodeFrom)
 	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
+	gqaLean       int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
 	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
@@ -81,6 +82,7 @@ type Device struct {
 var (
 	_ device.Device            = (*Device)(nil)
 	_ device.GraphCapturer     = (*Device)(nil)
+	_ device.ContextDecoder    = (*Device)(nil)
 	_ device.MemoryInfo        = (*Device)(nil)
 	_ device.Profiler          = (*Device)(nil)
 	_ device.PinnedAllocator   = (*Device)(nil)
@@ -146,7 +148,7 @@ var kernelNames = []string{
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"sample_scan_det_f32", "sample_scan_det_bf16", "token_logprobs_det", "attn_det_d64", "attn_det_d128", "attn_det_dec_d64", "attn_det_dec_d128",
-	"gemv_m1", "gemv2_m1", "gemv_fused_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128",
+	"gemv_m1", "gemv2_m1", "gemv_fused_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128",
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
@@ -220,6 +222,12 @@ func (d *Device) init() error {
 	d.foldTC, d.foldWG = fold != "0" && fold != "wg", fold != "0" && fold != "tc"
 	d.rawDecode = os.Getenv("EBB_DECODE_PREPARE") != "separate"
 	d.gqaFrom = gqaFromEnv(os.Getenv("EBB_DECODE_GQA"))
+	switch os.Getenv("EBB_GQA_LEAN") {
+	case "1":
+		d.gqaLean = leanAlways
+	case "0":
+		d.gqaLean = leanNever
+	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_GQA_WAVES")); err == nil && n > 0 {
 		d.gqaWaves = n
 	}

@@ -214,7 +214,7 @@ func benchSlots(ctx []int, layout string) ([]int32, error) {
 func (d *Device) attentionKernelName(s AttentionBenchSpec) string {
 	g := s.QHeads / s.KVHeads
 	if s.QLen == 1 {
-		if name, _, ok := d.splitDecodeKernel(g, s.Dim, s.Batch*s.KVHeads); ok {
+		if name, _, ok := d.splitDecodeKernel(g, s.Dim, s.Batch*s.KVHeads, s.Context); ok {
 			return name
 		}
 		if name, ok := decodeKernel(g, s.Dim); ok {

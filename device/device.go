@@ -259,6 +259,16 @@ type GraphCapturer interface {
 	CaptureGraph(record func()) (Graph, error)
 }
 
+// ContextDecoder is a device whose decode kernels change with a step's
+// longest context: a step whose contexts are all at most
+// ShortDecodeContext(hq, hk, dim) positions (query heads, kv heads and
+// head size of the model's attention) runs other kernels than a longer
+// one, so a runner captures its decode graphs for both; 0 where the
+// kernels do not change.
+type ContextDecoder interface {
+	ShortDecodeContext(hq, hk, dim int) int
+}
+
 // Profiler is implemented by devices whose profiler can be limited to a
 // region of the run (cuProfilerStart/Stop for Nsight Compute).
 type Profiler interface {

@@ -19,9 +19,14 @@ var DefaultGraphBatchSizes = []int{1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 9
 // and writes its outputs to one static buffer (cuda_graph region), so a
 // replay is one host-to-device copy, the graph, and one copy back.
 type graphSet struct {
-	dev     device.Device
-	sizes   []int
-	graphs  map[int]device.Graph
+	dev    device.Device
+	sizes  []int
+	graphs map[int]device.Graph
+	// short holds steps whose contexts are all at most shortKV positions,
+	// where the device's decode kernels differ (device.ContextDecoder);
+	// nil where they do not.
+	short   map[int]device.Graph
+	shortKV int
 	maxB    int
 	kvCap   int
 	l       staticLayout
@@ -122,33 +127,52 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 		}
 	}
 	g.use(0)
-	for _, b := range sizes {
+	g.graphs, err = r.captureSet(gc, g, r.Model.ContextLen())
+	c := r.Model.Config
+	if cd, ok := r.dev.(device.ContextDecoder); ok && err == nil {
+		if short := cd.ShortDecodeContext(c.Heads, c.KVHeads, c.HeadDim); short > 0 && short < r.Model.ContextLen() {
+			g.short, err = r.captureSet(gc, g, short)
+			g.shortKV = short
+		}
+	}
+	r.graphs = g
+	if err != nil {
+		_ = r.ReleaseGraphs() // the capture's error is the one to report
+		return err
+	}
+	return nil
+}
+
+// captureSet captures a decode step for each of g's sizes whose contexts
+// are at most maxKV positions.
+func (r *Runner) captureSet(gc device.GraphCapturer, g *graphSet, maxKV int) (map[int]device.Graph, error) {
+	set := map[int]device.Graph{}
+	for _, b := range g.sizes {
 		// Valid dummy inputs: every row decodes token 0 into the pad slot.
 		g.packPadding(0, b, r.Model.PadSlot())
 		if err := g.upload(g.l.kvidx); err != nil {
-			return err
+			return set, err
 		}
-		in, samp := g.views(b, r.Model.ContextLen())
+		in, samp := g.views(b, maxKV)
 		if g.routed.Valid() {
 			in.Routed = g.routedView(b, r.routed)
 		}
 		run := func() {
-			r.dev.ResolveTokens(in.Tokens, g.i32(g.l.src, b), g.i32(g.l.outIDs, maxB))
+			r.dev.ResolveTokens(in.Tokens, g.i32(g.l.src, b), g.i32(g.l.outIDs, g.maxB))
 			logits := r.Model.ForwardLogits(in, device.NewScratch(g.scratch))
 			r.dev.Sample(logits, samp)
 		}
 		run() // warm-up outside capture: loads kernels and cuBLAS heuristics
 		if err := r.dev.Sync(); err != nil {
-			return fmt.Errorf("graph warm-up (batch %d): %w", b, err)
+			return set, fmt.Errorf("graph warm-up (batch %d, contexts to %d): %w", b, maxKV, err)
 		}
 		gr, err := gc.CaptureGraph(run)
 		if err != nil {
-			return fmt.Errorf("capture decode graph (batch %d): %w", b, err)
+			return set, fmt.Errorf("capture decode graph (batch %d, contexts to %d): %w", b, maxKV, err)
 		}
-		g.graphs[b] = gr
+		set[b] = gr
 	}
-	r.graphs = g
-	return nil
+	return set, nil
 }
 
 // hostBuffer is page-locked memory when the device offers it.
@@ -254,6 +278,20 @@ func (g *graphSet) fits(seqs []SeqStep) int {
 	return g.sizes[i]
 }
 
+// pick is the graph of size b for seqs, and whether it is the
+// short-context one (every sequence's context at most shortKV positions).
+func (g *graphSet) pick(seqs []SeqStep, b int) (device.Graph, bool) {
+	if g.short == nil {
+		return g.graphs[b], false
+	}
+	for _, s := range seqs {
+		if len(s.Slots) > g.shortKV {
+			return g.graphs[b], false
+		}
+	}
+	return g.short[b], true
+}
+
 // launchGraph queues a decode step through the graph of size b. Rows whose
 // Follows is set take their token from the previous step's outputs, still
 // on the device. On a device with a stream the step's ids and logprobs come
@@ -288,7 +326,11 @@ func (r *Runner) launchGraph(seqs []SeqStep, b int) (*Pending, error) {
 	if err := g.upload(l.kvidx + kv); err != nil {
 		return nil, err
 	}
-	if err := g.graphs[b].Replay(); err != nil {
+	gr, short := g.pick(seqs, b)
+	if short {
+		r.Stats.ShortGraphSteps++
+	}
+	if err := gr.Replay(); err != nil {
 		return nil, err
 	}
 	// One copy back: ids and logprobs sit next to each other.
@@ -336,12 +378,14 @@ func (r *Runner) ReleaseGraphs() error {
 		return nil
 	}
 	var firstErr error
-	for _, g := range r.graphs.graphs {
-		if err := g.Destroy(); err != nil && firstErr == nil {
-			firstErr = err
+	for _, set := range []map[int]device.Graph{r.graphs.graphs, r.graphs.short} {
+		for _, g := range set {
+			if err := g.Destroy(); err != nil && firstErr == nil {
+				firstErr = err
+			}
 		}
 	}
-	r.graphs.graphs = nil
+	r.graphs.graphs, r.graphs.short = nil, nil
 	r.graphs = nil
 	return firstErr
 }

@@ -159,6 +159,9 @@ type Stats struct {
 	// ChainedSteps took their tokens from the step before on the device,
 	// without a round trip through the host.
 	ChainedSteps int64
+	// ShortGraphSteps are the graph steps that took the graphs of short
+	// contexts (device.ContextDecoder).
+	ShortGraphSteps int64
 }
 
 // weightUpdateHeadroom is workspace address space for weight updates.

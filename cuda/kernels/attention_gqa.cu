@@ -37,7 +37,16 @@ __device__ __forceinline__ unsigned elem_pair(uint4 x, uint4 y, int e) {
 	return __byte_perm(word_of(x, e >> 1), word_of(y, e >> 1), (e & 1) ? 0x7632 : 0x5410);
 }
 
-template <bool RAW>
+// PF: a warp's next chunk of rows is requested before the current one's
+// products (two chunks in flight, 212 registers: two blocks an SM). The
+// lean kernels (PF false) request the next chunk's keys once the scores
+// are formed and its values once the outputs are, in the registers just
+// read: 128 registers (8-16 bytes spilled, NVRTC 11.8 for sm_80) and four
+// blocks an SM, where at short contexts a block's fixed chain of loads
+// (slots, rows, queries, the merges) is most of its time and two blocks an
+// SM left it bare (30B-A3B shape, batch 256 of about 192 positions: 41 us
+// a layer at 1.7 TB/s, H200).
+template <bool RAW, bool PF = true>
 __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
@@ -80,7 +89,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 			vs[i] = pos >= lo && pos < hi ? kvidx[kv0 + pos] : -1;
 		}
 	};
-	auto fetch = [&](const int(&ks)[2], const int(&vs)[4], uint4(&kd)[2][4], uint4(&vd)[4][2], bool zero) {
+	auto fetch_k = [&](const int(&ks)[2], uint4(&kd)[2][4], bool zero) {
 #pragma unroll
 		for (int j = 0; j < 2; j++)
 #pragma unroll
@@ -88,6 +97,8 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 				if (zero) kd[j][q] = make_uint4(0, 0, 0, 0);
 				if (ks[j] >= 0) kd[j][q] = __ldcs((const uint4 *)(kc + ((long long)ks[j] * hk + g) * D + 32 * q + 8 * t));
 			}
+	};
+	auto fetch_v = [&](const int(&vs)[4], uint4(&vd)[4][2], bool zero) {
 #pragma unroll
 		for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -95,6 +106,10 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 				if (zero) vd[i][u] = make_uint4(0, 0, 0, 0);
 				if (vs[i] >= 0) vd[i][u] = __ldcs((const uint4 *)(vc + ((long long)vs[i] * hk + g) * D + 64 * u + 8 * gid));
 			}
+	};
+	auto fetch = [&](const int(&ks)[2], const int(&vs)[4], uint4(&kd)[2][4], uint4(&vd)[4][2], bool zero) {
+		fetch_k(ks, kd, zero);
+		fetch_v(vs, vd, zero);
 	};
 	auto load = [&](int cb, int lo, int hi, uint4(&kd)[2][4], uint4(&vd)[4][2], bool zero) {
 		int ks[2], vs[4];
@@ -149,9 +164,12 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	}
 	__syncthreads(); // the queries, and the newest K and V, for the whole block
 	if (holds_newest && newest >= first && newest < first + DG_CHUNK) load(first, newest, newest + 1, kr, vr, false);
+	// The queries stay in registers where there is room (PF); the lean
+	// kernels read them from shared memory for each chunk.
 	uint4 qf[4];
 #pragma unroll
-	for (int q = 0; q < 4; q++) qf[q] = *(const uint4 *)&sh_q[gid][32 * q + 8 * t];
+	for (int q = 0; q < 4; q++)
+		if constexpr (PF) qf[q] = *(const uint4 *)&sh_q[gid][32 * q + 8 * t];
 	const float qs = scale * LOG2E;
 	float o[8][4];
 #pragma unroll
@@ -163,11 +181,14 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	slots(first + DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
 	for (int cb = first; cb < c1; cb += DG_WARPS * DG_CHUNK) {
 		uint4 kn[2][4], vn[4][2];
-		fetch(ksn, vsn, kn, vn, true);
-		slots(cb + 2 * DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
+		if constexpr (PF) {
+			fetch(ksn, vsn, kn, vn, true);
+			slots(cb + 2 * DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
+		}
 		float sc[4] = {0.f, 0.f, 0.f, 0.f}; // S^T: [position gid, +8][heads 2t, 2t+1]
 #pragma unroll
 		for (int q = 0; q < 4; q++) {
+			if constexpr (!PF) qf[q] = *(const uint4 *)&sh_q[gid][32 * q + 8 * t];
 #pragma unroll
 			for (int h = 0; h < 2; h++) {
 				const unsigned a[4] = {h ? kr[0][q].z : kr[0][q].x, h ? kr[1][q].z : kr[1][q].x,
@@ -175,6 +196,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 				mma_bf16(sc, a, h ? qf[q].z : qf[q].x, h ? qf[q].w : qf[q].y);
 			}
 		}
+		if constexpr (!PF) fetch_k(ksn, kr, true); // the scores are formed: the next chunk's keys
 		const bool in0 = cb + gid < c1, in1 = cb + gid + 8 < c1;
 		const float s0 = in0 ? sc[0] * qs : -EBB_INF, s1 = in0 ? sc[1] * qs : -EBB_INF;
 		const float s2 = in1 ? sc[2] * qs : -EBB_INF, s3 = in1 ? sc[3] * qs : -EBB_INF;
@@ -199,14 +221,19 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 			                       elem_pair(vr[2][0], vr[3][0], mt), elem_pair(vr[2][1], vr[3][1], mt)};
 			mma_bf16(o[mt], a, b0, b1);
 		}
+		if constexpr (PF) {
 #pragma unroll
-		for (int j = 0; j < 2; j++)
+			for (int j = 0; j < 2; j++)
 #pragma unroll
-			for (int q = 0; q < 4; q++) kr[j][q] = kn[j][q];
+				for (int q = 0; q < 4; q++) kr[j][q] = kn[j][q];
 #pragma unroll
-		for (int i = 0; i < 4; i++)
+			for (int i = 0; i < 4; i++)
 #pragma unroll
-			for (int u = 0; u < 2; u++) vr[i][u] = vn[i][u];
+				for (int u = 0; u < 2; u++) vr[i][u] = vn[i][u];
+		} else {
+			fetch_v(vsn, vr, true);
+			slots(cb + 2 * DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
+		}
 	}
 #pragma unroll
 	for (int off = 4; off < 32; off <<= 1) {
@@ -246,4 +273,23 @@ extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
                              const float *sin_t, float eps) {
 	attn_decode_gqa_impl<true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
 	                           units_max, min_split, scale, DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
+}
+
+extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 4)
+    attn_decode_gqa_lean_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
+                              const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
+                              int splits, int units, int units_max, int min_split, float scale) {
+	attn_decode_gqa_impl<false, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits,
+	                                   units, units_max, min_split, scale, DecodeRaw{});
+}
+
+extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 4)
+    attn_decode_gqa_lean_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
+                                  const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk,
+                                  int d, int splits, int units, int units_max, int min_split, float scale,
+                                  const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots,
+                                  const float *cos_t, const float *sin_t, float eps) {
+	attn_decode_gqa_impl<true, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits,
+	                                  units, units_max, min_split, scale,
+	                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
 }
