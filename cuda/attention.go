@@ -233,11 +233,12 @@ const (
 )
 
 // ShortDecodeContext implements device.ContextDecoder: the decode kernels
-// of a model of hq query and hk kv heads of dim change at gqaLeanMaxKV
-// positions (0 where they do not).
-func (d *Device) ShortDecodeContext(hq, hk, dim int) int {
-	if d.det || d.gqaLean != leanByContext || hk == 0 || hq%hk != 0 || !d.gqaDecode(hq/hk, dim, gqaLeanMinPairs) ||
-		!d.leanDecode(hq/hk, gqaLeanMinPairs, gqaLeanMaxKV) {
+// of a batch of a model of hq query and hk kv heads of dim change at
+// gqaLeanMaxKV positions (0 where they do not).
+func (d *Device) ShortDecodeContext(hq, hk, dim, batch int) int {
+	pairs := batch * hk
+	if d.det || d.gqaLean != leanByContext || hk == 0 || hq%hk != 0 || !d.gqaDecode(hq/hk, dim, pairs) ||
+		!d.leanDecode(hq/hk, pairs, gqaLeanMaxKV) {
 		return 0
 	}
 	return gqaLeanMaxKV

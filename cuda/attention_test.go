@@ -508,17 +508,19 @@ func TestDecodeKernelChoice(t *testing.T) {
 		}
 	}
 	for _, c := range []struct {
-		mode, hq, hk, dim, want int
+		mode, hq, hk, dim, batch, want int
 	}{
-		{leanByContext, 32, 4, 128, gqaLeanMaxKV},
-		{leanByContext, 16, 8, 128, 0},
-		{leanByContext, 32, 8, 64, 0},
-		{leanAlways, 32, 4, 128, 0},
-		{leanNever, 32, 4, 128, 0},
+		{leanByContext, 32, 4, 128, 256, gqaLeanMaxKV},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, 0},
+		{leanByContext, 16, 8, 128, 256, 0},
+		{leanByContext, 32, 8, 64, 256, 0},
+		{leanAlways, 32, 4, 128, 256, 0},
+		{leanNever, 32, 4, 128, 256, 0},
 	} {
 		d := &Device{ctx: &Context{SMs: 132}, gqaLean: c.mode}
-		if got := d.ShortDecodeContext(c.hq, c.hk, c.dim); got != c.want {
-			t.Errorf("lean mode %d, %d/%d heads of %d: ShortDecodeContext %d, want %d", c.mode, c.hq, c.hk, c.dim, got, c.want)
+		if got := d.ShortDecodeContext(c.hq, c.hk, c.dim, c.batch); got != c.want {
+			t.Errorf("lean mode %d, %d/%d heads of %d, batch %d: ShortDecodeContext %d, want %d", c.mode, c.hq, c.hk, c.dim, c.batch, got, c.want)
 		}
 	}
 }

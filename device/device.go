@@ -260,13 +260,13 @@ type GraphCapturer interface {
 }
 
 // ContextDecoder is a device whose decode kernels change with a step's
-// longest context: a step whose contexts are all at most
-// ShortDecodeContext(hq, hk, dim) positions (query heads, kv heads and
-// head size of the model's attention) runs other kernels than a longer
-// one, so a runner captures its decode graphs for both; 0 where the
-// kernels do not change.
+// longest context: a decode step of batch sequences whose contexts are all
+// at most ShortDecodeContext(hq, hk, dim, batch) positions (query heads,
+// kv heads and head size of the model's attention) runs other kernels than
+// a longer one, so a runner captures its decode graphs for both; 0 where
+// the kernels do not change.
 type ContextDecoder interface {
-	ShortDecodeContext(hq, hk, dim int) int
+	ShortDecodeContext(hq, hk, dim, batch int) int
 }
 
 // Profiler is implemented by devices whose profiler can be limited to a

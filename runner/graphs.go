@@ -22,11 +22,10 @@ type graphSet struct {
 	dev    device.Device
 	sizes  []int
 	graphs map[int]device.Graph
-	// short holds steps whose contexts are all at most shortKV positions,
-	// where the device's decode kernels differ (device.ContextDecoder);
-	// nil where they do not.
-	short   map[int]device.Graph
-	shortKV int
+	// short holds, for the sizes where the device's decode kernels differ
+	// at short contexts (device.ContextDecoder), steps whose contexts are
+	// all within the graph's bound.
+	short   map[int]shortGraph
 	maxB    int
 	kvCap   int
 	l       staticLayout
@@ -127,12 +126,26 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 		}
 	}
 	g.use(0)
-	g.graphs, err = r.captureSet(gc, g, r.Model.ContextLen())
+	g.graphs, err = r.captureSet(gc, g, sizes, func(int) int { return r.Model.ContextLen() })
 	c := r.Model.Config
 	if cd, ok := r.dev.(device.ContextDecoder); ok && err == nil {
-		if short := cd.ShortDecodeContext(c.Heads, c.KVHeads, c.HeadDim); short > 0 && short < r.Model.ContextLen() {
-			g.short, err = r.captureSet(gc, g, short)
-			g.shortKV = short
+		bound := func(b int) int {
+			if kv := cd.ShortDecodeContext(c.Heads, c.KVHeads, c.HeadDim, b); kv < r.Model.ContextLen() {
+				return kv
+			}
+			return 0
+		}
+		var short []int
+		for _, b := range sizes {
+			if bound(b) > 0 {
+				short = append(short, b)
+			}
+		}
+		var set map[int]device.Graph
+		set, err = r.captureSet(gc, g, short, bound)
+		g.short = map[int]shortGraph{}
+		for b, gr := range set {
+			g.short[b] = shortGraph{gr, bound(b)}
 		}
 	}
 	r.graphs = g
@@ -143,11 +156,19 @@ func (r *Runner) CaptureGraphs(sizes []int) error {
 	return nil
 }
 
-// captureSet captures a decode step for each of g's sizes whose contexts
-// are at most maxKV positions.
-func (r *Runner) captureSet(gc device.GraphCapturer, g *graphSet, maxKV int) (map[int]device.Graph, error) {
+// shortGraph is a decode step captured for contexts of at most maxKV
+// positions.
+type shortGraph struct {
+	graph device.Graph
+	maxKV int
+}
+
+// captureSet captures a decode step for each of sizes whose contexts are
+// at most bound(size) positions.
+func (r *Runner) captureSet(gc device.GraphCapturer, g *graphSet, sizes []int, bound func(int) int) (map[int]device.Graph, error) {
 	set := map[int]device.Graph{}
-	for _, b := range g.sizes {
+	for _, b := range sizes {
+		maxKV := bound(b)
 		// Valid dummy inputs: every row decodes token 0 into the pad slot.
 		g.packPadding(0, b, r.Model.PadSlot())
 		if err := g.upload(g.l.kvidx); err != nil {
@@ -279,17 +300,18 @@ func (g *graphSet) fits(seqs []SeqStep) int {
 }
 
 // pick is the graph of size b for seqs, and whether it is the
-// short-context one (every sequence's context at most shortKV positions).
+// short-context one (every sequence's context within its bound).
 func (g *graphSet) pick(seqs []SeqStep, b int) (device.Graph, bool) {
-	if g.short == nil {
+	sg, ok := g.short[b]
+	if !ok {
 		return g.graphs[b], false
 	}
 	for _, s := range seqs {
-		if len(s.Slots) > g.shortKV {
+		if len(s.Slots) > sg.maxKV {
 			return g.graphs[b], false
 		}
 	}
-	return g.short[b], true
+	return sg.graph, true
 }
 
 // launchGraph queues a decode step through the graph of size b. Rows whose
@@ -378,12 +400,16 @@ func (r *Runner) ReleaseGraphs() error {
 		return nil
 	}
 	var firstErr error
-	for _, set := range []map[int]device.Graph{r.graphs.graphs, r.graphs.short} {
-		for _, g := range set {
-			if err := g.Destroy(); err != nil && firstErr == nil {
-				firstErr = err
-			}
+	destroy := func(g device.Graph) {
+		if err := g.Destroy(); err != nil && firstErr == nil {
+			firstErr = err
 		}
+	}
+	for _, g := range r.graphs.graphs {
+		destroy(g)
+	}
+	for _, sg := range r.graphs.short {
+		destroy(sg.graph)
 	}
 	r.graphs.graphs, r.graphs.short = nil, nil
 	r.graphs = nil
