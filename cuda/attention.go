@@ -128,10 +128,10 @@ func decodeVecMinSplit(splits int) int {
 // to 8 heads. raw is the kernel that also prepares the step's queries and
 // newest K and V.
 func (d *Device) splitDecodeKernel(g, dim, pairs, maxKV int) (name, raw string, ok bool) {
-	if d.gqaDecode(g, dim, pairs) && d.leanDecode(g, pairs, maxKV) {
-		return "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128", true
-	}
 	if d.gqaDecode(g, dim, pairs) {
+		if d.leanDecode(g, pairs, maxKV) {
+			return "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128", true
+		}
 		return "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", true
 	}
 	mg := 1
@@ -232,13 +232,17 @@ const (
 	leanNever
 )
 
-// ShortDecodeContext implements device.ContextDecoder: the decode kernels
-// of a batch of a model of hq query and hk kv heads of dim change at
-// gqaLeanMaxKV positions (0 where they do not).
+// ShortDecodeContext implements device.ContextDecoder: gqaLeanMaxKV where
+// splitDecodeKernel picks another kernel for a batch of a model of hq
+// query and hk kv heads of dim on either side of it, 0 where it does not
+// (deterministic inference keeps its own kernels).
 func (d *Device) ShortDecodeContext(hq, hk, dim, batch int) int {
-	pairs := batch * hk
-	if d.det || d.gqaLean != leanByContext || hk == 0 || hq%hk != 0 || !d.gqaDecode(hq/hk, dim, pairs) ||
-		!d.leanDecode(hq/hk, pairs, gqaLeanMaxKV) {
+	if d.det || hk == 0 || hq%hk != 0 {
+		return 0
+	}
+	short, _, _ := d.splitDecodeKernel(hq/hk, dim, batch*hk, gqaLeanMaxKV)
+	long, _, _ := d.splitDecodeKernel(hq/hk, dim, batch*hk, gqaLeanMaxKV+1)
+	if short == long {
 		return 0
 	}
 	return gqaLeanMaxKV

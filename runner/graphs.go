@@ -299,19 +299,13 @@ func (g *graphSet) fits(seqs []SeqStep) int {
 	return g.sizes[i]
 }
 
-// pick is the graph of size b for seqs, and whether it is the
-// short-context one (every sequence's context within its bound).
-func (g *graphSet) pick(seqs []SeqStep, b int) (device.Graph, bool) {
-	sg, ok := g.short[b]
-	if !ok {
-		return g.graphs[b], false
+// pick is the graph of size b for a step whose longest context is maxKV
+// positions, and whether it is the short-context one.
+func (g *graphSet) pick(b, maxKV int) (device.Graph, bool) {
+	if sg, ok := g.short[b]; ok && maxKV <= sg.maxKV {
+		return sg.graph, true
 	}
-	for _, s := range seqs {
-		if len(s.Slots) > sg.maxKV {
-			return g.graphs[b], false
-		}
-	}
-	return sg.graph, true
+	return g.graphs[b], false
 }
 
 // launchGraph queues a decode step through the graph of size b. Rows whose
@@ -322,10 +316,11 @@ func (r *Runner) launchGraph(seqs []SeqStep, b int) (*Pending, error) {
 	g := r.graphs
 	g.use(g.cur ^ 1)
 	l := g.l
-	kv := 0
+	kv, maxKV := 0, 0
 	g.setI(l.qptr, 0)
 	g.setI(l.kvptr, 0)
 	for i, s := range seqs {
+		maxKV = max(maxKV, len(s.Slots))
 		g.setI(l.tokens+i, s.Tokens[0])
 		g.setI(l.src+i, int32(s.Follows-1))
 		g.setI(l.positions+i, int32(s.Start))
@@ -348,7 +343,7 @@ func (r *Runner) launchGraph(seqs []SeqStep, b int) (*Pending, error) {
 	if err := g.upload(l.kvidx + kv); err != nil {
 		return nil, err
 	}
-	gr, short := g.pick(seqs, b)
+	gr, short := g.pick(b, maxKV)
 	if short {
 		r.Stats.ShortGraphSteps++
 	}
