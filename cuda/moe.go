@@ -270,13 +270,19 @@ func (d *Device) moeTiles(p, e int) (kernel string, rows int) {
 // moeWGRows are moe_wg's row tiles (BN in moe_wg.cu).
 var moeWGRows = []int{32, 64, 128}
 
-const moeWGRing = 100 << 10 // MOE_WG_RING
+const (
+	moeWGRing   = 100 << 10 // MOE_WG_RING
+	moeWGRing32 = 60 << 10  // MOE_WG_RING32: the 32-row tiles', three blocks an SM
+)
 
 // moeWGShared is moe_wg's shared memory for a row tile: the ring and room
 // to align it to 1024 bytes.
 func moeWGShared(bn int) int {
-	stage := (matMulWGTileRows + bn) * matMulWGBK * 2
-	return moeWGRing/stage*stage + 1024
+	stage, ring := (matMulWGTileRows+bn)*matMulWGBK*2, moeWGRing
+	if bn == 32 {
+		ring = kernelDefineInt("MOE_WG_RING32", moeWGRing32)
+	}
+	return ring/stage*stage + 1024
 }
 
 // moeWGTile is moe_wg's row tile for p pairs over e experts (0: moe_gemm

@@ -11,7 +11,8 @@
 // Block (x, y) takes weight tile x of the expert whose BN-row tile y is
 // (tiles and offsets from moe_sort, cut at BN rows). There are no K
 // splits: the experts' tiles fill the GPU many times over. Two blocks an
-// SM, so that one block's first stages land while the other streams.
+// SM (three for 32-row tiles), so that one block's first stages land
+// while the others stream.
 //
 // The rows arrive in two ways:
 //   - gathered (order set; gate and up read token order[r] / k of x): one
@@ -27,9 +28,23 @@
 // thread's accumulator rows g and g + 8 are a gate and its up, and the
 // block writes silu(gate) * up rounded as moe_gemm rounds it.
 #define MOE_WG_RING (100 << 10) // two blocks an SM
+// The 32-row tiles of decode batches take three blocks an SM on three
+// stages: a block's first stages then land while two others stream.
+// 30B-A3B shape, H200, `ebb bench moe` us, two blocks of five stages
+// against three of three: 64 tokens 292.5 / 292.2, 256 316.4 / 308.0
+// (four of two: 310.4; one of ten: 431.7); batch-256 decode step 19.381 /
+// 19.373 -> 18.819 / 18.811 ms, the same tokens. EBB_KERNEL_DEFINES sets
+// both for A/B runs (the host reads MOE_WG_RING32 too).
+#ifndef MOE_WG_RING32
+#define MOE_WG_RING32 (60 << 10)
+#endif
+#ifndef MOE_WG_BLOCKS32
+#define MOE_WG_BLOCKS32 3
+#endif
 // Weight stages a refill asks for at once where the ring has five or more
-// (32-row tiles): each weight row's bytes then reach DRAM in runs of 256
-// rather than 128. 30B-A3B shape, H200, `ebb bench moe` us, one stage
+// (none by default; the 32-row tiles at MOE_WG_RING32=102400 and
+// MOE_WG_BLOCKS32=2): each weight row's bytes then reach DRAM in runs of
+// 256 rather than 128. 30B-A3B shape, H200, `ebb bench moe` us, one stage
 // against two: 256 tokens 323.6 / 320.7, 512 484.3 / 472.6; batch-256
 // decode step 19.961 / 19.975 -> 19.802 / 19.819 ms. The 128-row tiles'
 // three stages lost with two (prefill of 256 x 128 tokens 452-461 ->
@@ -43,7 +58,9 @@
 #define MOE_WG_EARLY 1 // 0: every block waits for the kernel before it first (A/B runs); see moe_wg_impl
 #endif
 
-__host__ __device__ constexpr int moe_wg_stages(int bn) { return MOE_WG_RING / (MWG_ROWS * 128 + bn * 128); }
+__host__ __device__ constexpr int moe_wg_stages(int bn) {
+	return (bn == 32 ? MOE_WG_RING32 : MOE_WG_RING) / (MWG_ROWS * 128 + bn * 128);
+}
 
 __device__ __forceinline__ void tma_load_5d(unsigned dst, const TmaDesc *map, unsigned bar, int c0, int c1, int c2,
                                             int c3, int c4) {
@@ -160,7 +177,7 @@ __device__ void moe_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, bf16 *out,
 }
 
 #define MOE_WG(BN)                                                                                                    \
-	extern "C" __global__ void __launch_bounds__(MWG_THREADS, 2)                                                      \
+	extern "C" __global__ void __launch_bounds__(MWG_THREADS, BN == 32 ? MOE_WG_BLOCKS32 : 2)                         \
 	    moe_wg_n##BN(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, bf16 *out, const int *order, \
 	                 int k, const int *offsets, const int *tiles, int E, int N, int K, int glu) {                      \
 		moe_wg_impl<BN>(&wmap, &xmap, out, order, k, offsets, tiles, E, N, K, glu);                                   \
