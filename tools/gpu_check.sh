@@ -36,7 +36,10 @@ bin=$(dirname "$(command -v ebb)")
 summary=()
 status=0
 
-step() { # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the outcome
+# step NAME COMMAND...: runs it, logs to $out/NAME.log, records the outcome
+# and prints it at once, so that a run cut short (a timeout) still says
+# which steps passed.
+step() {
 	local name=$1 t0=$SECONDS
 	shift
 	if "$@" >"$out/$name.log" 2>&1; then
@@ -45,6 +48,7 @@ step() { # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the out
 		summary+=("FAIL $name ($((SECONDS - t0)) s): $(tail -n 3 "$out/$name.log" | tr '\n' ' ')")
 		status=1
 	fi
+	echo "step: ${summary[-1]}"
 }
 
 # note picks the figure worth quoting from a step's log.
