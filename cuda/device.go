@@ -68,6 +68,7 @@ type Device struct {
 	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
 	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
 	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
+	moeWGRing32   int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)

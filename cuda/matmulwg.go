@@ -91,8 +91,9 @@ func (d *Device) initMatMulWG() error {
 			}
 		}
 	}
+	d.moeWGRing32 = kernelDefineInt("MOE_WG_RING32", moeWGRing32)
 	for _, bn := range moeWGRows {
-		if err := d.k[fmt.Sprintf("moe_wg_n%d", bn)].SetMaxDynamicShared(moeWGShared(bn)); err != nil {
+		if err := d.k[fmt.Sprintf("moe_wg_n%d", bn)].SetMaxDynamicShared(d.moeWGShared(bn)); err != nil {
 			return err
 		}
 	}

@@ -277,10 +277,10 @@ const (
 
 // moeWGShared is moe_wg's shared memory for a row tile: the ring and room
 // to align it to 1024 bytes.
-func moeWGShared(bn int) int {
+func (d *Device) moeWGShared(bn int) int {
 	stage, ring := (matMulWGTileRows+bn)*matMulWGBK*2, moeWGRing
 	if bn == 32 {
-		ring = kernelDefineInt("MOE_WG_RING32", moeWGRing32)
+		ring = d.moeWGRing32
 	}
 	return ring/stage*stage + 1024
 }
@@ -320,7 +320,7 @@ func (d *Device) moeExpertsWG(x, ids, gateUp, down device.Tensor, w moeWork, bn 
 	p := t * k
 	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bn))
 	rowTiles := (p+bn-1)/bn + min(e, p) // at most one partial tile per expert that has rows
-	name, shared := fmt.Sprintf("moe_wg_n%d", bn), moeWGShared(bn)
+	name, shared := fmt.Sprintf("moe_wg_n%d", bn), d.moeWGShared(bn)
 	wgrid := func(n int) Dim3 {
 		return Dim3{X: uint32((n + matMulWGTileRows - 1) / matMulWGTileRows), Y: uint32(rowTiles), Z: 1}
 	}
