@@ -66,6 +66,7 @@ type Device struct {
 	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
 	moeSortedFrom int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
 	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
+	moeFirstTiles int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
 	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
 	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
 	moeWGRing32   int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
@@ -239,6 +240,10 @@ func (d *Device) init() error {
 	}
 	d.moeGemvTokens = moeGemvTokens
 	d.noMoEFold = os.Getenv("EBB_MOE_FOLD") == "0"
+	d.moeFirstTiles = moeFirstTilesFrom
+	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_FIRST_TILES")); err == nil {
+		d.moeFirstTiles = n
+	}
 	d.moeRouteWarps = kernelDefineInt("MOE_ROUTE_WARPS", moeRouteWarps)
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
 		d.moeGemvTokens = n

@@ -102,16 +102,22 @@ func TestMoEExperts(t *testing.T) {
 		}
 		// The CPU reference (float32 whatever the GPU's dtype) once a case.
 		var ref device.Tensor
+		const always, never = 0, -1 // moe_wg's first tiles by block
 		for _, mode := range []struct {
 			gemvTokens, tileRows int
 			wg                   bool
 			sortedFrom           int // moe_wg's gate and up on sorted rows from this tile (0: the default)
+			firstTiles           int // pairs an expert averages from which its first tile is block y's
 		}{
-			{moeGemvTokens, 0, wg, 0}, {0, 0, wg, 0}, {0, 0, wg, moeWGRows[0]}, {0, 0, wg, 1 << 20},
-			{0, 0, false, 0}, {0, 16, false, 0}, {0, 64, false, 0},
+			{moeGemvTokens, 0, wg, 0, moeFirstTilesFrom}, {0, 0, wg, 0, moeFirstTilesFrom},
+			{0, 0, wg, moeWGRows[0], moeFirstTilesFrom}, {0, 0, wg, 1 << 20, moeFirstTilesFrom},
+			// experts with no rows (their first tiles' blocks drain) and
+			// experts of several tiles, gathered
+			{0, 0, wg, 0, always}, {0, 0, wg, 1 << 20, always}, {0, 0, wg, 1 << 20, never},
+			{0, 0, false, 0, moeFirstTilesFrom}, {0, 16, false, 0, moeFirstTilesFrom}, {0, 64, false, 0, moeFirstTilesFrom},
 		} {
 			p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG = mode.gemvTokens, mode.tileRows, mode.wg
-			p.gpu.moeSortedFrom = cmp.Or(mode.sortedFrom, moeSortedFrom)
+			p.gpu.moeSortedFrom, p.gpu.moeFirstTiles = cmp.Or(mode.sortedFrom, moeSortedFrom), mode.firstTiles
 			for _, dt := range []device.DType{device.BF16, device.F32} {
 				out := p.random(dt, 0, c.rows, c.hidden)
 				kept = append(kept, out)
@@ -129,7 +135,7 @@ func TestMoEExperts(t *testing.T) {
 				if dt == device.BF16 {
 					atol = 4e-2
 				}
-				p.close(fmt.Sprintf("%s %s, pair gemv up to %d tokens, tiles of %d rows, moe_wg %v, sorted rows from %d", name, dt, mode.gemvTokens, mode.tileRows, mode.wg, p.gpu.moeSortedFrom), out, atol, 3e-2)
+				p.close(fmt.Sprintf("%s %s, pair gemv up to %d tokens, tiles of %d rows, moe_wg %v, sorted rows from %d, first tiles from %d", name, dt, mode.gemvTokens, mode.tileRows, mode.wg, p.gpu.moeSortedFrom, mode.firstTiles), out, atol, 3e-2)
 				if mode.gemvTokens == 0 {
 					checkMoESort(t, p.gpu, work, idv, c.rows, c.k, c.experts, c.inter, c.hidden)
 				}
@@ -151,6 +157,7 @@ func TestMoEExperts(t *testing.T) {
 			}
 		}
 		p.gpu.moeGemvTokens, p.gpu.moeTileRows, p.gpu.moeWG, p.gpu.moeSortedFrom = moeGemvTokens, 0, wg, moeSortedFrom
+		p.gpu.moeFirstTiles = moeFirstTilesFrom
 		p.gpu.Free(memory.Workspace, work)
 		// The 128-expert case's weights alone are 2.4 GB in the CPU
 		// reference's float32: the next case needs the workspace back.

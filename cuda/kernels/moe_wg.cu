@@ -62,6 +62,12 @@ __host__ __device__ constexpr int moe_wg_stages(int bn) {
 	return (bn == 32 ? MOE_WG_RING32 : MOE_WG_RING) / (MWG_ROWS * 128 + bn * 128);
 }
 
+// mbar_expect_more adds bytes to the stage's expected transfer without
+// arriving: the stage cannot complete before its one arrival.
+__device__ __forceinline__ void mbar_expect_more(unsigned bar, unsigned bytes) {
+	asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ void tma_load_5d(unsigned dst, const TmaDesc *map, unsigned bar, int c0, int c1, int c2,
                                             int c3, int c4) {
 	asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
@@ -70,9 +76,33 @@ __device__ __forceinline__ void tma_load_5d(unsigned dst, const TmaDesc *map, un
 	             : "memory");
 }
 
+// moe_wg_further finds further tile o (0, 1, ...) of the experts' tiles
+// past each one's first, in expert order: its expert e and its tile j
+// (1 or more) within it; false past the last. Every thread of the block
+// calls it (E <= 256 < MWG_THREADS). Expert i has tiles[i + 1] - tiles[i]
+// tiles, so the further tiles before expert i + 1 number tiles[i + 1] less
+// the experts up to i that have rows (a scan of ballots).
+__device__ __forceinline__ bool moe_wg_further(const int *tiles, int E, int o, int &e, int &j) {
+	__shared__ int warp_rows[MWG_THREADS / 32], before;
+	const int tid = threadIdx.x, lane = tid & 31;
+	const int t0 = tid < E ? tiles[tid] : 0, t1 = tid < E ? tiles[tid + 1] : 0;
+	const unsigned has = __ballot_sync(0xffffffffu, t1 > t0);
+	if (lane == 0) warp_rows[tid >> 5] = __popc(has);
+	__syncthreads();
+	int with = __popc(has & (0xffffffffu >> (31 - lane))); // experts up to tid that have rows
+	for (int w = 0; w < (tid >> 5); w++) with += warp_rows[w];
+	const int upto = tid < E ? t1 - with : 0x7fffffff; // further tiles of experts 0..tid
+	e = __syncthreads_count(upto <= o);
+	if (e >= E) return false;
+	if (tid == e) before = upto - max(t1 - t0 - 1, 0); // further tiles before expert e
+	__syncthreads();
+	j = 1 + o - before;
+	return true;
+}
+
 template <int BN>
 __device__ void moe_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, bf16 *out, const int *order, int k,
-                            const int *offsets, const int *tiles, int E, int N, int K, int glu) {
+                            const int *offsets, const int *tiles, int E, int N, int K, int glu, int first) {
 #ifdef MWG_ON
 	constexpr int WBYTES = MWG_ROWS * 128, STAGE = WBYTES + BN * 128, S = moe_wg_stages(BN);
 	constexpr int BURST = S >= 5 && MOE_WG_BURST < S ? MOE_WG_BURST : 1;
@@ -97,22 +127,47 @@ __device__ void moe_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, bf16 *out,
 	// stream while that kernel's last blocks finish: `ebb bench moe`, 256
 	// tokens, 321.4 -> 316.3 us. Gathered rows wait first: the kernel
 	// before is moe_sort.
-	const bool early = MOE_WG_EARLY && order == nullptr;
-	if (!early) DEP();
-	const int y = blockIdx.y;
-	if (y >= tiles[E]) return; // the grid is an upper bound of the row tiles
-	// The expert e with tiles[e] <= y < tiles[e + 1]: tiles ascends, so e is
-	// one less than the count of such entries, one load a thread (a search
-	// would wait on seven loads in a row).
-	int below = 0;
-	for (int i0 = 0; i0 < E; i0 += blockDim.x) below += __syncthreads_count(i0 + tid < E && tiles[i0 + tid] <= y);
-	const int e = below - 1, r0 = offsets[e] + (y - tiles[e]) * BN, rows = min(BN, offsets[e + 1] - r0);
-	const int tile = blockIdx.x, nt = K / MWG_BK;
-	const unsigned bytes = WBYTES + (order ? rows : BN) * 128;
-	if (tid == MWG_CONSUMERS) // the first stages' weights, while the rows are listed
+	//
+	// With first set, block y < E takes expert y's first row tile, so it
+	// knows its weights before moe_sort has run and asks for its first
+	// stages before it waits: they stream while moe_sort runs, one block
+	// on one SM. Blocks past E take the experts' further tiles in order
+	// (moe_wg_further). An expert with no rows still reads those stages.
+	const int y = blockIdx.y, tile = blockIdx.x, nt = K / MWG_BK;
+	const bool known = first && y < E;
+	if (known && tid == MWG_CONSUMERS)
 		for (int t = 0; t < min(nt, S); t++) {
-			mbar_expect_tx(full + 8 * t, bytes);
-			tma_load_5d(base + t * STAGE, wmap, full + 8 * t, t * MWG_BK, 0, 0, tile * 8, e);
+			mbar_expect_more(full + 8 * t, WBYTES); // the rows' bytes and the arrival come after the wait
+			tma_load_5d(base + t * STAGE, wmap, full + 8 * t, t * MWG_BK, 0, 0, tile * 8, y);
+		}
+	const bool early = MOE_WG_EARLY && order == nullptr && !first;
+	if (!early) DEP();
+	int e = y, et = 0; // the expert and its row tile within it
+	if (first && !known) {
+		if (!moe_wg_further(tiles, E, y - E, e, et)) return;
+	} else if (!first) {
+		if (y >= tiles[E]) return; // the grid is an upper bound of the row tiles
+		// The expert e with tiles[e] <= y < tiles[e + 1]: tiles ascends, so e is
+		// one less than the count of such entries, one load a thread (a search
+		// would wait on seven loads in a row).
+		int below = 0;
+		for (int i0 = 0; i0 < E; i0 += blockDim.x) below += __syncthreads_count(i0 + tid < E && tiles[i0 + tid] <= y);
+		e = below - 1, et = y - tiles[e];
+	}
+	const int r0 = offsets[e] + et * BN, rows = min(BN, offsets[e + 1] - r0);
+	if (rows <= 0) { // known, no rows: its stages land before the block leaves
+		if (tid == MWG_CONSUMERS)
+			for (int t = 0; t < min(nt, S); t++) {
+				mbar_arrive(full + 8 * t);
+				mbar_wait(full + 8 * t, 0);
+			}
+		return;
+	}
+	const unsigned bytes = WBYTES + (order ? rows : BN) * 128;
+	if (tid == MWG_CONSUMERS) // the first stages' weights (or, known, their rows' bytes), while the rows are listed
+		for (int t = 0; t < min(nt, S); t++) {
+			mbar_expect_tx(full + 8 * t, known ? bytes - WBYTES : bytes);
+			if (!known) tma_load_5d(base + t * STAGE, wmap, full + 8 * t, t * MWG_BK, 0, 0, tile * 8, e);
 		}
 	if (early) DEP(); // the rows
 	if (order)
@@ -179,8 +234,8 @@ __device__ void moe_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, bf16 *out,
 #define MOE_WG(BN)                                                                                                    \
 	extern "C" __global__ void __launch_bounds__(MWG_THREADS, BN == 32 ? MOE_WG_BLOCKS32 : 2)                         \
 	    moe_wg_n##BN(const MWG_GRID_CONST TmaDesc wmap, const MWG_GRID_CONST TmaDesc xmap, bf16 *out, const int *order, \
-	                 int k, const int *offsets, const int *tiles, int E, int N, int K, int glu) {                      \
-		moe_wg_impl<BN>(&wmap, &xmap, out, order, k, offsets, tiles, E, N, K, glu);                                   \
+	                 int k, const int *offsets, const int *tiles, int E, int N, int K, int glu, int first) {           \
+		moe_wg_impl<BN>(&wmap, &xmap, out, order, k, offsets, tiles, E, N, K, glu, first);                            \
 	}
 MOE_WG(32)
 MOE_WG(64)
