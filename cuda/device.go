@@ -61,18 +61,20 @@ type Device struct {
 	gqaLean       int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
 	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
-	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
-	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
-	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
-	moeSortedFrom int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
-	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
-	moeFirstTiles int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
-	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
-	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
-	moeWGRing32   int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
-	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
-	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
-	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
+	skipRepeats   kernelSet      // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
+	lastArgs      map[string][]uint64
+	moeGemvTokens int  // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
+	moeTileRows   int  // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
+	moeWG         bool // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
+	moeSortedFrom int  // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
+	noMoEFold     bool // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
+	moeFirstTiles int  // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
+	moeRouteWarps int  // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
+	noMoEBulk     bool // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
+	moeWGRing32   int  // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
+	tcLarge       bool // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
+	decodeSplits  int  // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
+	sampleWaves   int  // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
 	det                 bool
@@ -234,7 +236,7 @@ func (d *Device) init() error {
 		d.gqaWaves = n
 	}
 	d.wgFullRing = os.Getenv("EBB_MATMUL_WG_RING") == "full"
-	if d.skipKernels = skipList(os.Getenv("EBB_SKIP_KERNELS")); d.skipKernels != nil {
+	if d.skipKernels, d.skipRepeats = skipList(os.Getenv("EBB_SKIP_KERNELS")); d.skipKernels != nil || d.skipRepeats != nil {
 		fmt.Fprintf(os.Stderr, "ebb: EBB_SKIP_KERNELS=%s: these kernels are not launched and every output is wrong (for timing only)\n",
 			os.Getenv("EBB_SKIP_KERNELS"))
 	}
@@ -434,6 +436,15 @@ func (d *Device) launch(name string, grid, block Dim3, shmem int, args ...uint64
 	if d.skipKernels[name] {
 		return
 	}
+	if d.skipRepeats[name] {
+		if slices.Equal(d.lastArgs[name], args) {
+			return
+		}
+		if d.lastArgs == nil {
+			d.lastArgs = map[string][]uint64{}
+		}
+		d.lastArgs[name] = slices.Clone(args)
+	}
 	if k := d.kernel(name); k != nil {
 		d.fail(d.ctx.LaunchKernel(k, grid, block, shmem, args...))
 	}
@@ -446,17 +457,28 @@ func (d *Device) launch(name string, grid, block Dim3, shmem int, args ...uint64
 // kernel alone, which overstates the small ones and cannot show what the
 // step hides (decode attention at batch 1 costs 10-12 us a layer alone and
 // nothing in the step).
-func skipList(env string) kernelSet {
-	var m kernelSet
+//
+// A name with ":repeats" (into repeats) is left out only where its
+// arguments are its last launch's: moe_sort:repeats sorts a step's first
+// sparse layer and lets the later ones reuse that grouping (the work
+// buffers and the pair count are the same in every layer), so the
+// experts' products keep their share of rows while the sort's cost goes;
+// left out altogether, the first steps would read buffers never written.
+func skipList(env string) (always, repeats kernelSet) {
 	for _, name := range strings.Split(env, ",") {
-		if name = strings.TrimSpace(name); name != "" {
-			if m == nil {
-				m = kernelSet{}
+		name = strings.TrimSpace(name)
+		set := &always
+		if base, ok := strings.CutSuffix(name, ":repeats"); ok {
+			name, set = base, &repeats
+		}
+		if name != "" {
+			if *set == nil {
+				*set = kernelSet{}
 			}
-			m[name] = true
+			(*set)[name] = true
 		}
 	}
-	return m
+	return always, repeats
 }
 
 // kernelSet is a set of kernel names.

@@ -5,6 +5,7 @@ import (
 	"maps"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"ebb/device"
@@ -403,24 +404,39 @@ func (p *pair) refill(b both, scale float32) both {
 	return b
 }
 
-// TestSkipList: EBB_SKIP_KERNELS names kernels for launch to leave out.
+// TestSkipList: EBB_SKIP_KERNELS names kernels for launch to leave out,
+// always or (name:repeats) where their arguments repeat the last launch's.
 func TestSkipList(t *testing.T) {
 	for _, c := range []struct {
-		env  string
-		want kernelSet
+		env            string
+		always, repeat kernelSet
 	}{
-		{"", nil},
-		{" , ", nil},
-		{"moe_route", kernelSet{"moe_route": true}},
-		{"moe_route, gemv_m1,", kernelSet{"moe_route": true, "gemv_m1": true}},
+		{"", nil, nil},
+		{" , ", nil, nil},
+		{"moe_route", kernelSet{"moe_route": true}, nil},
+		{"moe_route, gemv_m1,", kernelSet{"moe_route": true, "gemv_m1": true}, nil},
+		{"moe_sort:repeats", nil, kernelSet{"moe_sort": true}},
+		{"moe_route,moe_sort:repeats", kernelSet{"moe_route": true}, kernelSet{"moe_sort": true}},
+		{":repeats", nil, nil},
 	} {
-		if got := skipList(c.env); !maps.Equal(got, c.want) || (got == nil) != (c.want == nil) {
-			t.Errorf("skipList(%q) = %v, want %v", c.env, got, c.want)
+		always, repeat := skipList(c.env)
+		if !maps.Equal(always, c.always) || (always == nil) != (c.always == nil) || !maps.Equal(repeat, c.repeat) ||
+			(repeat == nil) != (c.repeat == nil) {
+			t.Errorf("skipList(%q) = %v, %v, want %v, %v", c.env, always, repeat, c.always, c.repeat)
 		}
 	}
 	d := &Device{ctx: &Context{SMs: 132}, k: map[string]*Kernel{}, skipKernels: kernelSet{"gemv_m1": true}}
 	d.launch("gemv_m1", D1(1), D1(256), 0) // not loaded, but skipped: no error
 	if d.err != nil {
 		t.Fatalf("skipped kernel: %v", d.err)
+	}
+	d.skipRepeats, d.lastArgs = kernelSet{"moe_sort": true}, map[string][]uint64{"moe_sort": {1, 2}}
+	d.launch("moe_sort", D1(1), D1(1024), 0, 1, 2) // the last launch's arguments: skipped
+	if d.err != nil {
+		t.Fatalf("repeated launch not skipped: %v", d.err)
+	}
+	d.launch("moe_sort", D1(1), D1(1024), 0, 1, 3) // new arguments: launched (and, not loaded, an error)
+	if d.err == nil || !slices.Equal(d.lastArgs["moe_sort"], []uint64{1, 3}) {
+		t.Fatalf("launch with new arguments: err %v, last %v", d.err, d.lastArgs["moe_sort"])
 	}
 }
