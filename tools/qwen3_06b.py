@@ -62,6 +62,7 @@ def init_weights(model, hidden):
 def make_model(path, ebb, seed, shape="0.6b", config_only=False):
     if os.path.exists(os.path.join(path, "tokenizer.json")):  # written last
         return
+    need_ebb(ebb)
     cfg = Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960,
                       rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643,
                       eos_token_id=151645, attention_bias=False, hidden_act="silu", **SHAPES[shape])
@@ -80,6 +81,14 @@ def make_model(path, ebb, seed, shape="0.6b", config_only=False):
     del model
     torch.cuda.empty_cache()
     tokenizer_files(ebb, path)
+
+
+def need_ebb(ebb):
+    """Stops before anything is written where ebb, which writes the tokenizer
+    files, is not found: a directory with a config but no tokenizer or
+    generation_config.json still loads, with other sampling defaults."""
+    if shutil.which(ebb) is None:
+        raise SystemExit(f"{ebb}: not found (the tokenizer files come from `ebb tiny-model`); put ebb on PATH or pass --ebb")
 
 
 def tokenizer_files(ebb, path):
