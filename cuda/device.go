@@ -61,20 +61,19 @@ type Device struct {
 	gqaLean       int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
 	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
-	skipRepeats   kernelSet      // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
-	lastArgs      map[string][]uint64
-	moeGemvTokens int  // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
-	moeTileRows   int  // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
-	moeWG         bool // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
-	moeSortedFrom int  // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
-	noMoEFold     bool // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
-	moeFirstTiles int  // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
-	moeRouteWarps int  // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
-	noMoEBulk     bool // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
-	moeWGRing32   int  // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
-	tcLarge       bool // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
-	decodeSplits  int  // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
-	sampleWaves   int  // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
+	skipRepeats   lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
+	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
+	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
+	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
+	moeSortedFrom int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
+	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
+	moeFirstTiles int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
+	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
+	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
+	moeWGRing32   int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
+	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
+	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
+	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
 	det                 bool
@@ -436,14 +435,11 @@ func (d *Device) launch(name string, grid, block Dim3, shmem int, args ...uint64
 	if d.skipKernels[name] {
 		return
 	}
-	if d.skipRepeats[name] {
-		if slices.Equal(d.lastArgs[name], args) {
+	if last, ok := d.skipRepeats[name]; ok {
+		if last != nil && slices.Equal(last, args) {
 			return
 		}
-		if d.lastArgs == nil {
-			d.lastArgs = map[string][]uint64{}
-		}
-		d.lastArgs[name] = slices.Clone(args)
+		d.skipRepeats[name] = slices.Clone(args)
 	}
 	if k := d.kernel(name); k != nil {
 		d.fail(d.ctx.LaunchKernel(k, grid, block, shmem, args...))
@@ -464,22 +460,29 @@ func (d *Device) launch(name string, grid, block Dim3, shmem int, args ...uint64
 // buffers and the pair count are the same in every layer), so the
 // experts' products keep their share of rows while the sort's cost goes;
 // left out altogether, the first steps would read buffers never written.
-func skipList(env string) (always, repeats kernelSet) {
+func skipList(env string) (always kernelSet, repeats lastLaunches) {
 	for _, name := range strings.Split(env, ",") {
 		name = strings.TrimSpace(name)
-		set := &always
 		if base, ok := strings.CutSuffix(name, ":repeats"); ok {
-			name, set = base, &repeats
-		}
-		if name != "" {
-			if *set == nil {
-				*set = kernelSet{}
+			if base != "" {
+				if repeats == nil {
+					repeats = lastLaunches{}
+				}
+				repeats[base] = nil
 			}
-			(*set)[name] = true
+		} else if name != "" {
+			if always == nil {
+				always = kernelSet{}
+			}
+			always[name] = true
 		}
 	}
 	return always, repeats
 }
+
+// lastLaunches holds, for each kernel it names, the arguments of its last
+// launch (nil before the first).
+type lastLaunches map[string][]uint64
 
 // kernelSet is a set of kernel names.
 type kernelSet map[string]bool
