@@ -79,6 +79,14 @@ func (d *Device) EnableDeterministic(m device.ModelShape) error {
 	if d.detPartML, err = d.Alloc(memory.CUDAGraph, device.F32, detPartialBytes/4/64); err != nil {
 		return fmt.Errorf("deterministic attention partials: %w", err)
 	}
+	if !d.noDetParts {
+		// o_proj's and down_proj's split sums (detMatMulAddRMSNorm): the
+		// most splits of the largest batch tile, hidden columns each.
+		planes := matMulWGMaxCluster * matMulWGRows[len(matMulWGRows)-1] * m.Hidden
+		if d.detParts, err = d.Alloc(memory.CUDAGraph, device.F32, planes); err != nil {
+			return fmt.Errorf("deterministic products' split sums: %w", err)
+		}
+	}
 	d.detLoneSplits = detLoneSplits
 	if n, err := strconv.Atoi(os.Getenv("EBB_DET_LONE_SPLITS")); err == nil && n >= 0 {
 		d.detLoneSplits = n
@@ -269,6 +277,55 @@ func (d *Device) detMatMulAdd(x, w device.Tensor, silu bool, residual, next devi
 	}
 	return true
 }
+
+// detMatMulAddRMSNorm implements device.Fused's MatMulAddRMSNorm under
+// deterministic inference where the product is matmul_wg's K splits on
+// clusters (decode batches past matmul_wg_few's rows): the blocks leave
+// their splits' fp32 sums in planes of detParts, without the cluster's
+// barriers and remote reads, and add_rmsnorm_parts_v8 adds them in split
+// order before its add and norm, so that out, residual and normed get the
+// bits of MatMul then AddRMSNorm. (The thirty-eighth stop's profile of
+// batch 256 found o_proj's and down_proj's blocks waiting on the cluster's
+// exchange of 7 MB of sums.) EBB_DET_PARTS=0 keeps the clusters.
+func (d *Device) detMatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, normed, normW device.Tensor, eps float32) bool {
+	m, n, k := residual.Dim(0), w.Dim(0), w.Dim(-1)
+	if silu || !d.detParts.Valid() || m <= d.few.detRows || m > cmp.Or(d.detPartsRows, detPartsMaxRows) || !detProductFits(n, k) || n%8 != 0 || n > 8*1024 ||
+		x.DType != device.BF16 || w.DType != device.BF16 || residual.DType != device.BF16 ||
+		normed.DType != device.BF16 || out.DType != device.BF16 || normW.DType != device.BF16 ||
+		x.Numel() != m*k || residual.Numel() != m*n || normed.Numel() != m*n || out.Numel() != m*n || normW.Numel() != n ||
+		x.Ptr%16 != 0 || w.Ptr%16 != 0 || residual.Ptr%16 != 0 || normed.Ptr%16 != 0 || out.Ptr%16 != 0 || normW.Ptr%16 != 0 {
+		return false
+	}
+	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
+	splits := int(grid.Z)
+	if kpart != 0 || grid.Y != 1 || splits < 2 || !strings.HasPrefix(name, "matmul_wg_n") || splits*m*n > d.detParts.Numel() {
+		return false
+	}
+	if d.err != nil {
+		return true
+	}
+	d.pendingNorm = pendingNorm{}
+	shared := matMulWGShared(bn)
+	if bn <= matMulWGTightRows && !d.wgFullRing {
+		shared = matMulWGUsed(bn, kps, splits)
+	}
+	parts := d.detParts.Ptr
+	d.launchWG(name, grid, d.wgBlock, shared, 1, wgOperands{w: w.Ptr, n: n, x: x.Ptr, m: m, k: k, box: bn},
+		P(parts), I(2), I(m), I(n), I(k), I(0), I(kps), P(0), P(0), P(d.rowSquares.Ptr), I(0), F(0), I(0))
+	d.launch("add_rmsnorm_parts_v8", D1(m), D1(normThreads(n)), 0, P(residual.Ptr), P(parts), I(splits), uint64(m*n),
+		P(out.Ptr), P(normed.Ptr), P(normW.Ptr), I(n), F(eps))
+	return true
+}
+
+// detPartsMaxRows is the most rows detMatMulAddRMSNorm takes
+// (EBB_DET_PARTS_ROWS sets it for A/B runs): past 128 the planes' traffic
+// (8 MB a product at 256 rows, written and read back) outweighs the
+// clusters' exchange. H200, 0.6B shape, flag on, 128 in / 128 out, ms a
+// decode step, means of two rounds, planes against clusters: batch 32
+// 1.185 / 1.257, 64 1.406 / 1.469, 96 1.837 / 1.904, 128 2.10 / 2.16, 160
+// 2.70 / 2.64, 192 2.86 / 2.86, 256 3.50 / 3.46 (3.51 / 3.39 in a second
+// run); the same output digests.
+const detPartsMaxRows = 128
 
 // attnDet runs attn_det: a step's decodes (one query each, the leading
 // meta.Decodes sequences, or all when MaxQLen is 1) with their splits

@@ -472,3 +472,45 @@ func TestDeterministicProjectQKV(t *testing.T) {
 		})
 	}
 }
+
+// TestDeterministicSplitSums: o_proj's and down_proj's products at the
+// batches whose K splits run on clusters, each split's sums left in memory
+// and added by add_rmsnorm_parts_v8 (MatMulAddRMSNorm), give the bits of
+// MatMul then AddRMSNorm (the clusters' exchange) in the product, the
+// residual and the normed rows, and come within bf16 rounding of the CPU.
+// By default the planes take up to detPartsMaxRows rows; with the bound
+// raised (EBB_DET_PARTS_ROWS) they take every batch tile.
+func TestDeterministicSplitSums(t *testing.T) {
+	p := detPair(t)
+	const hidden, eps = 1024, 1e-6
+	for _, limit := range []int{0, matMulWGRows[len(matMulWGRows)-1]} {
+		p.gpu.detPartsRows = limit
+		for _, c := range []struct{ rows, k int }{
+			{detFewMaxRows + 1, 2048}, {64, 3072}, {100, 2048}, {192, 3072}, {256, 2048}, {256, 3072},
+		} {
+			name := fmt.Sprintf("%d x %d, bound %d", c.rows, c.k, cmp.Or(limit, detPartsMaxRows))
+			x := p.random(device.BF16, 1, c.rows, c.k)
+			w := p.random(device.BF16, 1/float32(math.Sqrt(float64(c.k))), hidden, c.k)
+			normW := p.random(device.BF16, 0.3, hidden)
+			h0 := p.random(device.BF16, 3, c.rows, hidden)
+			h, tmp, xn := p.clone(device.BF16, h0), p.random(device.BF16, 0, c.rows, hidden), p.random(device.BF16, 0, c.rows, hidden)
+			p.gpu.MatMul(tmp.g, x.g, w.g, device.Tensor{})
+			p.gpu.AddRMSNorm(h.g, tmp.g, xn.g, normW.g, eps)
+			h2, tmp2, xn2 := p.clone(device.BF16, h0), p.random(device.BF16, 0, c.rows, hidden), p.random(device.BF16, 0, c.rows, hidden)
+			taken := p.gpu.MatMulAddRMSNorm(tmp2.g, x.g, w.g, false, h2.g, xn2.g, normW.g, eps)
+			if want := c.rows <= cmp.Or(limit, detPartsMaxRows); taken != want {
+				t.Fatalf("%s: taken %v, want %v", name, taken, want)
+			}
+			if taken {
+				p.sameBits(name+": product", tmp2.g, tmp.g)
+				p.sameBits(name+": residual", h2.g, h.g)
+				p.sameBits(name+": normed", xn2.g, xn.g)
+				p.cpu.MatMul(tmp2.c, x.c, w.c, device.Tensor{})
+				p.cpu.AddRMSNorm(h2.c, tmp2.c, xn2.c, normW.c, eps)
+				p.close(name+": residual against the CPU", h2, 0.07, 0.02)
+				p.close(name+": normed against the CPU", xn2, 0.02, 0.02)
+			}
+			p.free(x, w, normW, h0, h, tmp, xn, h2, tmp2, xn2)
+		}
+	}
+}

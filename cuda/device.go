@@ -78,8 +78,11 @@ type Device struct {
 	// decode partials.
 	det                 bool
 	detPartO, detPartML device.Tensor
-	detPartRows         int // tests: fewer partial rows, for sequences whose partials do not fit
-	detLoneSplits       int // a decode of at most this many splits is one block's (detLoneSplits)
+	detPartRows         int           // tests: fewer partial rows, for sequences whose partials do not fit
+	detParts            device.Tensor // o_proj's and down_proj's split sums (detMatMulAddRMSNorm)
+	noDetParts          bool          // those products keep their clusters' exchange (EBB_DET_PARTS=0)
+	detPartsRows        int           // detPartsMaxRows where EBB_DET_PARTS_ROWS sets it
+	detLoneSplits       int           // a decode of at most this many splits is one block's (detLoneSplits)
 }
 
 var (
@@ -146,7 +149,7 @@ func init() {
 }
 
 var kernelNames = []string{
-	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "rmsnorm_v8", "add_rmsnorm_v8", "add_rmsnorm_f32x_v8", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
+	"embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_f32x", "rmsnorm_v8", "add_rmsnorm_v8", "add_rmsnorm_f32x_v8", "add_rmsnorm_parts_v8", "add_bias", "add_bias_f32", "prepare_qkv", "prepare_qkv16", "silu_mul", "silu_mul_v8",
 	"gather_rows", "fill_bf16", "fill_f32", "fill_uniform_bf16", "fill_uniform_f32", "bits_hash", "attn_prefill", "apply_penalties", "resolve_tokens",
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
@@ -257,6 +260,10 @@ func (d *Device) init() error {
 		d.moeTileRows = n
 	}
 	d.noDetFold = os.Getenv("EBB_DET_FOLD") == "0"
+	d.noDetParts = os.Getenv("EBB_DET_PARTS") == "0"
+	if n, err := strconv.Atoi(os.Getenv("EBB_DET_PARTS_ROWS")); err == nil && n > 0 {
+		d.detPartsRows = n
+	}
 	d.few = fewFromEnv()
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {

@@ -267,9 +267,13 @@ func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int)
 	return name, wpo, (n + perBlock - 1) / perBlock
 }
 
-// MatMulAddRMSNorm implements device.Fused for one row.
+// MatMulAddRMSNorm implements device.Fused for one row, and under
+// deterministic inference for the split products of detMatMulAddRMSNorm.
 func (d *Device) MatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, normed, normW device.Tensor, eps float32) bool {
-	if d.det || !fusable(out.Dim(0), x, w) || out.DType != device.BF16 {
+	if d.det {
+		return d.detMatMulAddRMSNorm(out, x, w, silu, residual, normed, normW, eps)
+	}
+	if !fusable(out.Dim(0), x, w) || out.DType != device.BF16 {
 		return false
 	}
 	if d.err != nil {

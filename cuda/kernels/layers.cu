@@ -153,6 +153,42 @@ extern "C" __global__ void add_rmsnorm_f32x_v8(bf16 *residual, const float *x, b
 	norm_row8(residual, x, out, w, dim, eps);
 }
 
+// add_rmsnorm_parts_v8 is add_rmsnorm_v8 whose x it first forms (and
+// stores) from a split product's planes of fp32 sums (matmul_wg's own
+// sums, out_f32 2): added as the cluster adds its ranks, 0 + p0 + p1 +
+// ..., and rounded as its store rounds them, so that x has the bits
+// matmul_wg would have written.
+#define NORM_MAX_PARTS 8 // MWG_MAX_CLUSTER
+extern "C" __global__ void add_rmsnorm_parts_v8(bf16 *residual, const float *parts, int nparts, long long plane,
+                                                bf16 *x, bf16 *out, const bf16 *w, int dim, float eps) {
+	DEP();
+	const long long off = (long long)blockIdx.x * dim;
+	const int i = 8 * threadIdx.x;
+	float v[8];
+	if (i < dim) {
+		// Every plane's values are requested before any is added.
+		float4 p[NORM_MAX_PARTS][2];
+#pragma unroll
+		for (int s = 0; s < NORM_MAX_PARTS; s++)
+			if (s < nparts) {
+				const float4 *src = (const float4 *)(parts + s * plane + off + i);
+				p[s][0] = __ldcg(src), p[s][1] = __ldcg(src + 1);
+			}
+#pragma unroll
+		for (int e = 0; e < 8; e++) v[e] = 0.f;
+#pragma unroll
+		for (int s = 0; s < NORM_MAX_PARTS; s++)
+			if (s < nparts) {
+				v[0] += p[s][0].x, v[1] += p[s][0].y, v[2] += p[s][0].z, v[3] += p[s][0].w;
+				v[4] += p[s][1].x, v[5] += p[s][1].y, v[6] += p[s][1].z, v[7] += p[s][1].w;
+			}
+#pragma unroll
+		for (int e = 0; e < 8; e++) v[e] = rbf(v[e]);
+		*(uint4 *)(x + off + i) = pack8(v); // the product, as MatMul leaves it
+	}
+	norm_vals8(residual, v, out, w, dim, eps, off, i);
+}
+
 // add_bias: x[row, j] += b[j] over rows of n.
 extern "C" __global__ void add_bias(bf16 *x, const bf16 *b, long long total, int n) {
 	DEP();

@@ -23,6 +23,10 @@
 // With splits, each block leaves its fp32 sums in its shared memory and
 // block r of the cluster adds fragments r, r + splits, ... of all blocks in
 // rank order (distributed shared memory), so every run gives the same bits.
+// Deterministic decode steps of o_proj and down_proj may instead leave each
+// split's sums in global memory (out_f32 2, no cluster) for the norm that
+// follows to add in the same order: the same bits without the cluster's
+// barriers and remote reads (add_rmsnorm_parts_v8).
 //
 // matmul_wg_part takes deterministic inference's prefills, whose batch
 // tiles fill the GPU without splits: persistent blocks take the tiles in
@@ -354,7 +358,8 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	// Batches past BN rows take a batch tile a blockIdx.y (matmul_wg_part:
 	// a round of its loop); the fold modes are for one tile.
 	if ((!FOLD && (residual || norm_w)) || gridDim.z > MWG_MAX_CLUSTER || (gridDim.y > 1 && (residual || norm_w)) ||
-	    (PART && (gridDim.y > 1 || gridDim.z > 1 || residual || norm_w || kpart < 1)))
+	    (PART && (gridDim.y > 1 || gridDim.z > 1 || residual || norm_w || kpart < 1)) ||
+	    (out_f32 == 2 && (PART || residual || norm_w || gridDim.y > 1)))
 		__trap();
 	const int tid = threadIdx.x, lane = tid & 31;
 	const bool consumer = tid < MWG_CONSUMERS;
@@ -362,6 +367,11 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	const unsigned full = smem_u32(bars), empty = full + 8 * S; // stage s: + 8 s
 	const int split = blockIdx.z, splits = gridDim.z;
 	const int kt0 = split * kps, nt = min(kps, K / MWG_BK - kt0);
+	// out_f32 == 2 (own sums): a launch without clusters, whose blocks each
+	// leave their split's fp32 sums in a plane of their own, out[split][m][N],
+	// for add_rmsnorm_parts to add in split order (the cluster's order).
+	const bool own = out_f32 == 2 && splits > 1;
+	if (own) out = (float *)out + (long long)split * m * N;
 	// matmul_wg_part's blocks are persistent: block b takes tiles b, b +
 	// gridDim.x, ... (weight tile fastest), so that while its consumers
 	// write one tile the producer fills the ring with the next one's first
@@ -414,7 +424,7 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 				}
 			}
 		}
-		if (splits > 1) {
+		if (splits > 1 && !own) {
 			// The consumers' barriers around the split sums below.
 			__syncthreads();
 			cluster_sync();
@@ -584,6 +594,31 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 			for (int w = 0; w < MWG_CONSUMERS / 32; w++) s += warp_sq[w][r];
 			sq[(long long)r * gridDim.x + tile] = s;
 		};
+		if (own) {
+			// The block's split sums, coalesced: the ring is free once every
+			// stage has been read, and takes the tile as rows of 128 floats
+			// (16-byte chunks swizzled by the row, so that neither the
+			// fragments' stores nor the rows' loads meet a bank twice); then
+			// a warp writes a row's 512 bytes at once. Stored as the
+			// fragments lie, a block's 4-byte stores to four rows at a time
+			// made a batch-256 step 0.5 ms slower (H200).
+			asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+			float *sums = (float *)(wg_smem + (base - smem_u32(wg_smem)));
+#pragma unroll
+			for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+				for (int e = 0; e < 4; e++) {
+					const int r = 8 * j + 2 * q + (e & 1), col = trow + 8 * (e >> 1);
+					sums[r * MWG_ROWS + (col ^ (((r >> 1) & 3) << 3))] = d[4 * j + e];
+				}
+			asm volatile("bar.sync 1, %0;" ::"n"(MWG_CONSUMERS) : "memory");
+			const long long n = (long long)MWG_ROWS * tile + 4 * lane;
+			for (int r = tid >> 5; r < BN && row0 + r < m; r += MWG_CONSUMERS / 32)
+				if (n < N)
+					*(float4 *)((float *)out + (row0 + r) * (long long)N + n) =
+					    *(const float4 *)&sums[r * MWG_ROWS + ((4 * lane) ^ (((r >> 1) & 3) << 3))];
+			continue;
+		}
 		if (splits == 1) {
 			if (consumer) {
 #pragma unroll
