@@ -305,12 +305,8 @@ func (d *Device) detMatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residua
 		return true
 	}
 	d.pendingNorm = pendingNorm{}
-	shared := matMulWGShared(bn)
-	if bn <= matMulWGTightRows && !d.wgFullRing {
-		shared = matMulWGUsed(bn, kps, splits)
-	}
 	parts := d.detParts.Ptr
-	d.launchWG(name, grid, d.wgBlock, shared, 1, wgOperands{w: w.Ptr, n: n, x: x.Ptr, m: m, k: k, box: bn},
+	d.launchWG(name, grid, d.wgBlock, d.matMulWGRing(bn, kps, kpart, splits), 1, wgOperands{w: w.Ptr, n: n, x: x.Ptr, m: m, k: k, box: bn},
 		P(parts), I(2), I(m), I(n), I(k), I(0), I(kps), P(0), P(0), P(d.rowSquares.Ptr), I(0), F(0), I(0))
 	d.launch("add_rmsnorm_parts_v8", D1(m), D1(normThreads(n)), 0, P(residual.Ptr), P(parts), I(splits), uint64(m*n),
 		P(out.Ptr), P(normed.Ptr), P(normW.Ptr), I(n), F(eps))

@@ -263,13 +263,19 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		return
 	}
 	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
-	shared := matMulWGShared(bn)
-	if kpart == 0 && bn <= matMulWGTightRows && !d.wgFullRing {
-		shared = matMulWGUsed(bn, kps, int(grid.Z))
-	}
-	d.launchWG(name, grid, d.wgBlock, shared, int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
+	d.launchWG(name, grid, d.wgBlock, d.matMulWGRing(bn, kps, kpart, int(grid.Z)), int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
 		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps), I(kpart))
+}
+
+// matMulWGRing is the shared memory a matmul_wg launch of matMulWGShape's
+// tile, k-steps, kpart and splits asks for: the whole ring, or for tight
+// tiles only what a block uses.
+func (d *Device) matMulWGRing(bn, kps, kpart, splits int) int {
+	if kpart == 0 && bn <= matMulWGTightRows && !d.wgFullRing {
+		return matMulWGUsed(bn, kps, splits)
+	}
+	return matMulWGShared(bn)
 }
 
 // wgOperands are the two operands of a matmul_wg or moe_wg launch: w
