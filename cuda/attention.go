@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"strings"
 
 	"ebb/device"
 )
@@ -203,6 +204,55 @@ func (d *Device) gqaDecode(g, dim, pairs int) bool {
 // 512 11.973 -> 11.815. Decode graphs are captured for both sides of the
 // bound (device.ContextDecoder).
 const gqaLeanMaxKV = 1024
+
+// gqaHeadsABlock is the kv heads of a sequence that one block of
+// attn_decode_gqa's lean kernels takes, its four warps shared among them.
+// At short contexts a block's fixed chain (slots, queries, merge) is much
+// of its time, and each wave of blocks pays it again while memory idles;
+// a block of h heads has h times the positions a warp, in 1/h the blocks.
+// So h is the one (1 or 2) with the least waves x h, the streaming a warp
+// does counted in whole waves of blocks (waves blocks an SM), and on a tie
+// the larger, which pays the fixed chain fewer times. `ebb bench
+// attention --layout interleaved`, H200, us, one head a block against
+// two: 30B-A3B shape (8 query heads a kv head) batch 256 x 128 / 192 / 256
+// / 512 positions 29.5 / 37.2 / 45.0 / 73.9 against 25.6 / 33.0 / 40.2 /
+// 72.0, batch 160 x 192 29.1 / 27.1 (a tie by the count), batch 128 x 192
+// 18.9 / 28.8 (one wave either way: one head); 8B shape (4) batch 256 x
+// 192 64.8 / 59.6 (four heads 55.7), batch 160 x 192 44.3 / 48.7 (three
+// waves against two of twice the work: one head). Not four by default: a
+// block's splits are at most two (decode_split, balanced), so with four the
+// longest context among short ones would run on one warp a head.
+// EBB_GQA_HEADS_A_BLOCK sets the heads for A/B runs (1, 2 or 4, where they
+// divide hk and hpb * (G + 1) query preparations fit the block's rounds;
+// otherwise one). The two-chunk kernels keep one head a block.
+func (d *Device) gqaHeadsABlock(lean bool, b, hq, hk, waves int) int {
+	fits := func(h int) bool {
+		return h <= gqaMaxHeadsABlock && 4%h == 0 && hk%h == 0 && h*(hq/hk+1) <= 16*gqaTaskRounds
+	}
+	switch {
+	case !lean:
+		return 1
+	case d.gqaHeads > 0 && fits(d.gqaHeads):
+		return d.gqaHeads
+	case d.gqaHeads > 0:
+		return 1
+	}
+	wave := waves * d.ctx.SMs
+	best, bestCost := 1, (b*hk+wave-1)/wave
+	if fits(2) {
+		if cost := 2 * ((b*hk/2 + wave - 1) / wave); cost <= bestCost {
+			best = 2
+		}
+	}
+	return best
+}
+
+// gqaMaxHeadsABlock and gqaTaskRounds are attention_gqa.cu's
+// DG_HEADS_A_BLOCK and DG_TASK_ROUNDS.
+const (
+	gqaMaxHeadsABlock = 4
+	gqaTaskRounds     = 2
+)
 
 // gqaLeanMinPairs is the fewest pairs (sequence, kv head) that take the
 // lean kernels by context: a few blocks gain nothing from room for more on
@@ -408,6 +458,11 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 	if balanced {
 		grid = Dim3{uint32(hk), uint32(b), uint32(splits)}
 		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(decodeVecMinSplit(splits)))
+	}
+	if strings.HasPrefix(name, "attn_decode_gqa") {
+		hpb := d.gqaHeadsABlock(strings.Contains(name, "_lean"), b, hq, hk, waves)
+		grid.X /= uint32(hpb)
+		args = append(args, I(hpb))
 	}
 	args = append(args, F(scale))
 	if raw != nil {

@@ -145,13 +145,18 @@ func TestPrepareDecode(t *testing.T) {
 		{"lean-qwen3-30b-a3b-g8", 32, 4, 128, true, []int{700, 1, 65, 16, 17, 3000}},
 		{"lean-qwen3-8b-g4-ragged", 32, 8, 128, true, raggedContexts(80)},
 		{"lean-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
+		// EBB_GQA_HEADS_A_BLOCK: two or four kv heads a lean block.
+		{"lean2-qwen3-30b-a3b-g8", 32, 4, 128, true, []int{700, 1, 65, 16, 17, 3000}},
+		{"lean4-qwen3-8b-g4-ragged", 32, 8, 128, true, raggedContexts(80)},
+		{"lean2-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
+		{"lean4-g3-no-norm", 12, 4, 128, false, []int{90, 400, 7}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			p.gpu.rawDecode = true
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
-			p.gpu.gqaLean = leanMode(tc.name)
+			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
 			qlens := repeat(1, len(tc.kvlens))
 			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
 			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
@@ -351,6 +356,16 @@ func TestAttention(t *testing.T) {
 		{"lean-mixed-gqa-g8", 32, 4, 128, []int{1, 1, 70, 1}, []int{2000, 3, 70, 64}},
 		{"lean-decode-gqa-g2-long", 16, 8, 128, []int{1}, []int{32000}},
 		{"bycontext-decode-gqa-g8-short", 32, 4, 128, repeat(1, 40), repeat(700, 40)},
+		// EBB_GQA_HEADS_A_BLOCK: two or four kv heads a lean block (four
+		// with 8 heads a kv head is more than its query preparation holds,
+		// so it keeps one).
+		{"lean2-decode-gqa-g8", 32, 4, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
+		{"lean2-decode-gqa-g8-long", 32, 4, 128, []int{1}, []int{32000}},
+		{"lean2-decode-gqa-g5-many", 40, 8, 128, repeat(1, 200), repeat(130, 200)},
+		{"lean2-mixed-gqa-g8", 32, 4, 128, []int{1, 1, 70, 1}, []int{2000, 3, 70, 64}},
+		{"lean4-decode-gqa-g4-ragged", 32, 8, 128, repeat(1, 80), raggedContexts(80)},
+		{"lean4-decode-gqa-g8", 32, 4, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
+		{"bycontext-decode-gqa-g8-two-heads-a-block", 32, 4, 128, repeat(1, 300), repeat(190, 300)},
 		// EBB_DECODE_GQA=0: the vector kernel's small batches.
 		{"vector-g2", 16, 8, 128, []int{1, 1, 1, 1, 1}, []int{1, 15, 16, 17, 300}},
 		{"vector-b1-64-splits", 16, 8, 128, []int{1}, []int{4000}},
@@ -383,7 +398,7 @@ func TestAttention(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
-			p.gpu.gqaLean = leanMode(tc.name)
+			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
 			if strings.HasPrefix(tc.name, "sparse") {
 				for i := range meta {
@@ -507,6 +522,36 @@ func TestDecodeKernelChoice(t *testing.T) {
 				c.mode, c.g, c.pairs, c.maxKV, name, raw, c.want)
 		}
 	}
+	// A lean block's kv heads: two where they cost no more waves x heads
+	// than one (waves of four blocks an SM), unless EBB_GQA_HEADS_A_BLOCK
+	// sets them (where the heads divide hk and their query preparation
+	// fits).
+	for _, c := range []struct {
+		env, b, hq, hk, want int
+		lean                 bool
+	}{
+		{0, 256, 32, 4, 2, true},
+		{0, 132, 32, 4, 1, true},
+		{0, 133, 32, 4, 2, true},
+		{0, 160, 32, 4, 2, true},
+		{0, 256, 32, 8, 2, true},
+		{0, 160, 32, 8, 1, true},
+		{0, 128, 32, 8, 2, true},
+		{0, 64, 32, 8, 1, true},
+		{0, 512, 32, 8, 2, true},
+		{0, 256, 32, 4, 1, false},
+		{0, 256, 12, 3, 1, true},
+		{4, 256, 32, 8, 4, true},
+		{4, 1, 32, 8, 4, true},
+		{4, 256, 32, 4, 1, true},
+		{2, 1, 32, 4, 2, true},
+		{3, 256, 36, 12, 1, true},
+	} {
+		d := &Device{ctx: &Context{SMs: 132}, gqaHeads: c.env}
+		if got := d.gqaHeadsABlock(c.lean, c.b, c.hq, c.hk, 4); got != c.want {
+			t.Errorf("EBB_GQA_HEADS_A_BLOCK=%d, lean %v, batch %d, %d/%d heads: %d kv heads a block, want %d", c.env, c.lean, c.b, c.hq, c.hk, got, c.want)
+		}
+	}
 	for _, c := range []struct {
 		mode, hq, hk, dim, batch, want int
 	}{
@@ -530,12 +575,25 @@ func TestDecodeKernelChoice(t *testing.T) {
 // two-chunk kernels at every context).
 func leanMode(name string) int {
 	switch {
-	case strings.HasPrefix(name, "lean-"):
+	case strings.HasPrefix(name, "lean-"), leanHeads(name) > 0:
 		return leanAlways
 	case strings.HasPrefix(name, "bycontext-"):
 		return leanByContext
 	}
 	return leanNever
+}
+
+// leanHeads is the EBB_GQA_HEADS_A_BLOCK setting a case's name asks for
+// (with the lean kernels always): "lean2-" two, "lean4-" four, otherwise
+// unset.
+func leanHeads(name string) int {
+	switch {
+	case strings.HasPrefix(name, "lean2-"):
+		return 2
+	case strings.HasPrefix(name, "lean4-"):
+		return 4
+	}
+	return 0
 }
 
 // decodeKernelMode is the EBB_DECODE_GQA setting a case's name asks for:

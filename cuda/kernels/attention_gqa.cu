@@ -22,6 +22,14 @@
 #define DG_WARPS 4
 #define DG_CHUNK 16 // positions a warp takes at a time
 #define DG_HEADS 8  // query heads a kv head at most (the N of the products)
+// A block may take up to DG_HEADS_A_BLOCK kv heads of its sequence, its
+// warps shared among them, where a batch has more pairs (sequence, kv head)
+// than one wave of blocks holds: at short contexts a block's fixed chain
+// (slots, queries, merge) is most of its time, and a second wave pays it
+// again while memory idles. Its query preparation takes at most
+// DG_TASK_ROUNDS rounds of 16 (hpb * (G + 1) <= 16 * DG_TASK_ROUNDS).
+#define DG_HEADS_A_BLOCK 4
+#define DG_TASK_ROUNDS 2
 
 __device__ __forceinline__ unsigned movmatrix_t(unsigned x) {
 	unsigned y;
@@ -50,21 +58,25 @@ template <bool RAW, bool PF = true>
 __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
-                                                     int units, int units_max, int min_split, float scale,
-                                                     DecodeRaw raw) {
+                                                     int units, int units_max, int min_split, int hpb,
+                                                     float scale, DecodeRaw raw) {
 	constexpr int D = 128, MG = DG_HEADS;
 	__shared__ float sh_m[DG_WARPS][MG], sh_l[DG_WARPS][MG];
 	// Rows of D + 1: the stores of a warp's outputs (lanes 2t, 8 gid apart)
 	// met in four banks, an 8-way conflict; now in 2-way.
 	constexpr int OS = D + 1;
 	__shared__ float sh_o[DG_WARPS][MG][OS];
-	__shared__ __align__(16) bf16 sh_q[MG][D];
-	const int g = blockIdx.x, s = blockIdx.y, sp = blockIdx.z;
+	__shared__ __align__(16) bf16 sh_q[DG_HEADS_A_BLOCK][MG][D];
+	// A block takes hpb kv heads of one (sequence, split), DG_WARPS / hpb
+	// warps each (see DG_HEADS_A_BLOCK); warp w's head is hh = w / wph.
+	const int s = blockIdx.y, sp = blockIdx.z, wph = DG_WARPS / hpb;
 	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const int hh = warp / wph, wi = warp % wph, g = blockIdx.x * hpb + hh, step = wph * DG_CHUNK;
 	const int gid = lane >> 2, t = lane & 3;
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
-	const DecodeSplit ds = decode_split(kvptr, kvlen, hk, splits, units, units_max, min_split);
+	// The shares are cut for blocks, each hpb heads' worth of positions.
+	const DecodeSplit ds = decode_split(kvptr, kvlen, hk / hpb, splits, units, units_max, min_split);
 	if (sp >= ds.used) {
 		DEP();
 		return;
@@ -117,50 +129,64 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 		fetch(ks, vs, kd, vd, zero);
 	};
 	// The newest position's K and V are this step's: loaded after the wait.
-	const int first = c0 + warp * DG_CHUNK;
+	const int first = c0 + wi * DG_CHUNK;
 	uint4 kr[2][4], vr[4][2];
 	load(first, 0, min(c1, newest), kr, vr, true);
 	// Query preparation in the 16-byte layout (prepare_qkv16's bits): eight
-	// lanes a head, lane group (warp, lane / 8) taking the block's query
-	// heads, then the newest key.
-	const int hl = lane & 7, slot = warp * 4 + (lane >> 3), c8 = 8 * hl;
+	// lanes a head, lane group (warp, lane / 8) taking task slot, slot + 16,
+	// ... of the block's hpb * (G + 1): for each of its kv heads the query
+	// heads, then the newest key. Every task's rows are requested before
+	// any is prepared.
+	const int hl = lane & 7, slot = warp * 4 + (lane >> 3), c8 = 8 * hl, tasks = hpb * (G + 1);
 	DecodeRawStep rs{};
 	if (RAW) rs.load<D>(raw, row, c8);
 	DEP();
 	const bool holds_newest = c1 == kvlen && kvlen > 0;
 	const bf16 *x = qkv + row * stride;
-	if (RAW) {
-		// Every lane prepares a head (head_inv shuffles over the warp).
-		const bool key = slot >= G;
-		uint4 a = *(const uint4 *)(x + (key ? hq + g : g * G + slot) * D + c8);
-		uint4 b = *(const uint4 *)(x + (key ? hq + g : g * G + slot) * D + D / 2 + c8);
-		float inv = 0.f;
-		if (raw.qnorm) {
-			float af[8], bf[8];
-			unpack8(a, af);
-			unpack8(b, bf);
-			inv = head_inv(af, bf, 8, D, raw.eps);
+	uint4 qa[DG_TASK_ROUNDS], qb[DG_TASK_ROUNDS];
+#pragma unroll
+	for (int r = 0; r < DG_TASK_ROUNDS; r++) {
+		const int task = slot + 16 * r, th = task / (G + 1), j = task % (G + 1), tg = blockIdx.x * hpb + th;
+		if (task < tasks && (RAW || j < G)) {
+			const bf16 *h = x + (long long)(j < G ? tg * G + j : hq + tg) * D;
+			qa[r] = *(const uint4 *)(h + c8);
+			qb[r] = *(const uint4 *)(h + D / 2 + c8);
 		}
-		norm_rope8(a, b, raw.qnorm != nullptr, key ? rs.kwa : rs.qwa, key ? rs.kwb : rs.qwb, inv, rs.cs, rs.sn);
+	}
+#pragma unroll
+	for (int r = 0; r < DG_TASK_ROUNDS; r++) {
+		if (16 * r >= tasks) break; // uniform over the block
+		const int task = slot + 16 * r, th = task / (G + 1), j = task % (G + 1), tg = blockIdx.x * hpb + th;
+		const bool valid = task < tasks, key = j == G;
+		uint4 a = qa[r], b = qb[r];
+		if (RAW) {
+			// Every lane prepares a head (head_inv shuffles over the warp).
+			float inv = 0.f;
+			if (raw.qnorm) {
+				float af[8], bf[8];
+				unpack8(valid ? a : make_uint4(0, 0, 0, 0), af);
+				unpack8(valid ? b : make_uint4(0, 0, 0, 0), bf);
+				inv = head_inv(af, bf, 8, D, raw.eps);
+			}
+			norm_rope8(a, b, raw.qnorm != nullptr, key ? rs.kwa : rs.qwa, key ? rs.kwb : rs.qwb, inv, rs.cs, rs.sn);
+		}
+		if (!valid) continue;
 		if (!key) {
-			*(uint4 *)&sh_q[slot][c8] = a;
-			*(uint4 *)&sh_q[slot][D / 2 + c8] = b;
-		} else if (slot == G && holds_newest) {
-			const long long base = (rs.new_slot * hk + g) * D;
-			const bf16 *v = x + (long long)(hq + hk + g) * D;
+			*(uint4 *)&sh_q[th][j][c8] = a;
+			*(uint4 *)&sh_q[th][j][D / 2 + c8] = b;
+		} else if (RAW && holds_newest) {
+			const long long base = (rs.new_slot * hk + tg) * D;
+			const bf16 *v = x + (long long)(hq + hk + tg) * D;
 			*(uint4 *)(kc + base + c8) = a;
 			*(uint4 *)(kc + base + D / 2 + c8) = b;
 			*(uint4 *)(vc + base + c8) = *(const uint4 *)(v + c8);
 			*(uint4 *)(vc + base + D / 2 + c8) = *(const uint4 *)(v + D / 2 + c8);
 		}
-	} else if (slot < G) {
-		const bf16 *qh = x + (long long)(g * G + slot) * D;
-		*(uint4 *)&sh_q[slot][c8] = *(const uint4 *)(qh + c8);
-		*(uint4 *)&sh_q[slot][D / 2 + c8] = *(const uint4 *)(qh + D / 2 + c8);
 	}
-	if (slot >= G && slot < MG) {
-		*(uint4 *)&sh_q[slot][c8] = make_uint4(0, 0, 0, 0);
-		*(uint4 *)&sh_q[slot][D / 2 + c8] = make_uint4(0, 0, 0, 0);
+	// Query rows past G are zero (the products' N is MG).
+	for (int i = threadIdx.x; i < hpb * (MG - G) * (D / 8); i += blockDim.x) {
+		const int th = i / ((MG - G) * (D / 8)), j = G + i / (D / 8) % (MG - G);
+		*(uint4 *)&sh_q[th][j][8 * (i % (D / 8))] = make_uint4(0, 0, 0, 0);
 	}
 	__syncthreads(); // the queries, and the newest K and V, for the whole block
 	if (holds_newest && newest >= first && newest < first + DG_CHUNK) load(first, newest, newest + 1, kr, vr, false);
@@ -169,7 +195,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	uint4 qf[4];
 #pragma unroll
 	for (int q = 0; q < 4; q++)
-		if constexpr (PF) qf[q] = *(const uint4 *)&sh_q[gid][32 * q + 8 * t];
+		if constexpr (PF) qf[q] = *(const uint4 *)&sh_q[hh][gid][32 * q + 8 * t];
 	const float qs = scale * LOG2E;
 	float o[8][4];
 #pragma unroll
@@ -178,17 +204,17 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	// lanes of a t) and partial sums (this lane's positions only).
 	float m0 = -EBB_INF, m1 = -EBB_INF, l0 = 0.f, l1 = 0.f;
 	int ksn[2], vsn[4]; // the slots of the warp's next chunk
-	slots(first + DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
-	for (int cb = first; cb < c1; cb += DG_WARPS * DG_CHUNK) {
+	slots(first + step, 0, c1, ksn, vsn);
+	for (int cb = first; cb < c1; cb += step) {
 		uint4 kn[2][4], vn[4][2];
 		if constexpr (PF) {
 			fetch(ksn, vsn, kn, vn, true);
-			slots(cb + 2 * DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
+			slots(cb + 2 * step, 0, c1, ksn, vsn);
 		}
 		float sc[4] = {0.f, 0.f, 0.f, 0.f}; // S^T: [position gid, +8][heads 2t, 2t+1]
 #pragma unroll
 		for (int q = 0; q < 4; q++) {
-			if constexpr (!PF) qf[q] = *(const uint4 *)&sh_q[gid][32 * q + 8 * t];
+			if constexpr (!PF) qf[q] = *(const uint4 *)&sh_q[hh][gid][32 * q + 8 * t];
 #pragma unroll
 			for (int h = 0; h < 2; h++) {
 				const unsigned a[4] = {h ? kr[0][q].z : kr[0][q].x, h ? kr[1][q].z : kr[1][q].x,
@@ -232,7 +258,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 				for (int u = 0; u < 2; u++) vr[i][u] = vn[i][u];
 		} else {
 			fetch_v(vsn, vr, true);
-			slots(cb + 2 * DG_WARPS * DG_CHUNK, 0, c1, ksn, vsn);
+			slots(cb + 2 * step, 0, c1, ksn, vsn);
 		}
 	}
 #pragma unroll
@@ -251,45 +277,48 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 		sh_o[warp][2 * t][64 + 8 * gid + mt] = o[mt][2];
 		sh_o[warp][2 * t + 1][64 + 8 * gid + mt] = o[mt][3];
 	}
-	__syncthreads();
-	decode_block_store<D, MG, OS>(out, part_o, part_ml, &sh_m[0][0], &sh_l[0][0], &sh_o[0][0][0], DG_WARPS, row * hq + g * G,
-	                          G, splits, sp, ds.used);
-	decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, g, splits, ds.used);
+	for (int h = 0; h < hpb; h++) {
+		const int hg = blockIdx.x * hpb + h;
+		__syncthreads(); // the warps' outputs; the last head's merge done with shared memory
+		decode_block_store<D, MG, OS>(out, part_o, part_ml, &sh_m[h * wph][0], &sh_l[h * wph][0], &sh_o[h * wph][0][0],
+		                              wph, row * hq + hg * G, G, splits, sp, ds.used);
+		decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, hg, splits, ds.used);
+	}
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
     attn_decode_gqa_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                          const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                         int splits, int units, int units_max, int min_split, float scale) {
+                         int splits, int units, int units_max, int min_split, int hpb, float scale) {
 	attn_decode_gqa_impl<false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
-	                            units_max, min_split, scale, DecodeRaw{});
+	                            units_max, min_split, hpb, scale, DecodeRaw{});
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
     attn_decode_gqa_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                              const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                             int splits, int units, int units_max, int min_split, float scale, const bf16 *qnorm,
+                             int splits, int units, int units_max, int min_split, int hpb, float scale, const bf16 *qnorm,
                              const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,
                              const float *sin_t, float eps) {
 	attn_decode_gqa_impl<true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
-	                           units_max, min_split, scale, DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
+	                           units_max, min_split, hpb, scale, DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 4)
     attn_decode_gqa_lean_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                               const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                              int splits, int units, int units_max, int min_split, float scale) {
+                              int splits, int units, int units_max, int min_split, int hpb, float scale) {
 	attn_decode_gqa_impl<false, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits,
-	                                   units, units_max, min_split, scale, DecodeRaw{});
+	                                   units, units_max, min_split, hpb, scale, DecodeRaw{});
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 4)
     attn_decode_gqa_lean_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                                   const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk,
-                                  int d, int splits, int units, int units_max, int min_split, float scale,
+                                  int d, int splits, int units, int units_max, int min_split, int hpb, float scale,
                                   const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots,
                                   const float *cos_t, const float *sin_t, float eps) {
 	attn_decode_gqa_impl<true, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits,
-	                                  units, units_max, min_split, scale,
+	                                  units, units_max, min_split, hpb, scale,
 	                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
 }
