@@ -60,7 +60,7 @@ def init_weights(model, hidden):
 
 
 def make_model(path, ebb, seed, shape="0.6b", config_only=False):
-    if os.path.exists(os.path.join(path, "tokenizer.json")):  # written last
+    if model_written(path, config_only):
         return
     need_ebb(ebb)
     cfg = Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960,
@@ -81,6 +81,16 @@ def make_model(path, ebb, seed, shape="0.6b", config_only=False):
     del model
     torch.cuda.empty_cache()
     tokenizer_files(ebb, path)
+
+
+def model_written(path, config_only):
+    """Whether path already holds what was asked: the tokenizer is written
+    last, and a directory written with --config-only (for --load-format
+    dummy) has no weights, so a later full model is written over it rather
+    than taken as done."""
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return False
+    return config_only or any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
 def need_ebb(ebb):

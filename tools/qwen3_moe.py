@@ -34,7 +34,7 @@ import subprocess
 
 import torch
 
-from qwen3_06b import init_weights, need_ebb, tokenizer_files
+from qwen3_06b import init_weights, model_written, need_ebb, tokenizer_files
 
 SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
              num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
@@ -47,7 +47,7 @@ SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num
 
 
 def make_model(path, ebb, layers, config_only, seed):
-    if os.path.exists(os.path.join(path, "tokenizer.json")):  # written last
+    if model_written(path, config_only):
         return
     need_ebb(ebb)
     os.makedirs(path, exist_ok=True)
