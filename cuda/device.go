@@ -59,7 +59,7 @@ type Device struct {
 	gqaFrom       int            // the fewest query heads a kv head that decode on attn_decode_gqa (EBB_DECODE_GQA; 0: gqaDecodeFrom)
 	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
 	gqaLean       int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
-	gqaHeads      int            // the most kv heads a lean attn_decode_gqa block takes where EBB_GQA_HEADS_A_BLOCK sets it (0: gqaHeadsABlock's 2)
+	gqaHeads      int            // the kv heads a lean attn_decode_gqa block takes where EBB_GQA_HEADS_A_BLOCK sets them (0: gqaHeadsABlock chooses 1 or 2)
 	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	skipRepeats   lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
