@@ -191,20 +191,26 @@ const (
 	moeRouteMaxHidden = 8192 // 8 * MOE_ROUTE_XS
 )
 
-// MatMulAddMoERoute implements device.MoEFused for one token: MatMulAdd's
+// MatMulAddMoERoute implements device.MoEFused. One token: MatMulAdd's
 // gemv in squares mode, then moe_norm_route (a cluster; sm_90 and later),
 // in place of o_proj's last block normalising, the router's gemv and
 // moe_route. With MoEExpertsAdd, the 30B-A3B shape's batch-1 decode step
 // went from 3.389 to 3.099 ms (H200, EBB_MOE_FOLD=0 against on, one run);
 // ncu a layer: o_proj 14.5 -> 8.6 us, router and routing 3.2 + 4.6 ->
-// 7.5 us, add_rmsnorm's 3.2 us gone.
+// 7.5 us, add_rmsnorm's 3.2 us gone. More tokens: moeAddNormRoute.
 func (d *Device) MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weights device.Tensor, eps float32, norm bool) bool {
 	t, h, e, k := residual.Dim(0), residual.Dim(-1), router.Dim(0), ids.Dim(-1)
-	if d.det || d.noMoEFold || d.ctx.CCMajor < 9 || t != 1 || h%8 != 0 || h > moeRouteMaxHidden || router.Dim(-1) != h ||
-		e > moeMaxExperts || k > moeMaxTopK || k > e || ids.Numel() != k || weights.Numel() != k ||
-		weights.DType != device.F32 || x.Numel() != h || x.DType != device.BF16 || router.DType != device.BF16 ||
-		normW.Numel() != h || x.Ptr%16 != 0 || router.Ptr%16 != 0 || normW.Ptr%16 != 0 ||
-		!d.MatMulAdd(in, w, false, residual, router, false) {
+	if d.det || d.noMoEFold || d.ctx.CCMajor < 9 || h%8 != 0 || h > moeRouteMaxHidden || router.Dim(-1) != h ||
+		e > moeMaxExperts || k > moeMaxTopK || k > e || ids.Numel() != t*k || weights.Numel() != t*k ||
+		weights.DType != device.F32 || x.Numel() != t*h || x.DType != device.BF16 || router.DType != device.BF16 ||
+		normW.Numel() != h || x.Ptr%16 != 0 || router.Ptr%16 != 0 || normW.Ptr%16 != 0 || residual.DType != device.BF16 ||
+		residual.Ptr%16 != 0 {
+		return false
+	}
+	if t != 1 {
+		return d.moeAddNormRoute(in, w, residual, x, normW, router, ids, weights, eps, norm)
+	}
+	if !d.MatMulAdd(in, w, false, residual, router, false) {
 		return false
 	}
 	p := d.pendingNorm
@@ -212,6 +218,48 @@ func (d *Device) MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weigh
 	d.launchCluster("moe_norm_route", Dim3{X: 1, Y: 1, Z: moeRouteBlocks}, D1(32*d.moeRouteWarps), 0, moeRouteBlocks, nil,
 		P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps),
 		P(router.Ptr), I(e), I(h), I(k), I(boolInt(norm)))
+	return true
+}
+
+const (
+	moeNormRouteTokens = 8    // MOE_NR_TOKENS: a moe_add_norm_route cluster's tokens
+	moeNormRouteRanks  = 4    // MOE_NR_RANKS: its blocks
+	moeNormRouteWarps  = 16   // MOE_NR_WARPS, unless EBB_KERNEL_DEFINES sets it
+	moeNormRouteHidden = 4096 // the widest row whose tokens' rows fit its shared memory
+	// moeNormRouteMaxRows is the most tokens EBB_MOE_NORM_ROUTE_ROWS lets
+	// moe_add_norm_route take: each cluster reads the router (0.5 MB at
+	// 30B-A3B) from L2, so a prefill chunk's thousands of tokens keep
+	// cuBLAS's router product.
+	moeNormRouteMaxRows = 512
+	// moeNormRouteRows is the most it takes by default. 30B-A3B shape,
+	// H200, `bench one-batch --temperature 1`, ms a decode step, off / on,
+	// 128 in / 64 out, two rounds: batch 32 15.056, 15.055 / 15.019,
+	// 15.003; 64 16.626, 16.643 / 16.563, 16.604; 128 17.496, 17.525 /
+	// 17.369, 17.381. Batch 256, 128 / 128: 19.170, 19.166 / 19.249, 19.255
+	// (32 clusters of 4 blocks, one an SM, may not all fit at once).
+	moeNormRouteRows = 128
+)
+
+// moeNormRouteShared is moe_add_norm_route's dynamic shared memory: its
+// tokens' residual and x rows, each padded by 64 bytes.
+func moeNormRouteShared(h int) int { return 2 * moeNormRouteTokens * (h/8 + 4) * 16 }
+
+// moeAddNormRoute is MatMulAddMoERoute for 2 to moeNormRouteRows tokens
+// (EBB_MOE_NORM_ROUTE_ROWS sets the bound, up to moeNormRouteMaxRows; 0
+// turns it off): o_proj's product into x, then moe_add_norm_route in
+// place of add_rmsnorm_v8, the router's product and moe_route.
+func (d *Device) moeAddNormRoute(in, w, residual, x, normW, router, ids, weights device.Tensor, eps float32, norm bool) bool {
+	t, h, e, k := residual.Dim(0), residual.Dim(-1), router.Dim(0), ids.Dim(-1)
+	if t < 2 || t > d.normRouteRows || h%32 != 0 || h > moeNormRouteHidden || in.Dim(0) != t || w.Dim(0) != h ||
+		w.Dim(-1) != in.Dim(-1) {
+		return false
+	}
+	d.MatMul(x, in, w, device.Tensor{})
+	d.pendingNorm = pendingNorm{}
+	d.launchCluster("moe_add_norm_route", Dim3{X: uint32((t + moeNormRouteTokens - 1) / moeNormRouteTokens), Y: 1, Z: moeNormRouteRanks},
+		D1(32*d.normRouteWarp), moeNormRouteShared(h), moeNormRouteRanks, nil,
+		P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), F(eps), P(router.Ptr), I(t), I(e), I(h), I(k),
+		I(boolInt(norm)))
 	return true
 }
 

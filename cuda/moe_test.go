@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -307,38 +308,44 @@ func TestMoESharedAdd(t *testing.T) {
 }
 
 // TestMatMulAddMoERoute: o_proj's add, the norm, the router product and
-// the routing of one token in two launches (the gemv in squares mode, then
-// moe_norm_route's cluster) match the CPU's separate MatMul, AddRMSNorm,
-// MatMul and MoERoute: the residual and x within bf16 rounding, and the
-// same experts wherever the router's logits are not within rounding of a
-// tie. Shapes it does not take are declined with nothing done.
+// the routing in two launches (one token: the gemv in squares mode, then
+// moe_norm_route's cluster; more: o_proj's product, then
+// moe_add_norm_route's clusters of eight tokens) match the CPU's separate
+// MatMul, AddRMSNorm, MatMul and MoERoute: the residual and x within bf16
+// rounding, and the same experts for every token whose router logits are
+// not within rounding of a tie. Shapes it does not take are declined with
+// nothing done.
 func TestMatMulAddMoERoute(t *testing.T) {
 	p := newPair(t)
 	if p.gpu.ctx.CCMajor < 9 {
 		t.Skip("moe_norm_route needs thread block clusters (sm_90)")
 	}
 	type routeCase struct {
-		in, hidden, experts, k int
-		norm                   bool
+		rows, in, hidden, experts, k int
+		norm                         bool
 	}
 	var cases []routeCase
 	for range 3 { // a token's routing is checked only away from near ties
-		cases = append(cases, routeCase{4096, 2048, 128, 8, true}, routeCase{2048, 1024, 256, 16, true},
-			routeCase{512, 512, 60, 4, false}, routeCase{1024, 4096, 16, 2, true}, routeCase{256, 1024, 130, 8, true})
+		cases = append(cases, routeCase{1, 4096, 2048, 128, 8, true}, routeCase{1, 2048, 1024, 256, 16, true},
+			routeCase{1, 512, 512, 60, 4, false}, routeCase{1, 1024, 4096, 16, 2, true}, routeCase{1, 256, 1024, 130, 8, true})
 	}
-	checked := 0
+	cases = append(cases, routeCase{moeNormRouteRows, 4096, 2048, 128, 8, true}, routeCase{19, 2048, 1024, 256, 16, true},
+		routeCase{2, 512, 512, 60, 4, false}, routeCase{9, 1024, 4096, 16, 2, true}, routeCase{33, 256, 1024, 130, 8, true},
+		routeCase{5, 256, 96, 8, 2, true})
+	tokens, checked := 0, 0
 	for _, c := range cases {
-		name := fmt.Sprintf("%d -> %d, %d experts, top %d", c.in, c.hidden, c.experts, c.k)
-		in := p.random(device.BF16, 1, 1, c.in)
+		name := fmt.Sprintf("%d x %d -> %d, %d experts, top %d", c.rows, c.in, c.hidden, c.experts, c.k)
+		in := p.random(device.BF16, 1, c.rows, c.in)
 		wo := p.random(device.BF16, float32(1/math.Sqrt(float64(c.in))), c.hidden, c.in)
-		res := p.random(device.BF16, 2, 1, c.hidden)
+		res := p.random(device.BF16, 2, c.rows, c.hidden)
 		normW := p.random(device.BF16, 0.5, c.hidden)
 		router := p.random(device.BF16, float32(4/math.Sqrt(float64(c.hidden))), c.experts, c.hidden)
-		x := p.random(device.BF16, 0, 1, c.hidden)
-		out := p.random(device.BF16, 0, 1, c.hidden)
-		logits := p.random(device.BF16, 0, 1, c.experts)
-		ids := p.ints(make([]int32, c.k), 1, c.k)
-		w := p.random(device.F32, 0, 1, c.k)
+		x := p.random(device.BF16, 0, c.rows, c.hidden)
+		out := p.random(device.BF16, 0, c.rows, c.hidden)
+		logits := p.random(device.BF16, 0, c.rows, c.experts)
+		ids := p.ints(make([]int32, c.rows*c.k), c.rows, c.k)
+		w := p.random(device.F32, 0, c.rows, c.k)
+		resIn := p.clone(device.BF16, res)
 		if !p.gpu.MatMulAddMoERoute(in.g, wo.g, res.g, x.g, normW.g, router.g, ids.g, w.g, 1e-6, c.norm) {
 			t.Fatalf("%s: not taken", name)
 		}
@@ -348,37 +355,48 @@ func TestMatMulAddMoERoute(t *testing.T) {
 		p.cpu.MoERoute(ids.c, w.c, logits.c, c.norm)
 		p.close(name+": residual", res, 3e-2, 1e-2)
 		p.close(name+": x", x, 3e-2, 2e-2)
-		gi, ci := make([]int32, c.k), make([]int32, c.k)
+		gi, ci := make([]int32, c.rows*c.k), make([]int32, c.rows*c.k)
 		p.sync()
-		if err := p.gpu.DownloadI32(ids.g, gi); err != nil {
-			t.Fatal(err)
-		}
-		if err := p.cpu.DownloadI32(ids.c, ci); err != nil {
+		if err := errors.Join(p.gpu.DownloadI32(ids.g, gi), p.cpu.DownloadI32(ids.c, ci)); err != nil {
 			t.Fatal(err)
 		}
 		_, lc := p.download(logits)
-		row := slices.Clone(lc)
-		sort.Slice(row, func(i, j int) bool { return row[i] > row[j] })
-		tie := false
-		for j := 0; j < c.k && j+1 < c.experts; j++ {
-			tie = tie || row[j]-row[j+1] < 0.05 // bf16 logits from x rounded apart
+		gw, cw := p.download(w)
+		for r := range c.rows {
+			row := slices.Clone(lc[r*c.experts : (r+1)*c.experts])
+			sort.Slice(row, func(i, j int) bool { return row[i] > row[j] })
+			tie := false
+			for j := 0; j < c.k && j+1 < c.experts; j++ {
+				tie = tie || row[j]-row[j+1] < 0.05 // bf16 logits from x rounded apart
+			}
+			tokens++
+			if tie {
+				continue
+			}
+			checked++
+			at := r * c.k
+			if !slices.Equal(gi[at:at+c.k], ci[at:at+c.k]) {
+				t.Fatalf("%s: token %d: gpu experts %v, cpu %v (logits %v)", name, r, gi[at:at+c.k], ci[at:at+c.k], row[:c.k+1])
+			}
+			for j := at; j < at+c.k; j++ {
+				// A logit one bf16 step either way moves a weight up to ~3 %.
+				if d := math.Abs(float64(gw[j] - cw[j])); d > 2e-3+7e-2*math.Abs(float64(cw[j])) {
+					t.Fatalf("%s: token %d: weight %d gpu %v, cpu %v", name, r, j-at, gw[j], cw[j])
+				}
+			}
 		}
-		if tie {
-			continue
+		if c.rows > 2 { // one token takes moe_norm_route
+			p.checkRouteShifted(name, c.rows, c.k, c.norm, in, wo, resIn, normW, router, res, x, ids)
 		}
-		checked++
-		if !slices.Equal(gi, ci) {
-			t.Fatalf("%s: gpu experts %v, cpu %v (logits %v)", name, gi, ci, row[:c.k+1])
-		}
-		p.close(name+": weights", w, 1e-3, 2e-2)
 	}
-	if checked < len(cases)/3 {
-		t.Fatalf("only %d of %d tokens without a near tie", checked, len(cases))
+	if checked < tokens/10 { // top 8 of 128 random logits: most tokens have a near tie
+		t.Fatalf("only %d of %d tokens without a near tie", checked, tokens)
 	}
 	for _, c := range []struct {
 		name            string
 		rows, hidden, k int
-	}{{"two tokens", 2, 2048, 8}, {"hidden past 8,192", 1, 8200, 8}} {
+	}{{"hidden past 8,192", 1, 8200, 8}, {"tokens of a hidden past 4,096", 2, 4160, 8}, {"tokens of a hidden not in 32s", 3, 1000, 8},
+		{"more tokens than moe_add_norm_route takes", moeNormRouteRows + 1, 2048, 8}} {
 		res := p.random(device.BF16, 1, c.rows, c.hidden)
 		before, _ := p.download(res)
 		if p.gpu.MatMulAddMoERoute(p.random(device.BF16, 1, c.rows, 256).g, p.random(device.BF16, 1, c.hidden, 256).g, res.g,
@@ -390,6 +408,32 @@ func TestMatMulAddMoERoute(t *testing.T) {
 		if after, _ := p.download(res); !slices.Equal(before, after) {
 			t.Fatalf("%s: declined, but the residual changed", c.name)
 		}
+	}
+}
+
+// checkRouteShifted runs MatMulAddMoERoute again on the batch's rows after
+// its first, which puts each token in another place of another cluster,
+// and checks that each gets the same bits (residual, x) and experts as in
+// the whole batch.
+func (p *pair) checkRouteShifted(name string, rows, k int, norm bool, in, wo, resIn, normW, router, res, x, ids both) {
+	p.t.Helper()
+	h := res.g.Dim(-1)
+	sub := func(b both) device.Tensor { return b.g.Rows(1, rows) }
+	res2, x2 := p.clone(device.BF16, resIn), p.random(device.BF16, 0, rows, h)
+	ids2 := p.ints(make([]int32, rows*k), rows, k)
+	w2 := p.random(device.F32, 0, rows, k)
+	if !p.gpu.MatMulAddMoERoute(sub(in), wo.g, sub(res2), sub(x2), normW.g, router.g, sub(ids2), sub(w2), 1e-6, norm) {
+		p.t.Fatalf("%s, rows after the first: not taken", name)
+	}
+	p.sameBits(name+", rows after the first: residual", sub(res2), sub(res))
+	p.sameBits(name+", rows after the first: x", sub(x2), sub(x))
+	p.sync()
+	a, b := make([]int32, rows*k), make([]int32, rows*k)
+	if err := errors.Join(p.gpu.DownloadI32(ids.g, a), p.gpu.DownloadI32(ids2.g, b)); err != nil {
+		p.t.Fatal(err)
+	}
+	if !slices.Equal(a[k:], b[k:]) {
+		p.t.Fatalf("%s, rows after the first: other experts", name)
 	}
 }
 

@@ -170,6 +170,182 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 #endif
 }
 
+// moe_add_norm_route is moe_norm_route for a decode step of many tokens:
+// residual += o (o_proj's product, in x), x = rmsnorm(residual) * norm_w,
+// the router's product and moe_route, in one launch where they were
+// add_rmsnorm_v8, the router on cuBLAS (which takes no part in dependent
+// launches) and moe_route. A cluster of MOE_NR_RANKS blocks takes
+// MOE_NR_TOKENS tokens: every block adds and normalises all of them (each
+// 256 threads MOE_NR_GROUP tokens, a thread a 16-byte chunk of each, the
+// rows kept in shared memory), then forms the logits of its share of the
+// experts (16-expert tiles r, r + MOE_NR_RANKS, ...) on tensor cores, K in
+// MOE_NR_SLICES slices across its warps, and stores them, summed over the
+// slices in a fixed order and rounded to bf16 as the router's output is,
+// in block 0's shared memory. After the cluster's barrier every block has
+// read x and the residual, so each writes its quarter of their new rows,
+// and block 0's warps route a token each. A warp loads its first (tile,
+// slice) of router chunks before the dependent-launch wait (the router
+// never changes in a step), and a thread its chunks of all its tokens'
+// rows together after it.
+//
+// The product's K order is permuted alike for both operands, so that a
+// lane loads 16 contiguous bytes of a router row and of x's row for two
+// mma steps: of 32-wide chunk c, lane q's (q = lane % 4) columns 8q..8q+3
+// are the first step's logical k {2q, 2q+1, 2q+8, 2q+9}, columns
+// 8q+4..8q+7 the second's. A token's logits do not depend on the other
+// tokens of its tile (an mma column is its own dot products), nor does its
+// norm (the same threads and order in every group), so its experts are the
+// same wherever it falls in a batch this kernel takes.
+#define MOE_NR_TOKENS 8 // the mma's n: tokens a cluster
+#define MOE_NR_RANKS 4  // moeNormRouteRanks: blocks a cluster, each a share of the experts
+#ifndef MOE_NR_WARPS
+// moeNormRouteWarps, unless EBB_KERNEL_DEFINES sets it. 8 (two blocks an
+// SM) was slower: 30B-A3B shape, H200, batch 256, 128 / 128, ms a step,
+// two rounds: 19.346, 19.378 against 19.249, 19.255 with 16.
+#define MOE_NR_WARPS 16
+#endif
+#define MOE_NR_GROUP (MOE_NR_TOKENS * 8 / MOE_NR_WARPS) // tokens a 256-thread group adds and normalises
+#define MOE_NR_SLICES 8 // K slices: two 16-expert tiles a block (128 experts) are a (tile, slice) a warp
+#ifndef MOE_NR_PRE
+#define MOE_NR_PRE (MOE_NR_WARPS == 16 ? 8 : 4) // 32-wide chunks of a warp's first (tile, slice) loaded before the wait
+#endif
+#define MOE_NR_TILES ((MOE_MAX_EXPERTS / 16 + MOE_NR_RANKS - 1) / MOE_NR_RANKS)
+
+extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 16 / MOE_NR_WARPS)
+    moe_add_norm_route(int *ids, float *weights, bf16 *x, bf16 *residual, const bf16 *norm_w, float eps,
+                       const bf16 *router, int T, int E, int H, int k, int norm) {
+#if __CUDA_ARCH__ >= 900
+	extern __shared__ __align__(16) unsigned char nr_smem[];
+	__shared__ float logits[MOE_NR_TOKENS][MOE_MAX_EXPERTS]; // block 0's: every block's logits
+	__shared__ float part[MOE_NR_SLICES][MOE_NR_TILES][16][MOE_NR_TOKENS];
+	__shared__ float red[MOE_NR_WARPS][MOE_NR_GROUP], inv_s[MOE_NR_TOKENS];
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rank = blockIdx.z, kv = H / 8;
+	const int stride = kv + 4; // 16-byte chunks a row in shared memory: tokens g, g + 1 64 bytes apart in the banks
+	uint4 *xs = (uint4 *)nr_smem, *vs = xs + MOE_NR_TOKENS * stride;
+	const long long t0 = (long long)blockIdx.x * MOE_NR_TOKENS;
+	const int tiles = (E + 15) / 16, mine = rank < tiles ? (tiles - rank + MOE_NR_RANKS - 1) / MOE_NR_RANKS : 0;
+	const int q = lane & 3, g = lane >> 2, chunks = H / 32, items = mine * MOE_NR_SLICES;
+	const uint4 zero = make_uint4(0, 0, 0, 0);
+	uint4 pre_lo[MOE_NR_PRE], pre_hi[MOE_NR_PRE];
+	if (warp < items) {
+		const int lt = warp / MOE_NR_SLICES, s = warp % MOE_NR_SLICES, e0 = (rank + lt * MOE_NR_RANKS) * 16 + g;
+		const uint4 *w0 = (const uint4 *)(router + (long long)min(e0, E - 1) * H) + q;
+		const uint4 *w1 = (const uint4 *)(router + (long long)min(e0 + 8, E - 1) * H) + q;
+#pragma unroll
+		for (int j = 0; j < MOE_NR_PRE; j++) {
+			const int c = s + MOE_NR_SLICES * j;
+			pre_lo[j] = c < chunks && e0 < E ? __ldg(w0 + 4 * c) : zero;
+			pre_hi[j] = c < chunks && e0 + 8 < E ? __ldg(w1 + 4 * c) : zero;
+		}
+	}
+	DEP();
+	// Each 256 threads add and normalise MOE_NR_GROUP tokens, a thread a chunk of each.
+	const int col = threadIdx.x & 255, tok0 = MOE_NR_GROUP * (threadIdx.x >> 8);
+	float ss[MOE_NR_GROUP];
+#pragma unroll
+	for (int j = 0; j < MOE_NR_GROUP; j++) ss[j] = 0.f;
+	for (int i = col; i < kv; i += 256) {
+		uint4 o[MOE_NR_GROUP], r[MOE_NR_GROUP];
+#pragma unroll
+		for (int j = 0; j < MOE_NR_GROUP; j++) {
+			const long long t = t0 + tok0 + j;
+			o[j] = t < T ? ((const uint4 *)(x + t * H))[i] : zero;
+			r[j] = t < T ? ((const uint4 *)(residual + t * H))[i] : zero;
+		}
+#pragma unroll
+		for (int j = 0; j < MOE_NR_GROUP; j++) {
+			float a[8], b[8];
+			unpack8(o[j], a);
+			unpack8(r[j], b);
+#pragma unroll
+			for (int e = 0; e < 8; e++) a[e] = rbf(b[e] + a[e]), ss[j] += a[e] * a[e];
+			vs[(tok0 + j) * stride + i] = pack8(a);
+		}
+	}
+#pragma unroll
+	for (int j = 0; j < MOE_NR_GROUP; j++) {
+		const float v = warp_sum(ss[j]);
+		if (lane == 0) red[warp][j] = v;
+	}
+	__syncthreads();
+	if (threadIdx.x < MOE_NR_TOKENS) { // the group's eight warps in order
+		const int h = threadIdx.x / MOE_NR_GROUP, j = threadIdx.x % MOE_NR_GROUP;
+		float sum = 0.f;
+		for (int w = 0; w < 8; w++) sum += red[8 * h + w][j];
+		inv_s[threadIdx.x] = rsqrtf(sum / H + eps);
+	}
+	__syncthreads();
+	for (int i = col; i < kv; i += 256) {
+		float w[8];
+		unpack8(__ldg((const uint4 *)norm_w + i), w);
+#pragma unroll
+		for (int j = 0; j < MOE_NR_GROUP; j++) {
+			float v[8], o[8];
+			unpack8(vs[(tok0 + j) * stride + i], v);
+			const float inv = inv_s[tok0 + j];
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[e] = w[e] * rbf(v[e] * inv);
+			xs[(tok0 + j) * stride + i] = t0 + tok0 + j < T ? pack8(o) : zero;
+		}
+	}
+	__syncthreads();
+	// The logits: (tile, slice) items over the warps.
+	for (int it = warp; it < items; it += MOE_NR_WARPS) {
+		const int lt = it / MOE_NR_SLICES, s = it % MOE_NR_SLICES, e0 = (rank + lt * MOE_NR_RANKS) * 16 + g;
+		const uint4 *w0 = (const uint4 *)(router + (long long)min(e0, E - 1) * H) + q;
+		const uint4 *w1 = (const uint4 *)(router + (long long)min(e0 + 8, E - 1) * H) + q;
+		const uint4 *xb = xs + g * stride + q;
+		const bool first = it == warp;
+		float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+		for (int j = 0; j < MOE_NR_PRE; j++) {
+			const int c = s + MOE_NR_SLICES * j;
+			if (c >= chunks) break;
+			const uint4 lo = first ? pre_lo[j] : e0 < E ? __ldg(w0 + 4 * c) : zero; // expert e0
+			const uint4 hi = first ? pre_hi[j] : e0 + 8 < E ? __ldg(w1 + 4 * c) : zero;
+			const uint4 xv = xb[4 * c];
+			mma16816(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+			mma16816(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+		}
+		for (int c = s + MOE_NR_SLICES * MOE_NR_PRE; c < chunks; c += MOE_NR_SLICES) {
+			const uint4 lo = e0 < E ? __ldg(w0 + 4 * c) : zero, hi = e0 + 8 < E ? __ldg(w1 + 4 * c) : zero;
+			const uint4 xv = xb[4 * c];
+			mma16816(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+			mma16816(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+		}
+		part[s][lt][g][2 * q] = acc[0], part[s][lt][g][2 * q + 1] = acc[1];
+		part[s][lt][g + 8][2 * q] = acc[2], part[s][lt][g + 8][2 * q + 1] = acc[3];
+	}
+	__syncthreads();
+	for (int i = threadIdx.x; i < mine * 16 * MOE_NR_TOKENS; i += blockDim.x) {
+		const int lt = i / (16 * MOE_NR_TOKENS), row = i / MOE_NR_TOKENS % 16, tok = i % MOE_NR_TOKENS;
+		const int e = (rank + lt * MOE_NR_RANKS) * 16 + row;
+		float sum = 0.f;
+#pragma unroll
+		for (int s = 0; s < MOE_NR_SLICES; s++) sum += part[s][lt][row][tok];
+		if (e < E) {
+			unsigned remote;
+			asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(smem_u32(&logits[tok][e])));
+			asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(rbf(sum)) : "memory");
+		}
+	}
+	cluster_sync();
+	// Every block has read its rows: each writes a quarter of them.
+	const int per = (kv + MOE_NR_RANKS - 1) / MOE_NR_RANKS, lo = min(kv, rank * per), n = min(kv, lo + per) - lo;
+	const int valid = (int)min((long long)MOE_NR_TOKENS, T - t0);
+	for (int i = threadIdx.x; i < valid * n; i += blockDim.x) {
+		const int tok = i / n, c = lo + i % n;
+		((uint4 *)(residual + (t0 + tok) * H))[c] = vs[tok * stride + c];
+		((uint4 *)(x + (t0 + tok) * H))[c] = xs[tok * stride + c];
+	}
+	if (rank != 0 || warp >= valid) return;
+	float v[8];
+#pragma unroll
+	for (int i = 0; i < 8; i++) v[i] = lane + 32 * i < E ? logits[warp][lane + 32 * i] : -EBB_INF;
+	moe_route_row(v, ids + (t0 + warp) * k, weights + (t0 + warp) * k, E, k, norm);
+#endif
+}
+
 // moe_sort (one block of 1024 threads) lists the P = T*k pairs grouped by
 // expert: order[i] is the pair at sorted position i (pairs of one expert
 // in pair order), inv[pair] its position, offsets[e] the first position of
