@@ -155,11 +155,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 		}
 		for (; i < kv; i += 32) acc = dot8(__ldcs(wr + i), xs[i], acc);
 		acc = warp_sum(acc);
-		if (lane == 0) { // into block 0's logits[r]
-			unsigned remote;
-			asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(smem_u32(logits + r)));
-			asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(rbf(acc)) : "memory");
-		}
+		if (lane == 0) st_cluster_f32(smem_u32(logits + r), 0, rbf(acc)); // into block 0's logits[r]
 	}
 	cluster_sync();
 	if (rank != 0 || warp != 0) return;
@@ -323,11 +319,7 @@ extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 16 / MOE_NR_WARP
 		float sum = 0.f;
 #pragma unroll
 		for (int s = 0; s < MOE_NR_SLICES; s++) sum += part[s][lt][row][tok];
-		if (e < E) {
-			unsigned remote;
-			asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(smem_u32(&logits[tok][e])));
-			asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(rbf(sum)) : "memory");
-		}
+		if (e < E) st_cluster_f32(smem_u32(&logits[tok][e]), 0, rbf(sum));
 	}
 	cluster_sync();
 	// Every block has read its rows: each writes a quarter of them.
