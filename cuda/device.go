@@ -71,7 +71,7 @@ type Device struct {
 	moeFirstTiles int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
 	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
 	normRouteRows int            // the most tokens moe_add_norm_route takes (EBB_MOE_NORM_ROUTE_ROWS)
-	normRouteWarp int            // moe_add_norm_route's warps a block (MOE_NR_WARPS)
+	routeEights   int            // the most it takes in clusters of eight tokens (moeNormRouteEights; tests change it)
 	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
 	moeWGRing32   int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
@@ -161,7 +161,7 @@ var kernelNames = []string{
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
-	"moe_route", "moe_norm_route", "moe_add_norm_route", "moe_sort", "moe_sorted_rows", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_combine_add_rmsnorm", "moe_gemv_glu", "moe_down_combine", "moe_down_bulk", "moe_shared_add",
+	"moe_route", "moe_norm_route", "moe_add_norm_route", "moe_add_norm_route16", "moe_sort", "moe_sorted_rows", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_combine_add_rmsnorm", "moe_gemv_glu", "moe_down_combine", "moe_down_bulk", "moe_shared_add",
 	"moe_wg_n32", "moe_wg_n64", "moe_wg_n128",
 	"allreduce_f32", "allreduce_f32_v4", "allreduce_add_rmsnorm", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
@@ -255,14 +255,16 @@ func (d *Device) init() error {
 		d.moeFirstTiles = n
 	}
 	d.moeRouteWarps = kernelDefineInt("MOE_ROUTE_WARPS", moeRouteWarps)
-	d.normRouteRows = moeNormRouteRows
-	d.normRouteWarp = kernelDefineInt("MOE_NR_WARPS", moeNormRouteWarps)
+	d.normRouteRows, d.routeEights = moeNormRouteRows, moeNormRouteEights
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_NORM_ROUTE_ROWS")); err == nil && n >= 0 {
 		d.normRouteRows = min(n, moeNormRouteMaxRows)
 	}
 	if d.ctx.CCMajor >= 9 {
-		if err := d.k["moe_add_norm_route"].SetMaxDynamicShared(moeNormRouteShared(moeNormRouteHidden)); err != nil {
-			return err
+		for _, rows := range []int{moeNormRouteEights, moeNormRouteEights + 1} { // each kernel
+			tok, name := moeNormRouteTokens(rows, moeNormRouteEights)
+			if err := d.k[name].SetMaxDynamicShared(moeNormRouteShared(tok, moeNormRouteHidden)); err != nil {
+				return err
+			}
 		}
 	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {

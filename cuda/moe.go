@@ -222,10 +222,9 @@ func (d *Device) MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weigh
 }
 
 const (
-	moeNormRouteTokens = 8    // MOE_NR_TOKENS: a moe_add_norm_route cluster's tokens
-	moeNormRouteRanks  = 4    // MOE_NR_RANKS: its blocks
-	moeNormRouteWarps  = 16   // MOE_NR_WARPS, unless EBB_KERNEL_DEFINES sets it
-	moeNormRouteHidden = 4096 // the widest row whose tokens' rows fit its shared memory
+	moeNormRouteRanks  = 4    // MOE_NR_RANKS: a moe_add_norm_route cluster's blocks
+	moeNormRouteWarps  = 16   // MOE_NR_WARPS
+	moeNormRouteHidden = 4096 // the widest row whose tokens' rows fit its shared memory (MOE_NR_CHUNKS)
 	// moeNormRouteMaxRows is the most tokens EBB_MOE_NORM_ROUTE_ROWS lets
 	// moe_add_norm_route take: each cluster reads the router (0.5 MB at
 	// 30B-A3B) from L2, so a prefill chunk's thousands of tokens keep
@@ -235,14 +234,35 @@ const (
 	// H200, `bench one-batch --temperature 1`, ms a decode step, off / on,
 	// 128 in / 64 out, two rounds: batch 32 15.056, 15.055 / 15.019,
 	// 15.003; 64 16.626, 16.643 / 16.563, 16.604; 128 17.496, 17.525 /
-	// 17.369, 17.381. Batch 256, 128 / 128: 19.170, 19.166 / 19.249, 19.255
-	// (32 clusters of 4 blocks, one an SM, may not all fit at once).
-	moeNormRouteRows = 128
+	// 17.369, 17.381. Batch 256, 128 / 128, in clusters of sixteen: 19.293,
+	// 19.233 / 19.224, 19.219 (ncu, 12-layer copy: 13.6 us a layer, where
+	// clusters of eight took 17.6 and the three launches before 15.7).
+	moeNormRouteRows = 256
+	// moeNormRouteEights is the most tokens taken by clusters of eight;
+	// more take clusters of sixteen (moe_add_norm_route16), so that 256
+	// tokens are 16 clusters of four one-an-SM blocks, not 32 of which an
+	// H200 holds 30 at once.
+	moeNormRouteEights = 128
 )
 
-// moeNormRouteShared is moe_add_norm_route's dynamic shared memory: its
-// tokens' residual and x rows, each padded by 64 bytes.
-func moeNormRouteShared(h int) int { return 2 * moeNormRouteTokens * (h/8 + 4) * 16 }
+// moeNormRouteTokens is the tokens a moe_add_norm_route cluster takes in a
+// batch of t tokens where clusters of eight take up to eights, and the
+// kernel that takes them.
+func moeNormRouteTokens(t, eights int) (int, string) {
+	if t <= eights {
+		return 8, "moe_add_norm_route"
+	}
+	return 16, "moe_add_norm_route16"
+}
+
+// moeNormRouteShared is moe_add_norm_route's dynamic shared memory for tok
+// tokens a cluster: the K slices' sums of its experts (MOE_NR_SLICES x
+// MOE_NR_TILES x 16 x tok), block 0's logits (tok x MOE_MAX_EXPERTS), and
+// the tokens' x rows, each padded by 64 bytes.
+func moeNormRouteShared(tok, h int) int {
+	const slices, tiles = 8, (moeMaxExperts/16 + moeNormRouteRanks - 1) / moeNormRouteRanks
+	return 4*tok*(slices*tiles*16+moeMaxExperts) + tok*(h/8+4)*16
+}
 
 // moeAddNormRoute is MatMulAddMoERoute for 2 to moeNormRouteRows tokens
 // (EBB_MOE_NORM_ROUTE_ROWS sets the bound, up to moeNormRouteMaxRows; 0
@@ -256,8 +276,9 @@ func (d *Device) moeAddNormRoute(in, w, residual, x, normW, router, ids, weights
 	}
 	d.MatMul(x, in, w, device.Tensor{})
 	d.pendingNorm = pendingNorm{}
-	d.launchCluster("moe_add_norm_route", Dim3{X: uint32((t + moeNormRouteTokens - 1) / moeNormRouteTokens), Y: 1, Z: moeNormRouteRanks},
-		D1(32*d.normRouteWarp), moeNormRouteShared(h), moeNormRouteRanks, nil,
+	tok, name := moeNormRouteTokens(t, d.routeEights)
+	d.launchCluster(name, Dim3{X: uint32((t + tok - 1) / tok), Y: 1, Z: moeNormRouteRanks},
+		D1(32*moeNormRouteWarps), moeNormRouteShared(tok, h), moeNormRouteRanks, nil,
 		P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), F(eps), P(router.Ptr), I(t), I(e), I(h), I(k),
 		I(boolInt(norm)))
 	return true

@@ -310,7 +310,7 @@ func TestMoESharedAdd(t *testing.T) {
 // TestMatMulAddMoERoute: o_proj's add, the norm, the router product and
 // the routing in two launches (one token: the gemv in squares mode, then
 // moe_norm_route's cluster; more: o_proj's product, then
-// moe_add_norm_route's clusters of eight tokens) match the CPU's separate
+// moe_add_norm_route's clusters of eight or sixteen tokens) match the CPU's separate
 // MatMul, AddRMSNorm, MatMul and MoERoute: the residual and x within bf16
 // rounding, and the same experts for every token whose router logits are
 // not within rounding of a tie. Shapes it does not take are declined with
@@ -320,6 +320,9 @@ func TestMatMulAddMoERoute(t *testing.T) {
 	if p.gpu.ctx.CCMajor < 9 {
 		t.Skip("moe_norm_route needs thread block clusters (sm_90)")
 	}
+	const bound = 256 // sixteen-token clusters past moeNormRouteEights, whatever the default bound
+	defer func(n int) { p.gpu.normRouteRows = n }(p.gpu.normRouteRows)
+	p.gpu.normRouteRows = bound
 	type routeCase struct {
 		rows, in, hidden, experts, k int
 		norm                         bool
@@ -329,9 +332,10 @@ func TestMatMulAddMoERoute(t *testing.T) {
 		cases = append(cases, routeCase{1, 4096, 2048, 128, 8, true}, routeCase{1, 2048, 1024, 256, 16, true},
 			routeCase{1, 512, 512, 60, 4, false}, routeCase{1, 1024, 4096, 16, 2, true}, routeCase{1, 256, 1024, 130, 8, true})
 	}
-	cases = append(cases, routeCase{moeNormRouteRows, 4096, 2048, 128, 8, true}, routeCase{19, 2048, 1024, 256, 16, true},
+	cases = append(cases, routeCase{moeNormRouteEights, 4096, 2048, 128, 8, true}, routeCase{19, 2048, 1024, 256, 16, true},
 		routeCase{2, 512, 512, 60, 4, false}, routeCase{9, 1024, 4096, 16, 2, true}, routeCase{33, 256, 1024, 130, 8, true},
-		routeCase{5, 256, 96, 8, 2, true})
+		routeCase{5, 256, 96, 8, 2, true}, routeCase{bound, 4096, 2048, 128, 8, true},
+		routeCase{moeNormRouteEights + 21, 2048, 4096, 256, 16, true}, routeCase{moeNormRouteEights + 3, 256, 96, 8, 2, false})
 	tokens, checked := 0, 0
 	for _, c := range cases {
 		name := fmt.Sprintf("%d x %d -> %d, %d experts, top %d", c.rows, c.in, c.hidden, c.experts, c.k)
@@ -386,7 +390,17 @@ func TestMatMulAddMoERoute(t *testing.T) {
 			}
 		}
 		if c.rows > 2 { // one token takes moe_norm_route
-			p.checkRouteShifted(name, c.rows, c.k, c.norm, in, wo, resIn, normW, router, res, x, ids)
+			p.checkRouteShifted(name+", rows after the first", 1, c.rows, c.k, c.norm, in, wo, resIn, normW, router, res, x, ids)
+		}
+		// The same bits from clusters of sixteen where eight took them, and
+		// the other way round.
+		if eights := p.gpu.routeEights; c.rows > 1 {
+			p.gpu.routeEights = bound
+			if c.rows > eights {
+				p.gpu.routeEights = 0
+			}
+			p.checkRouteShifted(name+", other clusters", 0, c.rows, c.k, c.norm, in, wo, resIn, normW, router, res, x, ids)
+			p.gpu.routeEights = eights
 		}
 	}
 	if checked < tokens/10 { // top 8 of 128 random logits: most tokens have a near tie
@@ -396,7 +410,7 @@ func TestMatMulAddMoERoute(t *testing.T) {
 		name            string
 		rows, hidden, k int
 	}{{"hidden past 8,192", 1, 8200, 8}, {"tokens of a hidden past 4,096", 2, 4160, 8}, {"tokens of a hidden not in 32s", 3, 1000, 8},
-		{"more tokens than moe_add_norm_route takes", moeNormRouteRows + 1, 2048, 8}} {
+		{"more tokens than moe_add_norm_route takes", bound + 1, 2048, 8}} {
 		res := p.random(device.BF16, 1, c.rows, c.hidden)
 		before, _ := p.download(res)
 		if p.gpu.MatMulAddMoERoute(p.random(device.BF16, 1, c.rows, 256).g, p.random(device.BF16, 1, c.hidden, 256).g, res.g,
@@ -411,29 +425,29 @@ func TestMatMulAddMoERoute(t *testing.T) {
 	}
 }
 
-// checkRouteShifted runs MatMulAddMoERoute again on the batch's rows after
-// its first, which puts each token in another place of another cluster,
+// checkRouteShifted runs MatMulAddMoERoute again on the batch's rows lo
+// to hi (after its first: each token in another place of another cluster),
 // and checks that each gets the same bits (residual, x) and experts as in
 // the whole batch.
-func (p *pair) checkRouteShifted(name string, rows, k int, norm bool, in, wo, resIn, normW, router, res, x, ids both) {
+func (p *pair) checkRouteShifted(name string, lo, hi, k int, norm bool, in, wo, resIn, normW, router, res, x, ids both) {
 	p.t.Helper()
-	h := res.g.Dim(-1)
-	sub := func(b both) device.Tensor { return b.g.Rows(1, rows) }
+	h, rows := res.g.Dim(-1), res.g.Dim(0)
+	sub := func(b both) device.Tensor { return b.g.Rows(lo, hi) }
 	res2, x2 := p.clone(device.BF16, resIn), p.random(device.BF16, 0, rows, h)
 	ids2 := p.ints(make([]int32, rows*k), rows, k)
 	w2 := p.random(device.F32, 0, rows, k)
 	if !p.gpu.MatMulAddMoERoute(sub(in), wo.g, sub(res2), sub(x2), normW.g, router.g, sub(ids2), sub(w2), 1e-6, norm) {
-		p.t.Fatalf("%s, rows after the first: not taken", name)
+		p.t.Fatalf("%s: not taken", name)
 	}
-	p.sameBits(name+", rows after the first: residual", sub(res2), sub(res))
-	p.sameBits(name+", rows after the first: x", sub(x2), sub(x))
+	p.sameBits(name+": residual", sub(res2), sub(res))
+	p.sameBits(name+": x", sub(x2), sub(x))
 	p.sync()
 	a, b := make([]int32, rows*k), make([]int32, rows*k)
 	if err := errors.Join(p.gpu.DownloadI32(ids.g, a), p.gpu.DownloadI32(ids2.g, b)); err != nil {
 		p.t.Fatal(err)
 	}
-	if !slices.Equal(a[k:], b[k:]) {
-		p.t.Fatalf("%s, rows after the first: other experts", name)
+	if !slices.Equal(a[lo*k:hi*k], b[lo*k:hi*k]) {
+		p.t.Fatalf("%s: other experts", name)
 	}
 }
 

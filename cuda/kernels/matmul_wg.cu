@@ -235,6 +235,15 @@ __device__ __forceinline__ void st_cluster_f32(unsigned addr, int rank, float v)
 	asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
+// st_cluster_u4 writes 16 bytes at a shared address of the cluster's block rank.
+__device__ __forceinline__ void st_cluster_u4(unsigned addr, int rank, uint4 v) {
+	unsigned remote;
+	asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+	asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "r"(v.x), "r"(v.y), "r"(v.z),
+	             "r"(v.w)
+	             : "memory");
+}
+
 // mwg_normalise turns the x of a round of landed stages (BN rows of 64 k
 // each, in the 128-byte swizzle: row r's 16-byte chunk c at r * 128 + 16
 // (c ^ (r & 7))) into norm_w * rmsnorm(h), all at once: one barrier a

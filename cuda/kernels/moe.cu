@@ -170,19 +170,24 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 // residual += o (o_proj's product, in x), x = rmsnorm(residual) * norm_w,
 // the router's product and moe_route, in one launch where they were
 // add_rmsnorm_v8, the router on cuBLAS (which takes no part in dependent
-// launches) and moe_route. A cluster of MOE_NR_RANKS blocks takes
-// MOE_NR_TOKENS tokens: every block adds and normalises all of them (each
-// 256 threads MOE_NR_GROUP tokens, a thread a 16-byte chunk of each, the
-// rows kept in shared memory), then forms the logits of its share of the
-// experts (16-expert tiles r, r + MOE_NR_RANKS, ...) on tensor cores, K in
-// MOE_NR_SLICES slices across its warps, and stores them, summed over the
-// slices in a fixed order and rounded to bf16 as the router's output is,
-// in block 0's shared memory. After the cluster's barrier every block has
-// read x and the residual, so each writes its quarter of their new rows,
-// and block 0's warps route a token each. A warp loads its first (tile,
-// slice) of router chunks before the dependent-launch wait (the router
-// never changes in a step), and a thread its chunks of all its tokens'
-// rows together after it.
+// launches) and moe_route. A cluster of MOE_NR_RANKS blocks takes TOK
+// tokens (8 or 16, an mma column tile each 8). Each block adds and
+// normalises its own TOK / MOE_NR_RANKS of them (each 256 threads a group
+// of them, a thread a 16-byte chunk of each), writes their new residual
+// and x rows and stores x into every block's shared memory (distributed
+// shared memory); after the cluster's barrier each block forms the logits
+// of its share of the experts (16-expert tiles r, r + MOE_NR_RANKS, ...)
+// for all TOK tokens on tensor cores, K in MOE_NR_SLICES slices across its
+// warps, and stores them, summed over the slices in a fixed order and
+// rounded to bf16 as the router's output is, in block 0's shared memory;
+// after a second barrier block 0's warps route a token each. A warp loads
+// its first (tile, slice) of router chunks before the dependent-launch
+// wait (the router never changes in a step).
+//
+// Sixteen tokens a cluster halve the clusters at 256 tokens: 32 clusters of
+// four one-an-SM blocks do not all fit an H200 at once (ncu: at most 30
+// active), and the last two ran as a second wave (ncu, 12-layer copy:
+// 17.6 us a layer against 13.6 in clusters of sixteen).
 //
 // The product's K order is permuted alike for both operands, so that a
 // lane loads 16 contiguous bytes of a router row and of x's row for two
@@ -190,35 +195,31 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 // are the first step's logical k {2q, 2q+1, 2q+8, 2q+9}, columns
 // 8q+4..8q+7 the second's. A token's logits do not depend on the other
 // tokens of its tile (an mma column is its own dot products), nor does its
-// norm (the same threads and order in every group), so its experts are the
-// same wherever it falls in a batch this kernel takes.
-#define MOE_NR_TOKENS 8 // the mma's n: tokens a cluster
-#define MOE_NR_RANKS 4  // moeNormRouteRanks: blocks a cluster, each a share of the experts
-#ifndef MOE_NR_WARPS
-// moeNormRouteWarps, unless EBB_KERNEL_DEFINES sets it. 8 (two blocks an
-// SM) was slower: 30B-A3B shape, H200, batch 256, 128 / 128, ms a step,
-// two rounds: 19.346, 19.378 against 19.249, 19.255 with 16.
-#define MOE_NR_WARPS 16
-#endif
-#define MOE_NR_GROUP (MOE_NR_TOKENS * 8 / MOE_NR_WARPS) // tokens a 256-thread group adds and normalises
-#define MOE_NR_SLICES 8 // K slices: two 16-expert tiles a block (128 experts) are a (tile, slice) a warp
-#ifndef MOE_NR_PRE
-#define MOE_NR_PRE (MOE_NR_WARPS == 16 ? 8 : 4) // 32-wide chunks of a warp's first (tile, slice) loaded before the wait
-#endif
+// norm (a 256-thread group and one order whatever TOK is), so its experts
+// and bits are the same wherever it falls in a batch this kernel takes.
+#define MOE_NR_RANKS 4   // moeNormRouteRanks: blocks a cluster, each a share of the experts
+#define MOE_NR_WARPS 16  // moeNormRouteWarps
+#define MOE_NR_SLICES 8  // K slices: two 16-expert tiles a block (128 experts) are a (tile, slice) a warp
+#define MOE_NR_PRE 8     // 32-wide chunks of a warp's first (tile, slice) loaded before the wait
+#define MOE_NR_CHUNKS 2  // moeNormRouteHidden / 8 / 256: a thread's chunks of a row
 #define MOE_NR_TILES ((MOE_MAX_EXPERTS / 16 + MOE_NR_RANKS - 1) / MOE_NR_RANKS)
 
-extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 16 / MOE_NR_WARPS)
-    moe_add_norm_route(int *ids, float *weights, bf16 *x, bf16 *residual, const bf16 *norm_w, float eps,
-                       const bf16 *router, int T, int E, int H, int k, int norm) {
+template <int TOK>
+__device__ __forceinline__ void moe_add_norm_route_impl(int *ids, float *weights, bf16 *x, bf16 *residual,
+                                                        const bf16 *norm_w, float eps, const bf16 *router, int T,
+                                                        int E, int H, int k, int norm) {
 #if __CUDA_ARCH__ >= 900
+	constexpr int OWN = TOK / MOE_NR_RANKS, GROUP = OWN / 2, NT = TOK / 8;
+	// Dynamic shared memory (moeNormRouteShared): the slices' sums, block
+	// 0's logits of every block, then the TOK tokens' x rows.
 	extern __shared__ __align__(16) unsigned char nr_smem[];
-	__shared__ float logits[MOE_NR_TOKENS][MOE_MAX_EXPERTS]; // block 0's: every block's logits
-	__shared__ float part[MOE_NR_SLICES][MOE_NR_TILES][16][MOE_NR_TOKENS];
-	__shared__ float red[MOE_NR_WARPS][MOE_NR_GROUP], inv_s[MOE_NR_TOKENS];
+	auto part = (float(*)[MOE_NR_TILES][16][TOK])nr_smem;
+	auto logits = (float(*)[MOE_MAX_EXPERTS])(nr_smem + sizeof(float) * MOE_NR_SLICES * MOE_NR_TILES * 16 * TOK);
+	uint4 *xs = (uint4 *)(nr_smem + sizeof(float) * (MOE_NR_SLICES * MOE_NR_TILES * 16 + MOE_MAX_EXPERTS) * TOK);
+	__shared__ float red[MOE_NR_WARPS][GROUP], inv_s[OWN];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rank = blockIdx.z, kv = H / 8;
 	const int stride = kv + 4; // 16-byte chunks a row in shared memory: tokens g, g + 1 64 bytes apart in the banks
-	uint4 *xs = (uint4 *)nr_smem, *vs = xs + MOE_NR_TOKENS * stride;
-	const long long t0 = (long long)blockIdx.x * MOE_NR_TOKENS;
+	const long long t0 = (long long)blockIdx.x * TOK;
 	const int tiles = (E + 15) / 16, mine = rank < tiles ? (tiles - rank + MOE_NR_RANKS - 1) / MOE_NR_RANKS : 0;
 	const int q = lane & 3, g = lane >> 2, chunks = H / 32, items = mine * MOE_NR_SLICES;
 	const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -235,56 +236,71 @@ extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 16 / MOE_NR_WARP
 		}
 	}
 	DEP();
-	// Each 256 threads add and normalise MOE_NR_GROUP tokens, a thread a chunk of each.
-	const int col = threadIdx.x & 255, tok0 = MOE_NR_GROUP * (threadIdx.x >> 8);
-	float ss[MOE_NR_GROUP];
+	// Each 256 threads add and normalise GROUP of the block's tokens, a
+	// thread chunks col and col + 256 of each; the sums stay in registers.
+	const int col = threadIdx.x & 255, slot0 = rank * OWN + GROUP * (threadIdx.x >> 8);
+	float ss[GROUP];
+	uint4 sum[GROUP][MOE_NR_CHUNKS];
 #pragma unroll
-	for (int j = 0; j < MOE_NR_GROUP; j++) ss[j] = 0.f;
-	for (int i = col; i < kv; i += 256) {
-		uint4 o[MOE_NR_GROUP], r[MOE_NR_GROUP];
+	for (int j = 0; j < GROUP; j++) ss[j] = 0.f;
 #pragma unroll
-		for (int j = 0; j < MOE_NR_GROUP; j++) {
-			const long long t = t0 + tok0 + j;
+	for (int ci = 0; ci < MOE_NR_CHUNKS; ci++) {
+		const int i = col + 256 * ci;
+		if (i >= kv) break;
+		uint4 o[GROUP], r[GROUP];
+#pragma unroll
+		for (int j = 0; j < GROUP; j++) {
+			const long long t = t0 + slot0 + j;
 			o[j] = t < T ? ((const uint4 *)(x + t * H))[i] : zero;
 			r[j] = t < T ? ((const uint4 *)(residual + t * H))[i] : zero;
 		}
 #pragma unroll
-		for (int j = 0; j < MOE_NR_GROUP; j++) {
+		for (int j = 0; j < GROUP; j++) {
 			float a[8], b[8];
 			unpack8(o[j], a);
 			unpack8(r[j], b);
 #pragma unroll
 			for (int e = 0; e < 8; e++) a[e] = rbf(b[e] + a[e]), ss[j] += a[e] * a[e];
-			vs[(tok0 + j) * stride + i] = pack8(a);
+			sum[j][ci] = pack8(a);
+			const long long t = t0 + slot0 + j;
+			if (t < T) ((uint4 *)(residual + t * H))[i] = sum[j][ci];
 		}
 	}
 #pragma unroll
-	for (int j = 0; j < MOE_NR_GROUP; j++) {
+	for (int j = 0; j < GROUP; j++) {
 		const float v = warp_sum(ss[j]);
 		if (lane == 0) red[warp][j] = v;
 	}
 	__syncthreads();
-	if (threadIdx.x < MOE_NR_TOKENS) { // the group's eight warps in order
-		const int h = threadIdx.x / MOE_NR_GROUP, j = threadIdx.x % MOE_NR_GROUP;
-		float sum = 0.f;
-		for (int w = 0; w < 8; w++) sum += red[8 * h + w][j];
-		inv_s[threadIdx.x] = rsqrtf(sum / H + eps);
+	if (threadIdx.x < OWN) { // the group's eight warps in order
+		const int h = threadIdx.x / GROUP, j = threadIdx.x % GROUP;
+		float s = 0.f;
+		for (int w = 0; w < 8; w++) s += red[8 * h + w][j];
+		inv_s[threadIdx.x] = rsqrtf(s / H + eps);
 	}
 	__syncthreads();
-	for (int i = col; i < kv; i += 256) {
+#pragma unroll
+	for (int ci = 0; ci < MOE_NR_CHUNKS; ci++) {
+		const int i = col + 256 * ci;
+		if (i >= kv) break;
 		float w[8];
 		unpack8(__ldg((const uint4 *)norm_w + i), w);
 #pragma unroll
-		for (int j = 0; j < MOE_NR_GROUP; j++) {
+		for (int j = 0; j < GROUP; j++) {
 			float v[8], o[8];
-			unpack8(vs[(tok0 + j) * stride + i], v);
-			const float inv = inv_s[tok0 + j];
+			unpack8(sum[j][ci], v);
+			const float inv = inv_s[slot0 - rank * OWN + j];
 #pragma unroll
 			for (int e = 0; e < 8; e++) o[e] = w[e] * rbf(v[e] * inv);
-			xs[(tok0 + j) * stride + i] = t0 + tok0 + j < T ? pack8(o) : zero;
+			const long long t = t0 + slot0 + j;
+			const uint4 out = t < T ? pack8(o) : zero;
+			if (t < T) ((uint4 *)(x + t * H))[i] = out;
+			const unsigned at = smem_u32(xs + (slot0 + j) * stride + i);
+#pragma unroll
+			for (int b = 0; b < MOE_NR_RANKS; b++) st_cluster_u4(at, b, out);
 		}
 	}
-	__syncthreads();
+	cluster_sync(); // every block's x rows are in every block's xs
 	// The logits: (tile, slice) items over the warps.
 	for (int it = warp; it < items; it += MOE_NR_WARPS) {
 		const int lt = it / MOE_NR_SLICES, s = it % MOE_NR_SLICES, e0 = (rank + lt * MOE_NR_RANKS) * 16 + g;
@@ -292,50 +308,64 @@ extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 16 / MOE_NR_WARP
 		const uint4 *w1 = (const uint4 *)(router + (long long)min(e0 + 8, E - 1) * H) + q;
 		const uint4 *xb = xs + g * stride + q;
 		const bool first = it == warp;
-		float acc[4] = {0.f, 0.f, 0.f, 0.f};
+		float acc[NT][4] = {};
 #pragma unroll
 		for (int j = 0; j < MOE_NR_PRE; j++) {
 			const int c = s + MOE_NR_SLICES * j;
 			if (c >= chunks) break;
 			const uint4 lo = first ? pre_lo[j] : e0 < E ? __ldg(w0 + 4 * c) : zero; // expert e0
 			const uint4 hi = first ? pre_hi[j] : e0 + 8 < E ? __ldg(w1 + 4 * c) : zero;
-			const uint4 xv = xb[4 * c];
-			mma16816(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-			mma16816(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+#pragma unroll
+			for (int n = 0; n < NT; n++) {
+				const uint4 xv = xb[8 * n * stride + 4 * c];
+				mma16816(acc[n], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+				mma16816(acc[n], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+			}
 		}
 		for (int c = s + MOE_NR_SLICES * MOE_NR_PRE; c < chunks; c += MOE_NR_SLICES) {
 			const uint4 lo = e0 < E ? __ldg(w0 + 4 * c) : zero, hi = e0 + 8 < E ? __ldg(w1 + 4 * c) : zero;
-			const uint4 xv = xb[4 * c];
-			mma16816(acc, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-			mma16816(acc, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+#pragma unroll
+			for (int n = 0; n < NT; n++) {
+				const uint4 xv = xb[8 * n * stride + 4 * c];
+				mma16816(acc[n], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+				mma16816(acc[n], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+			}
 		}
-		part[s][lt][g][2 * q] = acc[0], part[s][lt][g][2 * q + 1] = acc[1];
-		part[s][lt][g + 8][2 * q] = acc[2], part[s][lt][g + 8][2 * q + 1] = acc[3];
+#pragma unroll
+		for (int n = 0; n < NT; n++) {
+			part[s][lt][g][8 * n + 2 * q] = acc[n][0], part[s][lt][g][8 * n + 2 * q + 1] = acc[n][1];
+			part[s][lt][g + 8][8 * n + 2 * q] = acc[n][2], part[s][lt][g + 8][8 * n + 2 * q + 1] = acc[n][3];
+		}
 	}
 	__syncthreads();
-	for (int i = threadIdx.x; i < mine * 16 * MOE_NR_TOKENS; i += blockDim.x) {
-		const int lt = i / (16 * MOE_NR_TOKENS), row = i / MOE_NR_TOKENS % 16, tok = i % MOE_NR_TOKENS;
+	for (int i = threadIdx.x; i < mine * 16 * TOK; i += blockDim.x) {
+		const int lt = i / (16 * TOK), row = i / TOK % 16, tok = i % TOK;
 		const int e = (rank + lt * MOE_NR_RANKS) * 16 + row;
-		float sum = 0.f;
+		float s = 0.f;
 #pragma unroll
-		for (int s = 0; s < MOE_NR_SLICES; s++) sum += part[s][lt][row][tok];
-		if (e < E) st_cluster_f32(smem_u32(&logits[tok][e]), 0, rbf(sum));
+		for (int sl = 0; sl < MOE_NR_SLICES; sl++) s += part[sl][lt][row][tok];
+		if (e < E) st_cluster_f32(smem_u32(&logits[tok][e]), 0, rbf(s));
 	}
 	cluster_sync();
-	// Every block has read its rows: each writes a quarter of them.
-	const int per = (kv + MOE_NR_RANKS - 1) / MOE_NR_RANKS, lo = min(kv, rank * per), n = min(kv, lo + per) - lo;
-	const int valid = (int)min((long long)MOE_NR_TOKENS, T - t0);
-	for (int i = threadIdx.x; i < valid * n; i += blockDim.x) {
-		const int tok = i / n, c = lo + i % n;
-		((uint4 *)(residual + (t0 + tok) * H))[c] = vs[tok * stride + c];
-		((uint4 *)(x + (t0 + tok) * H))[c] = xs[tok * stride + c];
-	}
+	const int valid = (int)min((long long)TOK, T - t0);
 	if (rank != 0 || warp >= valid) return;
 	float v[8];
 #pragma unroll
 	for (int i = 0; i < 8; i++) v[i] = lane + 32 * i < E ? logits[warp][lane + 32 * i] : -EBB_INF;
 	moe_route_row(v, ids + (t0 + warp) * k, weights + (t0 + warp) * k, E, k, norm);
 #endif
+}
+
+// moe_add_norm_route: eight tokens a cluster; moe_add_norm_route16: sixteen.
+extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 1)
+    moe_add_norm_route(int *ids, float *weights, bf16 *x, bf16 *residual, const bf16 *norm_w, float eps,
+                       const bf16 *router, int T, int E, int H, int k, int norm) {
+	moe_add_norm_route_impl<8>(ids, weights, x, residual, norm_w, eps, router, T, E, H, k, norm);
+}
+extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 1)
+    moe_add_norm_route16(int *ids, float *weights, bf16 *x, bf16 *residual, const bf16 *norm_w, float eps,
+                         const bf16 *router, int T, int E, int H, int k, int norm) {
+	moe_add_norm_route_impl<16>(ids, weights, x, residual, norm_w, eps, router, T, E, H, k, norm);
 }
 
 // moe_sort (one block of 1024 threads) lists the P = T*k pairs grouped by
