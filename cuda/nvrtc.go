@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -27,11 +28,11 @@ var kernelFS embed.FS
 // after the defines of $EBB_KERNEL_DEFINES.
 func KernelSource() (string, error) {
 	var b strings.Builder
-	defines, err := kernelDefines(os.Getenv("EBB_KERNEL_DEFINES"))
+	env := os.Getenv("EBB_KERNEL_DEFINES")
+	defines, err := kernelDefines(env)
 	if err != nil {
 		return "", err
 	}
-	b.WriteString(defines)
 	prelude, err := kernelFS.ReadFile("kernels/prelude.cuh")
 	if err != nil {
 		return "", err
@@ -56,7 +57,31 @@ func KernelSource() (string, error) {
 		fmt.Fprintf(&b, "\n// ---- %s ----\n", n)
 		b.Write(src)
 	}
-	return b.String(), nil
+	if err := definesTakeEffect(env, b.String()); err != nil {
+		return "", err
+	}
+	return defines + b.String(), nil
+}
+
+// definesTakeEffect checks that each macro $EBB_KERNEL_DEFINES sets is one
+// the kernels read, and that each #define of it in them sits under an
+// #ifndef of it: NVRTC only warns when a file's #define replaces the
+// setting, and an A/B run of it then times the same kernels twice (the
+// fifty-second stop's MOE_SORT_CACHE=1).
+func definesTakeEffect(env, source string) error {
+	for _, d := range defineEntries(env) {
+		word := regexp.MustCompile(`\b` + regexp.QuoteMeta(d.name) + `\b`)
+		if !word.MatchString(source) {
+			return fmt.Errorf("EBB_KERNEL_DEFINES: no kernel reads %s", d.name)
+		}
+		directive := func(kind string) int {
+			return len(regexp.MustCompile(`(?m)^[ \t]*#[ \t]*`+kind+`[ \t]+`+regexp.QuoteMeta(d.name)+`\b`).FindAllStringIndex(source, -1))
+		}
+		if directive("define") > directive("ifndef") {
+			return fmt.Errorf("EBB_KERNEL_DEFINES: a kernel defines %s without #ifndef %s, so the setting would not take effect", d.name, d.name)
+		}
+	}
+	return nil
 }
 
 // kernelDefines turns "NAME=VALUE,NAME2=VALUE2" into #define lines, so that

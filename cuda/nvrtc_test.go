@@ -135,3 +135,40 @@ func TestLaunchedKernelsAreLoaded(t *testing.T) {
 		t.Fatalf("found %d launches by name; the pattern no longer matches the host code", seen)
 	}
 }
+
+// TestKernelDefinesTakeEffect: a tunable the kernels guard with #ifndef is
+// taken; one they #define unguarded, or never read, is an error, not a
+// setting NVRTC would silently replace.
+func TestKernelDefinesTakeEffect(t *testing.T) {
+	for _, tc := range []struct {
+		env string
+		ok  bool
+	}{
+		{"", true},
+		{"GEMV_PRELOAD=8", true},
+		{"MOE_COMBINE_EARLY=0, MOE_ROUTE_WARPS=8", true},
+		{"MOE_NR_RANKS=2", false},    // #define'd without #ifndef
+		{"NO_SUCH_TUNABLE=1", false}, // read by no kernel
+		{"GEMV_PRELOAD_X=1", false},  // a longer name is another macro
+	} {
+		t.Setenv("EBB_KERNEL_DEFINES", tc.env)
+		src, err := KernelSource()
+		if (err == nil) != tc.ok {
+			t.Errorf("%q: error %v, want ok %v", tc.env, err, tc.ok)
+		}
+		if defs, _ := kernelDefines(tc.env); err == nil && !strings.HasPrefix(src, defs) {
+			t.Errorf("%q: the source does not start with the defines", tc.env)
+		}
+	}
+	// Every macro a kernel guards with #ifndef can be set.
+	t.Setenv("EBB_KERNEL_DEFINES", "")
+	src, err := KernelSource()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range regexp.MustCompile(`(?m)^[ \t]*#[ \t]*ifndef[ \t]+(\w+)`).FindAllStringSubmatch(src, -1) {
+		if err := definesTakeEffect(m[1]+"=1", src); err != nil {
+			t.Errorf("%s: %v", m[1], err)
+		}
+	}
+}
