@@ -37,7 +37,14 @@ type OneBatchConfig struct {
 	// 16-token decode step of the 30B-A3B shape read about 8 experts'
 	// weights); sampled tokens spread them as a trained model's rows are.
 	Temperature float64
-	Progress    io.Writer // progress bars; nil for none
+	// TopK, TopP and MinP filter sampled rows as a request's top_k, top_p
+	// and min_p do (Qwen3's generation_config: 20, 0.95, 0), so that the
+	// sampler's filtered path is timed as RL runs it. Zero values leave the
+	// whole vocabulary (top_k -1, top_p 1, min_p 0).
+	TopK     int
+	TopP     float64
+	MinP     float64
+	Progress io.Writer // progress bars; nil for none
 	// ProfileStep, when >= 0, opens the device profiler (cuProfilerStart)
 	// around one step of the first batch size: 0 is the prefill, k the
 	// k-th decode step. For `ncu --profile-from-start off`.
@@ -55,6 +62,30 @@ type OneBatchConfig struct {
 	// the run (the leader may be waiting on it inside a collective); nil
 	// prints the error and exits.
 	RankFailed func(error)
+}
+
+// sampling gives request i's sampling parameters: greedy, or sampled from
+// a seed of its own with the configured filters.
+func (cfg OneBatchConfig) sampling() func(i int) (ioschema.Resolved, error) {
+	maxNew, temp := cfg.OutputLen, cfg.Temperature
+	return func(i int) (ioschema.Resolved, error) {
+		p := ioschema.SamplingParams{Temperature: &temp, MaxNewTokens: &maxNew, IgnoreEOS: true}
+		if temp > 0 {
+			topK, topP, minP, seed := cfg.TopK, cfg.TopP, cfg.MinP, uint64(i)
+			if topK == 0 {
+				topK = -1
+			}
+			if topP == 0 {
+				topP = 1
+			}
+			p.TopK, p.TopP, p.MinP, p.SamplingSeed = &topK, &topP, &minP, &seed
+		}
+		r, err := p.Resolve(nil)
+		if err != nil {
+			return r, fmt.Errorf("sampling: %w", err)
+		}
+		return r, nil
+	}
 }
 
 // OneBatchResult is one batch size's figures.
@@ -97,6 +128,10 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	if cfg.Temperature < 0 {
 		return nil, fmt.Errorf("temperature %g: want 0 (greedy) or more", cfg.Temperature)
 	}
+	paramsFor := cfg.sampling()
+	if _, err := paramsFor(0); err != nil {
+		return nil, err
+	}
 	if cfg.Log == nil {
 		cfg.Log = zap.NewNop()
 	}
@@ -135,15 +170,6 @@ func OneBatch(cfg OneBatchConfig) ([]OneBatchResult, error) {
 	vocab := e.Model.Config.Vocab
 	if e.Tokenizer != nil {
 		vocab = min(vocab, e.Tokenizer.VocabSize()-300) // stay clear of special tokens
-	}
-	maxNew := cfg.OutputLen
-	paramsFor := func(i int) (ioschema.Resolved, error) {
-		p := ioschema.SamplingParams{Temperature: &cfg.Temperature, MaxNewTokens: &maxNew, IgnoreEOS: true}
-		if cfg.Temperature > 0 { // the whole vocabulary, request i's own stream
-			topK, topP, seed := -1, 1.0, uint64(i)
-			p.TopK, p.TopP, p.SamplingSeed = &topK, &topP, &seed
-		}
-		return p.Resolve(nil)
 	}
 	run := func(b int, label string) (OneBatchResult, error) {
 		res := OneBatchResult{BatchSize: b, InputLen: cfg.InputLen, OutputLen: cfg.OutputLen}

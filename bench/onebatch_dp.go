@@ -42,7 +42,9 @@ func oneBatchDP(cfg OneBatchConfig) ([]OneBatchResult, error) {
 		e.GPU += i * max(e.TPSize, 1)
 		args := append([]string{"bench", "one-batch", "--json", "--sync-stdio", "--batch-size", strings.Join(sizes, ","),
 			"--input-len", strconv.Itoa(cfg.InputLen), "--output-len", strconv.Itoa(cfg.OutputLen),
-			"--temperature", strconv.FormatFloat(cfg.Temperature, 'g', -1, 64)}, engineArgs(e)...)
+			"--temperature", strconv.FormatFloat(cfg.Temperature, 'g', -1, 64), "--top-k", strconv.Itoa(cfg.TopK),
+			"--top-p", strconv.FormatFloat(cfg.TopP, 'g', -1, 64), "--min-p", strconv.FormatFloat(cfg.MinP, 'g', -1, 64)},
+			engineArgs(e)...)
 		d, err := startDPEngine(cfg.Executable, args)
 		if err != nil {
 			return nil, fmt.Errorf("data-parallel engine %d: %w", i, err)

@@ -104,10 +104,11 @@ func buildEBB(t *testing.T) string {
 
 // TestOneBatchSampled: --temperature samples each request from a seed of
 // its own, so two runs give the same outputs and a greedy run other ones;
-// a negative temperature is refused before the engine starts.
+// --top-k and --top-p filter them (top_k 1 is greedy); a negative
+// temperature or a top_p out of range is refused before the engine starts.
 func TestOneBatchSampled(t *testing.T) {
 	dir := tinymodel.TestDir(t, "qwen3", nil)
-	digest := func(temp float64) string {
+	digest := func(temp float64, topK int, topP float64) string {
 		t.Helper()
 		res, err := OneBatch(OneBatchConfig{
 			Engine:      engine.Config{ModelDir: dir, Device: "cpu"},
@@ -115,6 +116,8 @@ func TestOneBatchSampled(t *testing.T) {
 			InputLen:    8,
 			OutputLen:   16,
 			Temperature: temp,
+			TopK:        topK,
+			TopP:        topP,
 			ProfileStep: -1,
 		})
 		if err != nil {
@@ -122,15 +125,23 @@ func TestOneBatchSampled(t *testing.T) {
 		}
 		return res[0].OutputDigest
 	}
-	sampled, again, greedy := digest(1), digest(1), digest(0)
+	sampled, again, greedy := digest(1, 0, 0), digest(1, 0, 0), digest(0, 0, 0)
 	if sampled != again {
 		t.Fatalf("two sampled runs: outputs %s and %s, want the same (seeded)", sampled, again)
 	}
 	if sampled == greedy {
 		t.Fatalf("sampled at temperature 1 and greedy: the same outputs %s", sampled)
 	}
-	if _, err := OneBatch(OneBatchConfig{Engine: engine.Config{ModelDir: dir, Device: "cpu"}, BatchSizes: []int{1},
-		InputLen: 4, OutputLen: 2, Temperature: -1, ProfileStep: -1}); err == nil {
-		t.Fatal("temperature -1: no error")
+	if top1 := digest(1, 1, 0); top1 != greedy {
+		t.Fatalf("top_k 1: outputs %s, want the greedy run's %s", top1, greedy)
+	}
+	if filtered := digest(1, 3, 0.9); filtered == sampled || filtered == greedy {
+		t.Fatalf("top_k 3, top_p 0.9: outputs %s, the same as an unfiltered or a greedy run", filtered)
+	}
+	for _, c := range []OneBatchConfig{{Temperature: -1}, {Temperature: 1, TopP: 1.5}, {Temperature: 1, MinP: -0.5}} {
+		c.Engine, c.BatchSizes, c.InputLen, c.OutputLen, c.ProfileStep = engine.Config{ModelDir: dir, Device: "cpu"}, []int{1}, 4, 2, -1
+		if _, err := OneBatch(c); err == nil {
+			t.Fatalf("temperature %g, top_p %g, min_p %g: no error", c.Temperature, c.TopP, c.MinP)
+		}
 	}
 }

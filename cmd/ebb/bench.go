@@ -102,6 +102,9 @@ func oneBatchCmd() *cobra.Command {
 	f.IntVar(&cfg.OutputLen, "output-len", 128, "generated tokens per request")
 	f.Float64Var(&cfg.Temperature, "temperature", 0, "sample the outputs, each request with a seed of its own (0: greedy; "+
 		"under --load-format dummy a greedy 16-token step of the 30B-A3B shape read about 8 experts' weights: its rows route alike)")
+	f.IntVar(&cfg.TopK, "top-k", -1, "top_k of the sampled requests (-1: the whole vocabulary; Qwen3's default 20)")
+	f.Float64Var(&cfg.TopP, "top-p", 1, "top_p of the sampled requests (Qwen3's default 0.95)")
+	f.Float64Var(&cfg.MinP, "min-p", 0, "min_p of the sampled requests")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
 	f.IntVar(&cfg.ProfileStep, "profile-step", -1, "profile one step of the first batch size (0 prefill, k the k-th decode) for ncu --profile-from-start off")
 	f.BoolVar(&syncStdio, "sync-stdio", false, "before each batch size write \"ready N\" on stdout and wait for \"go\" on stdin (one data-parallel engine of another one-batch)")
