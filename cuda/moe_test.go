@@ -234,6 +234,33 @@ func TestMoEWGTile(t *testing.T) {
 	}
 }
 
+// TestMoENormRouteClusters (no GPU): moe_add_norm_route takes clusters of
+// eight tokens up to moeNormRouteEights and sixteen past it, both kernels
+// are loaded, the default bound takes batch 256 in at most 30 clusters
+// (what an H200 holds at once at one block an SM), and a block's dynamic
+// shared memory at the widest row fits sm_90's 227 KB less the static
+// arrays' few hundred bytes.
+func TestMoENormRouteClusters(t *testing.T) {
+	loaded := map[string]bool{}
+	for _, n := range kernelNames {
+		loaded[n] = true
+	}
+	for _, c := range []struct {
+		rows, tok int
+	}{{2, 8}, {moeNormRouteEights, 8}, {moeNormRouteEights + 1, 16}, {moeNormRouteRows, 16}} {
+		tok, name := moeNormRouteTokens(c.rows, moeNormRouteEights)
+		if tok != c.tok || !loaded[name] {
+			t.Errorf("%d tokens: %d a cluster (%s, loaded %v), want %d", c.rows, tok, name, loaded[name], c.tok)
+		}
+		if clusters := (c.rows + tok - 1) / tok; clusters > 30 {
+			t.Errorf("%d tokens: %d clusters", c.rows, clusters)
+		}
+		if b := moeNormRouteShared(tok, moeNormRouteHidden); b > 227<<10-1<<10 {
+			t.Errorf("%d tokens a cluster: %d bytes of dynamic shared memory", tok, b)
+		}
+	}
+}
+
 // TestBenchMoE: the experts' benchmark runs each path, names the one
 // MoEExperts takes and counts the experts its routing touches.
 func TestBenchMoE(t *testing.T) {
