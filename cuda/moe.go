@@ -235,8 +235,10 @@ const (
 	// 128 in / 64 out, two rounds: batch 32 15.056, 15.055 / 15.019,
 	// 15.003; 64 16.626, 16.643 / 16.563, 16.604; 128 17.496, 17.525 /
 	// 17.369, 17.381. Batch 256, 128 / 128, in clusters of sixteen: 19.293,
-	// 19.233 / 19.224, 19.219 (ncu, 12-layer copy: 13.6 us a layer, where
-	// clusters of eight took 17.6 and the three launches before 15.7).
+	// 19.233 / 19.224, 19.219, and on another machine 19.082, 19.069 with
+	// the bound at 128 / 19.045, 19.037 (ncu, 12-layer copy: 13.6 us a
+	// layer, where clusters of eight took 17.6 and the three launches
+	// before 15.7).
 	moeNormRouteRows = 256
 	// moeNormRouteEights is the most tokens taken by clusters of eight;
 	// more take clusters of sixteen (moe_add_norm_route16), so that 256
