@@ -64,6 +64,7 @@ type Device struct {
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	skipRepeats   lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
+	moeGluBlocks  int            // moe_gemv_glu's blocks an SM, each taking column groups in turn (EBB_MOE_GLU_BLOCKS; 0: a block a group)
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
 	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
 	moeSortedFrom int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
@@ -161,7 +162,7 @@ var kernelNames = []string{
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
-	"moe_route", "moe_norm_route", "moe_add_norm_route", "moe_add_norm_route16", "moe_sort", "moe_sorted_rows", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_combine_add_rmsnorm", "moe_gemv_glu", "moe_down_combine", "moe_down_bulk", "moe_shared_add",
+	"moe_route", "moe_norm_route", "moe_add_norm_route", "moe_add_norm_route16", "moe_sort", "moe_sorted_rows", "moe_gemm", "moe_gemm_r16", "moe_combine", "moe_combine_add_rmsnorm", "moe_gemv_glu", "moe_gemv_glu_loop", "moe_down_combine", "moe_down_bulk", "moe_shared_add",
 	"moe_wg_n32", "moe_wg_n64", "moe_wg_n128",
 	"allreduce_f32", "allreduce_f32_v4", "allreduce_add_rmsnorm", "allgather_cols_u16", "allgather_cols_v16", "copy_cols_u16",
 }
@@ -269,6 +270,9 @@ func (d *Device) init() error {
 	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
 		d.moeGemvTokens = n
+	}
+	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GLU_BLOCKS")); err == nil && n >= 0 {
+		d.moeGluBlocks = n
 	}
 	d.moeSortedFrom = moeSortedFrom
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_SORTED_FROM")); err == nil && n > 0 {

@@ -158,8 +158,15 @@ func (d *Device) moeExpertsGemv(out uintptr, outF32 bool, residual uintptr, x, i
 	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
 	p := t * k
 	wpo := d.gemvWarps(inter*p, h)
-	d.launch("moe_gemv_glu", Dim3{X: uint32((inter + 8/wpo - 1) / (8 / wpo)), Y: uint32(p), Z: 1}, D1(256), 0,
-		P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo))
+	xblocks := (inter + 8/wpo - 1) / (8 / wpo)
+	if gx := min(xblocks, max(1, d.moeGluBlocks*d.ctx.SMs/p)); d.moeGluBlocks > 0 && gx < xblocks {
+		// EBB_MOE_GLU_BLOCKS: that many blocks an SM, each taking groups in turn.
+		d.launch("moe_gemv_glu_loop", Dim3{X: uint32(gx), Y: uint32(p), Z: 1}, D1(256), 0,
+			P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo), I(xblocks))
+	} else {
+		d.launch("moe_gemv_glu", Dim3{X: uint32(xblocks), Y: uint32(p), Z: 1}, D1(256), 0,
+			P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo))
+	}
 	var sq uintptr
 	if residual != 0 {
 		sq = d.rowSquares.Ptr

@@ -534,7 +534,8 @@ func TestMoEExpertsAddThenRMSNormMatMul(t *testing.T) {
 
 // TestMoEDownBulkSameBits: moe_down_bulk (one token's weights by bulk
 // copies into shared memory) gives moe_down_combine's bits, into a sum
-// and added into a residual.
+// and added into a residual, and so does moe_gemv_glu on a grid of one or
+// three blocks an SM (EBB_MOE_GLU_BLOCKS), each taking groups in turn.
 func TestMoEDownBulkSameBits(t *testing.T) {
 	p := newPair(t)
 	if !p.gpu.wgmma {
@@ -559,21 +560,27 @@ func TestMoEDownBulkSameBits(t *testing.T) {
 			t.Fatal(err)
 		}
 		res := p.random(device.BF16, 2, c.rows, c.hidden)
-		var outs, sums [2][]uint16
-		for i, off := range []bool{true, false} {
-			p.gpu.noMoEBulk = off
+		var outs, sums [][]uint16
+		settings := []struct {
+			noBulk    bool
+			gluBlocks int
+		}{{true, 0}, {false, 0}, {false, 1}, {false, 3}}
+		for _, set := range settings {
+			p.gpu.noMoEBulk, p.gpu.moeGluBlocks = set.noBulk, set.gluBlocks
 			out := p.random(device.BF16, 0, c.rows, c.hidden)
 			p.gpu.MoEExperts(out.g, x.g, ids.g, w.g, gateUp.g, down.g, work)
-			outs[i] = p.bits(out.g)
+			outs = append(outs, p.bits(out.g))
 			r := p.clone(device.BF16, res)
 			if !p.gpu.MoEExpertsAdd(r.g, x.g, ids.g, w.g, gateUp.g, down.g, work, p.random(device.BF16, 1, 64, c.hidden).g) {
 				t.Fatalf("%s: not added", name)
 			}
-			sums[i] = p.bits(r.g)
+			sums = append(sums, p.bits(r.g))
 		}
-		p.gpu.noMoEBulk = false
-		if !slices.Equal(outs[0], outs[1]) || !slices.Equal(sums[0], sums[1]) {
-			t.Fatalf("%s: bulk copies give other bits", name)
+		p.gpu.noMoEBulk, p.gpu.moeGluBlocks = false, 0
+		for i := 1; i < len(settings); i++ {
+			if !slices.Equal(outs[0], outs[i]) || !slices.Equal(sums[0], sums[i]) {
+				t.Fatalf("%s: %+v gives other bits than %+v", name, settings[i], settings[0])
+			}
 		}
 		p.gpu.Free(memory.Workspace, work)
 	}

@@ -469,11 +469,12 @@ __device__ __forceinline__ void gemv_chunk(float acc[C * M], const uint4 wv[C], 
 // gemv_fused's squares mode left with nsq partial sums of its squares per
 // row (sq), and the input is norm_w * rmsnorm(h), formed on the fly: with
 // C columns per group each input chunk is formed once for C weight rows.
-// Every thread of the block must call it.
+// Every thread of the block must call it. bx is the block's place in the
+// grid of groups (blockIdx.x unless a block takes several in turn).
 template <int M, int C>
 __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, const bf16 *w, int N, int K, int silu,
                                            int wpo, const bf16 *norm_w, const float *sq, int nsq, float eps, int glu,
-                                           long long *n_out, int *part_out) {
+                                           long long *n_out, int *part_out, int bx = -1) {
 	constexpr int PRE = GEMV_PRELOAD / C;
 	__shared__ float red[8][C * M];
 	__shared__ float sq_red[32];
@@ -481,7 +482,7 @@ __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, cons
 	const int part = warp % wpo;
 	// With glu (C = 2) a group's columns are n and n + N/2: a gate and its
 	// up; otherwise C adjacent columns from n.
-	const long long group = (long long)blockIdx.x * (8 / wpo) + warp / wpo;
+	const long long group = (long long)(bx < 0 ? blockIdx.x : bx) * (8 / wpo) + warp / wpo;
 	const long long n = glu ? group : group * C, cstride = glu ? N / 2 : 1;
 	const int kv = K / 8, first = part * 32 + lane, step = 32 * wpo;
 	const uint4 *wr[C];
@@ -548,11 +549,11 @@ __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, cons
 
 template <int M, int C>
 __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,
-                          const bf16 *norm_w, const float *sq, int nsq, float eps, int glu) {
+                          const bf16 *norm_w, const float *sq, int nsq, float eps, int glu, int bx = -1) {
 	float sum[C * M];
 	long long n;
 	int part;
-	gemv_group<M, C>(sum, x, w, N, K, 0, wpo, norm_w, sq, nsq, eps, glu, &n, &part);
+	gemv_group<M, C>(sum, x, w, N, K, 0, wpo, norm_w, sq, nsq, eps, glu, &n, &part, bx);
 	if (part != 0 || (threadIdx.x & 31) != 0) return;
 	if (glu) {
 		// out[m, n] = silu(gate) * up, both rounded to bf16 first, as the

@@ -753,6 +753,25 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu(bf16 *act, const 
 	                nullptr, nullptr, 0, 0.f, 1);
 }
 
+// moe_gemv_glu_loop is moe_gemv_glu (the same bits) on a smaller grid: a
+// block takes column groups blockIdx.x, blockIdx.x + gridDim.x, ... below
+// xblocks, so that room is left on the SMs for the down products' blocks,
+// which then launch (dependent launch) and ask for their weights while
+// gate and up still stream, not after them (EBB_MOE_GLU_BLOCKS). A kernel
+// of its own: the loop takes moe_gemv_glu from 48 registers to 63 (NVRTC
+// 11.8, sm_80), four blocks an SM where it had five.
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu_loop(bf16 *act, const bf16 *x, const int *ids, int k,
+                                                                    const bf16 *w, int E, int N, int K, int wpo,
+                                                                    int xblocks) {
+	dep_wait();
+	const int p = blockIdx.y, e = min(max(ids[p], 0), E - 1);
+	for (int bx = blockIdx.x; bx < xblocks; bx += gridDim.x) {
+		gemv_impl<1, 2>(act + (long long)p * (N / 2), 0, x + (long long)(p / k) * K, w + (long long)e * N * K, N, K,
+		                wpo, nullptr, nullptr, 0, 0.f, 1, bx);
+		if (bx + gridDim.x < xblocks) __syncthreads(); // the group's shared sums are read before the next one's
+	}
+}
+
 // Output columns of one token that a moe_down_combine block takes.
 #define MOE_DOWN_COLS 4
 
