@@ -383,19 +383,49 @@ extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 1)
 // run again, 32 at a time.
 // The serial part is a warp's run, not all P pairs (one warp placing 2,048
 // pairs took 31 us of a 30B-A3B layer at batch 256, H100).
+//
+// Up to MOE_SORT_CACHE pairs (a decode step's), a warp may first load all
+// its run's experts at once into shared memory, a byte each (E <= 256),
+// and both passes read them there: four L2 round trips in a row at batch
+// 256. Off by default (1 pair) until an A/B run
+// (EBB_KERNEL_DEFINES=MOE_SORT_CACHE=8192) measures it: the fifty-second
+// stop's run of it was voided by a #define without this #ifndef.
+#ifndef MOE_SORT_CACHE
+#define MOE_SORT_CACHE 1
+#endif
 extern "C" __global__ void __launch_bounds__(1024) moe_sort(int *order, int *inv, int *offsets, int *tiles,
                                                             const int *ids, int P, int E, int bm) {
 	__shared__ int start[32][MOE_MAX_EXPERTS]; // a warp's count, then its start within the expert
 	__shared__ int base[MOE_MAX_EXPERTS];
 	__shared__ int scan_rows[32], scan_tiles[32];
-	DEP();
+	__shared__ unsigned char cache[MOE_SORT_CACHE];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) start[i / E][i % E] = 0;
-	__syncthreads();
+	DEP();
 	const int per = (P + 31) / 32, lo = min(P, warp * per), hi = min(P, lo + per);
+	const bool cached = P <= MOE_SORT_CACHE;
+	if (cached) {
+		constexpr int AT_ONCE = 8; // loads in flight a lane: 256 pairs a warp
+		for (int p0 = lo; p0 < hi; p0 += 32 * AT_ONCE) {
+			int v[AT_ONCE];
+#pragma unroll
+			for (int u = 0; u < AT_ONCE; u++) {
+				const int p = p0 + 32 * u + lane;
+				v[u] = p < hi ? __ldg(ids + p) : 0;
+			}
+#pragma unroll
+			for (int u = 0; u < AT_ONCE; u++) {
+				const int p = p0 + 32 * u + lane;
+				if (p < hi) cache[p] = (unsigned char)min(max(v[u], 0), E - 1);
+			}
+		}
+		__syncwarp(); // a lane reads the others' bytes
+	}
+	auto expert = [&](int p) { return p >= hi ? -1 : cached ? (int)cache[p] : min(max(ids[p], 0), E - 1); };
+	__syncthreads(); // the counts are zero
 	for (int p0 = lo; p0 < hi; p0 += 32) {
 		const int p = p0 + lane;
-		const int e = p < hi ? min(max(ids[p], 0), E - 1) : -1;
+		const int e = expert(p);
 		const unsigned peers = __match_any_sync(0xffffffffu, e);
 		if (p < hi && lane == __ffs(peers) - 1) start[warp][e] += __popc(peers);
 		__syncwarp();
@@ -436,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(int *order, int *inv
 	__syncthreads();
 	for (int p0 = lo; p0 < hi; p0 += 32) {
 		const int p = p0 + lane;
-		const int e = p < hi ? min(max(ids[p], 0), E - 1) : -1;
+		const int e = expert(p);
 		const unsigned peers = __match_any_sync(0xffffffffu, e);
 		if (p < hi) {
 			const int at = base[e] + start[warp][e] + __popc(peers & ((1u << lane) - 1));
