@@ -131,10 +131,26 @@ __device__ __forceinline__ RowParams row_params(int r, const float *temp, const 
 	return p;
 }
 
+// scan_noise says whether sample_scan draws a sampled row's noise over the
+// whole row. With SAMPLE_SCAN_TOPK set, a row with a top_k of at most
+// SAMPLE_THREADS (Qwen3's generation_config: 20), whose candidates
+// sample_finish collects anyway, takes its draw among them there: the
+// scan's winner only lets finish skip that draw where the whole row's
+// winner is kept, and the noise (a hash and two logarithms a logit) is most
+// of the scan's time. The same token either way; off by default until an
+// A/B run (EBB_KERNEL_DEFINES=SAMPLE_SCAN_TOPK=1) measures it.
+#ifndef SAMPLE_SCAN_TOPK
+#define SAMPLE_SCAN_TOPK 0
+#endif
+__device__ __forceinline__ bool scan_noise(const RowParams &rp, int k, int V) {
+	return rp.sampled && !(SAMPLE_SCAN_TOPK && k > 0 && k < V && k <= SAMPLE_THREADS);
+}
+
 // sample_scan reduces one slice of a row (blockIdx.y of gridDim.y): the
 // largest scaled logit m, the sum of exp(x/T - m), and the winner: the
-// lowest index of the largest logit (greedy rows) or of the largest
-// x/T + g (sampled rows). part[(row * parts + p) * 4 + {0..3}] =
+// lowest index of the largest logit (greedy rows, and sampled rows whose
+// noise sample_finish draws: scan_noise) or of the largest x/T + g (other
+// sampled rows). part[(row * parts + p) * 4 + {0..3}] =
 // {m, sum, winner's value, winner's index as bits}. DET (deterministic
 // inference) gives float32 and bf16 logits the same 8 values a load, so
 // that a thread sums the same tokens in the same order from either.
@@ -145,6 +161,7 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 	const int r = blockIdx.x, p = blockIdx.y, parts = gridDim.y;
 	const T *x = logits + (long long)r * V;
 	const RowParams rp = row_params(r, temp, top_k, keys);
+	const bool noise = scan_noise(rp, temp ? top_k[r] : 0, V);
 	const float inv = 1.f / rp.T;
 	// Slices start on 16-byte boundaries where rows do, so that a thread
 	// takes 16 bytes a load, two loads at a time: one scalar load in
@@ -162,7 +179,7 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 		} else if (s > -EBB_INF) {
 			z += __expf(s - m);
 		}
-		const float v = rp.sampled ? s + gumbel(rp.k0, rp.k1, i) : s;
+		const float v = noise ? s + gumbel(rp.k0, rp.k1, i) : s;
 		best = better(best, ArgMax{v, i});
 	};
 	const int vend = V % VEC == 0 ? hi : lo, step = blockDim.x * VEC;
@@ -405,8 +422,9 @@ __device__ void sample_finish_impl(const T *logits, int V, const float *temp, co
 				thresh = max(thresh, radix_select(x, V, inv, m, true, limit, hist));
 			}
 		}
-		// The whole row's winner, where kept, is the kept tokens' winner.
-		if (orderable(logit(x, id) * inv) < thresh) {
+		// The whole row's winner, where the scan drew it and it is kept, is
+		// the kept tokens' winner.
+		if (!scan_noise(rp, k, V) || orderable(logit(x, id) * inv) < thresh) {
 			ArgMax b = {-EBB_INF, 0x7fffffff};
 			if (among > 0) {
 				for (int c = threadIdx.x; c < among; c += blockDim.x) {
