@@ -125,6 +125,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 	__shared__ uint4 xs[MOE_ROUTE_XS];
 	__shared__ float logits[MOE_MAX_EXPERTS]; // block 0's: every block's logits
 	__shared__ float red[32];
+	cluster_arrive(); // block 0's logits are written before the first cluster_sync
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rank = blockIdx.z, kv = H / 8;
 	const int r0 = rank * MOE_ROUTE_WARPS + warp;
 	const uint4 *w0 = (const uint4 *)(router + (long long)min(r0, E - 1) * H);
@@ -144,6 +145,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 		if (i % MOE_ROUTE_BLOCKS == rank) ((uint4 *)x)[i] = xs[i];
 	}
 	__syncthreads();
+	cluster_wait(); // every block of the cluster has started
 	for (int r = r0, j = 0; r < E; r += MOE_ROUTE_ROWS, j++) {
 		const uint4 *wr = (const uint4 *)(router + (long long)r * H);
 		float acc = 0.f;
@@ -217,6 +219,7 @@ __device__ __forceinline__ void moe_add_norm_route_impl(int *ids, float *weights
 	auto logits = (float(*)[MOE_MAX_EXPERTS])(nr_smem + sizeof(float) * MOE_NR_SLICES * MOE_NR_TILES * 16 * TOK);
 	uint4 *xs = (uint4 *)(nr_smem + sizeof(float) * (MOE_NR_SLICES * MOE_NR_TILES * 16 + MOE_MAX_EXPERTS) * TOK);
 	__shared__ float red[MOE_NR_WARPS][GROUP], inv_s[OWN];
+	cluster_arrive(); // x goes into the other blocks' shared memory before the first cluster_sync
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rank = blockIdx.z, kv = H / 8;
 	const int stride = kv + 4; // 16-byte chunks a row in shared memory: tokens g, g + 1 64 bytes apart in the banks
 	const long long t0 = (long long)blockIdx.x * TOK;
@@ -279,6 +282,7 @@ __device__ __forceinline__ void moe_add_norm_route_impl(int *ids, float *weights
 		inv_s[threadIdx.x] = rsqrtf(s / H + eps);
 	}
 	__syncthreads();
+	cluster_wait(); // every block of the cluster has started
 #pragma unroll
 	for (int ci = 0; ci < MOE_NR_CHUNKS; ci++) {
 		const int i = col + 256 * ci;
