@@ -261,9 +261,8 @@ func (d *Device) init() error {
 		d.normRouteRows = min(n, moeNormRouteMaxRows)
 	}
 	if d.ctx.CCMajor >= 9 {
-		for _, rows := range []int{moeNormRouteEights, moeNormRouteEights + 1} { // each kernel
-			tok, name := moeNormRouteTokens(rows, moeNormRouteEights)
-			if err := d.k[name].SetMaxDynamicShared(moeNormRouteShared(tok, moeNormRouteHidden)); err != nil {
+		for _, k := range moeNormRouteKernels {
+			if err := d.k[k.name].SetMaxDynamicShared(moeNormRouteShared(k.tokens, moeNormRouteHidden)); err != nil {
 				return err
 			}
 		}

@@ -254,14 +254,22 @@ const (
 	moeNormRouteEights = 128
 )
 
+// moeNormRouteKernels are moe_add_norm_route's kernels by the tokens a
+// cluster takes.
+var moeNormRouteKernels = [...]struct {
+	tokens int
+	name   string
+}{{8, "moe_add_norm_route"}, {16, "moe_add_norm_route16"}}
+
 // moeNormRouteTokens is the tokens a moe_add_norm_route cluster takes in a
 // batch of t tokens where clusters of eight take up to eights, and the
 // kernel that takes them.
 func moeNormRouteTokens(t, eights int) (int, string) {
-	if t <= eights {
-		return 8, "moe_add_norm_route"
+	k := moeNormRouteKernels[0]
+	if t > eights {
+		k = moeNormRouteKernels[1]
 	}
-	return 16, "moe_add_norm_route16"
+	return k.tokens, k.name
 }
 
 // moeNormRouteShared is moe_add_norm_route's dynamic shared memory for tok
