@@ -219,19 +219,14 @@ __device__ __forceinline__ void cluster_sync() {
 // cluster_arrive and cluster_wait are cluster_sync in two halves. A block
 // may write another block's shared memory only once every block of its
 // cluster has started (CUDA's guide): a kernel that writes before its first
-// cluster_sync can arrive as it starts and wait just before the first such
-// write, by which time the wait should cost nothing. moe_norm_route and
-// moe_add_norm_route do with MOE_CLUSTER_START set (EBB_KERNEL_DEFINES),
-// off by default until an A/B run measures it; their GPU tests and checks
-// have passed without it.
-#ifndef MOE_CLUSTER_START
-#define MOE_CLUSTER_START 0
-#endif
+// cluster_sync arrives as it starts and waits just before the first such
+// write, by which time the wait costs nothing (moe_norm_route and
+// moe_add_norm_route: the same step times with and without, H200).
 __device__ __forceinline__ void cluster_arrive() {
-	if (MOE_CLUSTER_START) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+	asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
-	if (MOE_CLUSTER_START) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+	asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 }
 
 // ld_cluster_f4 reads 16 bytes at a shared address of the cluster's block rank.
