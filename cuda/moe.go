@@ -150,6 +150,14 @@ func (d *Device) moeExpertsFit(x, ids, weights, gateUp, down, work device.Tensor
 		h%8 == 0 && inter%8 == 0 && k <= moeMaxTopK && e <= moeMaxExperts && work.Bytes() >= d.MoEWorkBytes(t, k, e, inter, h)
 }
 
+// moeGluBlocks is moe_gemv_glu's blocks an SM for one token's gate and up,
+// each taking column groups in turn: with a block a group their 768 blocks
+// (30B-A3B) fill the SMs, and moe_down_bulk's blocks launch, and ask for
+// their weights, only as gate and up end. Full 30B-A3B shape, H200, batch 1,
+// 128/128, ms a decode step over two rounds: a block a group 3.107, 3.109;
+// three 3.080, 3.079; four 3.074, 3.074 (fifty-third stop).
+const moeGluBlocks = 4
+
 // moeExpertsGemv is MoEExperts on the pair gemv, the sum into out or
 // (residual set) added into residual with its blocks' sums of squares in
 // d.rowSquares.

@@ -534,8 +534,9 @@ func TestMoEExpertsAddThenRMSNormMatMul(t *testing.T) {
 
 // TestMoEDownBulkSameBits: moe_down_bulk (one token's weights by bulk
 // copies into shared memory) gives moe_down_combine's bits, into a sum
-// and added into a residual, and so does moe_gemv_glu on a grid of one or
-// three blocks an SM (EBB_MOE_GLU_BLOCKS), each taking groups in turn.
+// and added into a residual, and so does moe_gemv_glu on a grid of one,
+// three or moeGluBlocks blocks an SM (EBB_MOE_GLU_BLOCKS), each taking
+// groups in turn.
 func TestMoEDownBulkSameBits(t *testing.T) {
 	p := newPair(t)
 	if !p.gpu.wgmma {
@@ -564,7 +565,7 @@ func TestMoEDownBulkSameBits(t *testing.T) {
 		settings := []struct {
 			noBulk    bool
 			gluBlocks int
-		}{{true, 0}, {false, 0}, {false, 1}, {false, 3}}
+		}{{true, 0}, {false, 0}, {false, 1}, {false, 3}, {false, moeGluBlocks}}
 		for _, set := range settings {
 			p.gpu.noMoEBulk, p.gpu.moeGluBlocks = set.noBulk, set.gluBlocks
 			out := p.random(device.BF16, 0, c.rows, c.hidden)
