@@ -78,6 +78,7 @@ type Device struct {
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
+	sampleBound   bool           // sample_scan skips the noise of tokens that cannot beat their warp's best (EBB_SAMPLE_SCAN_BOUND=1)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
 	det                 bool
@@ -295,6 +296,7 @@ func (d *Device) init() error {
 	if n, err := strconv.Atoi(os.Getenv("EBB_SAMPLE_WAVES")); err == nil && n > 0 {
 		d.sampleWaves = n
 	}
+	d.sampleBound = os.Getenv("EBB_SAMPLE_SCAN_BOUND") == "1"
 	if err := d.initMatMulWG(); err != nil {
 		return err
 	}

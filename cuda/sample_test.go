@@ -3,6 +3,7 @@ package cuda
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"testing"
 
 	"ebb/device"
@@ -249,5 +250,123 @@ func BenchmarkSample(b *testing.B) {
 			}
 			b.ReportMetric(float64(rows*v*2)*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
 		})
+	}
+}
+
+// TestSampleScanBoundSameBits: sample_scan with its bound (the noise of
+// tokens that cannot beat their warp's best skipped) leaves every slice's
+// reductions, and so the drawn tokens and their logprobs, with the bits of
+// the scan without it: flat and peaked logits, float32 and bf16, hot and
+// cold temperatures (a cold one's scaled logits reach the thousands), and
+// deterministic inference's fixed slices.
+func TestSampleScanBoundSameBits(t *testing.T) {
+	const rows, v = 48, 151936
+	for _, det := range []bool{false, true} {
+		var p *pair
+		if det {
+			p = detPair(t)
+		} else {
+			p = newPair(t)
+		}
+		temps := []float32{1, 0.6, 1.3, 0.02}
+		temp, topP, topK, minP := make([]float32, rows), make([]float32, rows), make([]int32, rows), make([]float32, rows)
+		for r := range rows {
+			temp[r], topP[r], topK[r] = temps[r%len(temps)], 1, -1
+			switch r % 12 {
+			case 5:
+				temp[r] = 0 // greedy rows keep theirs
+			case 7:
+				topP[r] = 0.9
+			case 11:
+				topK[r] = 20
+			}
+		}
+		for _, dt := range []device.DType{device.F32, device.BF16} {
+			for _, scale := range []float32{0.7, 4} {
+				name := fmt.Sprintf("det %v, %v logits, scale %v", det, dt, scale)
+				logits := p.random(dt, scale, rows, v)
+				keys := make([]int32, 2*rows)
+				for i := range keys {
+					keys[i] = int32(p.rng.Uint32())
+				}
+				var ids [2][]int32
+				var lps, parts [2][]uint16
+				for i, bound := range []bool{false, true} {
+					p.gpu.sampleBound = bound
+					args := sampleArgs(p, temp, topP, topK, minP, keys, 0)
+					p.gpu.Sample(logits.g, args[0])
+					ids[i] = make([]int32, rows)
+					if err := p.gpu.DownloadI32(args[0].IDs, ids[i]); err != nil {
+						t.Fatal(err)
+					}
+					lps[i] = p.bits(args[0].Logprobs)
+					parts[i] = p.bits(p.gpu.samplePart)
+				}
+				p.gpu.sampleBound = false
+				for r := range rows {
+					if ids[0][r] != ids[1][r] || lps[0][2*r] != lps[1][2*r] || lps[0][2*r+1] != lps[1][2*r+1] {
+						t.Errorf("%s, row %d (T %v): token %d -> %d with the bound", name, r, temp[r], ids[0][r], ids[1][r])
+					}
+				}
+				for i := range parts[0] {
+					if parts[0][i] != parts[1][i] {
+						t.Errorf("%s: the slices' reductions differ with the bound (half-word %d)", name, i)
+						break
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestSampleScanBoundMargin checks below_bar's arithmetic (sampling.cu) on
+// the CPU: wherever it skips a token, s + the noise, as float32 rounds it,
+// is below the bar, also with the GPU's __expf 2^-16 low (ex2.approx's
+// error and the rounding of its argument times log2 e, up to 87) and its
+// logarithms an ulp off. The draws sit on both sides of the skip's edge,
+// over bars and logits up to the 1e6 the kernel allows and uniforms from
+// 2^-24 to 1 - 2^-24.
+func TestSampleScanBoundMargin(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	belowBar := func(s, u, bar float32) bool {
+		low := float32(math.Exp(float64(s-bar)) * (1 - math.Ldexp(1, -16)))
+		return math.Abs(float64(bar)) < 1e6 && 1-u > 2*low
+	}
+	nudge := func(x float32, ulps int) float32 {
+		for ; ulps > 0; ulps-- {
+			x = math.Nextafter32(x, float32(math.Inf(1)))
+		}
+		return x
+	}
+	skipped := 0
+	for range 2_000_000 {
+		var u float32
+		switch rng.IntN(3) {
+		case 0:
+			u = float32(rng.Float64())
+		case 1:
+			u = 1 - float32(math.Ldexp(1, -1-rng.IntN(24)))
+		default:
+			u = float32(math.Ldexp(1, -rng.IntN(25)))
+		}
+		u = min(max(u, float32(math.Ldexp(1, -25))), math.Nextafter32(1, 0))
+		bar := float32(math.Copysign(math.Pow(10, rng.Float64()*6.5-1), rng.Float64()-0.5))
+		// The edge: 1 - u = 2 exp(s - bar).
+		edge := float64(bar) + math.Log(float64(1-u)/2)
+		s := float32(edge + (rng.Float64()-0.5)*math.Ldexp(1, 2-rng.IntN(22)))
+		if !belowBar(s, u, bar) {
+			continue
+		}
+		skipped++
+		// The largest noise the GPU's two logarithms can give for u.
+		inner := nudge(float32(-math.Log(float64(u))), 0)
+		inner = math.Nextafter32(inner, 0)
+		g := nudge(float32(-math.Log(float64(inner))), 1)
+		if v := s + g; !(v < bar) {
+			t.Fatalf("u %v, bar %v, s %v: skipped, but s + noise = %v", u, bar, s, v)
+		}
+	}
+	if skipped < 100_000 {
+		t.Fatalf("only %d draws skipped: the test no longer reaches the edge", skipped)
 	}
 }
