@@ -321,22 +321,22 @@ func TestSampleScanBoundSameBits(t *testing.T) {
 
 // TestSampleScanBoundMargin checks below_bar's arithmetic (sampling.cu) on
 // the CPU: wherever it skips a token, s + the noise, as float32 rounds it,
-// is below the bar, also with the GPU's __expf 2^-16 low (ex2.approx's
+// is below the bar (the largest noise where s alone decides), also with the GPU's __expf 2^-16 low (ex2.approx's
 // error and the rounding of its argument times log2 e, up to 87) and its
-// logarithms an ulp off. The draws sit on both sides of the skip's edge,
+// logarithms an ulp off. The draws sit on both sides of the skips' edges,
 // over bars and logits up to the 1e6 the kernel allows and uniforms from
 // 2^-24 to 1 - 2^-24.
 func TestSampleScanBoundMargin(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	belowBar := func(s, u, bar float32) bool {
-		low := float32(math.Exp(float64(s-bar)) * (1 - math.Ldexp(1, -16)))
-		return math.Abs(float64(bar)) < 1e6 && 1-u > 2*low
-	}
-	nudge := func(x float32, ulps int) float32 {
-		for ; ulps > 0; ulps-- {
-			x = math.Nextafter32(x, float32(math.Inf(1)))
+		if !(math.Abs(float64(bar)) < 1e6) {
+			return false
 		}
-		return x
+		if s < bar-17 {
+			return true
+		}
+		low := float32(math.Exp(float64(s-bar)) * (1 - math.Ldexp(1, -16)))
+		return 1-u > 2*low
 	}
 	skipped := 0
 	for range 2_000_000 {
@@ -351,17 +351,19 @@ func TestSampleScanBoundMargin(t *testing.T) {
 		}
 		u = min(max(u, float32(math.Ldexp(1, -25))), math.Nextafter32(1, 0))
 		bar := float32(math.Copysign(math.Pow(10, rng.Float64()*6.5-1), rng.Float64()-0.5))
-		// The edge: 1 - u = 2 exp(s - bar).
+		// The edge: 1 - u = 2 exp(s - bar), or where s alone decides.
 		edge := float64(bar) + math.Log(float64(1-u)/2)
+		if rng.IntN(4) == 0 {
+			edge, u = float64(bar)-17, math.Nextafter32(1, 0) // the largest noise
+		}
 		s := float32(edge + (rng.Float64()-0.5)*math.Ldexp(1, 2-rng.IntN(22)))
 		if !belowBar(s, u, bar) {
 			continue
 		}
 		skipped++
 		// The largest noise the GPU's two logarithms can give for u.
-		inner := nudge(float32(-math.Log(float64(u))), 0)
-		inner = math.Nextafter32(inner, 0)
-		g := nudge(float32(-math.Log(float64(inner))), 1)
+		inner := math.Nextafter32(float32(-math.Log(float64(u))), 0)
+		g := math.Nextafter32(float32(-math.Log(float64(inner))), float32(math.Inf(1)))
 		if v := s + g; !(v < bar) {
 			t.Fatalf("u %v, bar %v, s %v: skipped, but s + noise = %v", u, bar, s, v)
 		}

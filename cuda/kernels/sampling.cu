@@ -72,15 +72,23 @@ __device__ __forceinline__ float gumbel_u(unsigned k0, unsigned k1, int i) {
 }
 __device__ __forceinline__ float gumbel(unsigned k0, unsigned k1, int i) { return -logf(-logf(gumbel_u(k0, k1, i))); }
 
-// below_bar says, from the token's uniform u alone, that s + gumbel (u)
-// rounds below bar, so that the token cannot win where a value of bar is
-// known: -log u >= 1 - u, and 1 - u > 2 exp(s - bar) then puts the noise
-// more than ln 2 (less the exponential's and logarithms' few ulps) below
-// bar - s, which rounding cannot close while |bar| < 1e6. One exponential
-// on the special-function unit in place of two accurate logarithms; NaN
-// and infinite values fail it, so they take the exact noise as before.
-__device__ __forceinline__ bool below_bar(float s, float u, float bar) {
-	return fabsf(bar) < 1e6f && 1.f - u > 2.f * __expf(s - bar);
+// GUMBEL_MAX bounds gumbel from above with room to spare: u is at most
+// 1 - 2^-24, so the noise at most -log(-log(1 - 2^-24)) = 16.64.
+#define GUMBEL_MAX 17.f
+
+// below_bar says that s + gumbel(k0, k1, i) rounds below bar, so that
+// token i cannot win where a value of bar is known. First from s alone
+// (no noise reaches bar: a trained model's logits leave most tokens
+// there), then from the token's uniform u: -log u >= 1 - u, and 1 - u > 2
+// exp(s - bar) puts the noise more than ln 2 (less the exponential's and
+// the logarithms' few ulps) below bar - s. Rounding closes neither gap
+// while |bar| < 1e6. A hash and an exponential on the special-function
+// unit in place of two accurate logarithms; NaN and infinite values fail
+// both tests, so they take the exact noise as before.
+__device__ __forceinline__ bool below_bar(float s, unsigned k0, unsigned k1, int i, float bar) {
+	if (!(fabsf(bar) < 1e6f)) return false;
+	if (s < bar - GUMBEL_MAX) return true;
+	return 1.f - gumbel_u(k0, k1, i) > 2.f * __expf(s - bar);
 }
 
 __device__ __forceinline__ float logit(const float *x, long long i) { return x[i]; }
@@ -205,9 +213,8 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 			best = better(best, ArgMax{s, i});
 			return;
 		}
-		const float u = gumbel_u(rp.k0, rp.k1, i);
-		if (bound && below_bar(s, u, fmaxf(bar, best.v))) return;
-		best = better(best, ArgMax{s - logf(-logf(u)), i});
+		if (bound && below_bar(s, rp.k0, rp.k1, i, fmaxf(bar, best.v))) return;
+		best = better(best, ArgMax{s + gumbel(rp.k0, rp.k1, i), i});
 	};
 	// Every lane of a warp runs as many rounds as its first lane (the same
 	// tokens a lane as a loop of its own), so that the warp can share its
