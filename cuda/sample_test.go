@@ -260,59 +260,63 @@ func BenchmarkSample(b *testing.B) {
 // cold temperatures (a cold one's scaled logits reach the thousands), and
 // deterministic inference's fixed slices.
 func TestSampleScanBoundSameBits(t *testing.T) {
-	const rows, v = 48, 151936
 	for _, det := range []bool{false, true} {
-		var p *pair
-		if det {
-			p = detPair(t)
-		} else {
-			p = newPair(t)
+		t.Run(fmt.Sprintf("det-%v", det), func(t *testing.T) { sampleScanBoundSameBits(t, det) })
+	}
+}
+
+func sampleScanBoundSameBits(t *testing.T, det bool) {
+	const rows, v = 48, 151936
+	var p *pair // the context is this goroutine's
+	if det {
+		p = detPair(t)
+	} else {
+		p = newPair(t)
+	}
+	temps := []float32{1, 0.6, 1.3, 0.02}
+	temp, topP, topK, minP := make([]float32, rows), make([]float32, rows), make([]int32, rows), make([]float32, rows)
+	for r := range rows {
+		temp[r], topP[r], topK[r] = temps[r%len(temps)], 1, -1
+		switch r % 12 {
+		case 5:
+			temp[r] = 0 // greedy rows keep theirs
+		case 7:
+			topP[r] = 0.9
+		case 11:
+			topK[r] = 20
 		}
-		temps := []float32{1, 0.6, 1.3, 0.02}
-		temp, topP, topK, minP := make([]float32, rows), make([]float32, rows), make([]int32, rows), make([]float32, rows)
-		for r := range rows {
-			temp[r], topP[r], topK[r] = temps[r%len(temps)], 1, -1
-			switch r % 12 {
-			case 5:
-				temp[r] = 0 // greedy rows keep theirs
-			case 7:
-				topP[r] = 0.9
-			case 11:
-				topK[r] = 20
+	}
+	for _, dt := range []device.DType{device.F32, device.BF16} {
+		for _, scale := range []float32{0.7, 4} {
+			name := fmt.Sprintf("%v logits, scale %v", dt, scale)
+			logits := p.random(dt, scale, rows, v)
+			keys := make([]int32, 2*rows)
+			for i := range keys {
+				keys[i] = int32(p.rng.Uint32())
 			}
-		}
-		for _, dt := range []device.DType{device.F32, device.BF16} {
-			for _, scale := range []float32{0.7, 4} {
-				name := fmt.Sprintf("det %v, %v logits, scale %v", det, dt, scale)
-				logits := p.random(dt, scale, rows, v)
-				keys := make([]int32, 2*rows)
-				for i := range keys {
-					keys[i] = int32(p.rng.Uint32())
+			var ids [2][]int32
+			var lps, parts [2][]uint16
+			for i, bound := range []bool{false, true} {
+				p.gpu.sampleBound = bound
+				args := sampleArgs(p, temp, topP, topK, minP, keys, 0)
+				p.gpu.Sample(logits.g, args[0])
+				ids[i] = make([]int32, rows)
+				if err := p.gpu.DownloadI32(args[0].IDs, ids[i]); err != nil {
+					t.Fatal(err)
 				}
-				var ids [2][]int32
-				var lps, parts [2][]uint16
-				for i, bound := range []bool{false, true} {
-					p.gpu.sampleBound = bound
-					args := sampleArgs(p, temp, topP, topK, minP, keys, 0)
-					p.gpu.Sample(logits.g, args[0])
-					ids[i] = make([]int32, rows)
-					if err := p.gpu.DownloadI32(args[0].IDs, ids[i]); err != nil {
-						t.Fatal(err)
-					}
-					lps[i] = p.bits(args[0].Logprobs)
-					parts[i] = p.bits(p.gpu.samplePart)
+				lps[i] = p.bits(args[0].Logprobs)
+				parts[i] = p.bits(p.gpu.samplePart)
+			}
+			p.gpu.sampleBound = false
+			for r := range rows {
+				if ids[0][r] != ids[1][r] || lps[0][2*r] != lps[1][2*r] || lps[0][2*r+1] != lps[1][2*r+1] {
+					t.Errorf("%s, row %d (T %v): token %d -> %d with the bound", name, r, temp[r], ids[0][r], ids[1][r])
 				}
-				p.gpu.sampleBound = false
-				for r := range rows {
-					if ids[0][r] != ids[1][r] || lps[0][2*r] != lps[1][2*r] || lps[0][2*r+1] != lps[1][2*r+1] {
-						t.Errorf("%s, row %d (T %v): token %d -> %d with the bound", name, r, temp[r], ids[0][r], ids[1][r])
-					}
-				}
-				for i := range parts[0] {
-					if parts[0][i] != parts[1][i] {
-						t.Errorf("%s: the slices' reductions differ with the bound (half-word %d)", name, i)
-						break
-					}
+			}
+			for i := range parts[0] {
+				if parts[0][i] != parts[1][i] {
+					t.Errorf("%s: the slices' reductions differ with the bound (half-word %d)", name, i)
+					break
 				}
 			}
 		}
