@@ -64,7 +64,7 @@ type Device struct {
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	skipRepeats   lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
-	moeGluBlocks  int            // moe_gemv_glu's blocks an SM, each taking column groups in turn (moeGluBlocks, EBB_MOE_GLU_BLOCKS; 0: a block a group)
+	moeGluBlocks  int            // moe_gemv_glu's blocks an SM, each taking column groups in turn (EBB_MOE_GLU_BLOCKS, every step; 0: a block a group; -1, unset: moeGluBlocks for one token)
 	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
 	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
 	moeSortedFrom int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
@@ -271,7 +271,7 @@ func (d *Device) init() error {
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GEMV_TOKENS")); err == nil && n >= 0 {
 		d.moeGemvTokens = n
 	}
-	d.moeGluBlocks = moeGluBlocks
+	d.moeGluBlocks = -1
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_GLU_BLOCKS")); err == nil && n >= 0 {
 		d.moeGluBlocks = n
 	}

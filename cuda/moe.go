@@ -155,7 +155,9 @@ func (d *Device) moeExpertsFit(x, ids, weights, gateUp, down, work device.Tensor
 // (30B-A3B) fill the SMs, and moe_down_bulk's blocks launch, and ask for
 // their weights, only as gate and up end. Full 30B-A3B shape, H200, batch 1,
 // 128/128, ms a decode step over two rounds: a block a group 3.107, 3.109;
-// three 3.080, 3.079; four 3.074, 3.074 (fifty-third stop).
+// three 3.080, 3.079; four 3.074, 3.074 (fifty-third stop). Two to four
+// tokens, whose down products take no bulk copies, were not measured and
+// keep a block a group unless EBB_MOE_GLU_BLOCKS says otherwise.
 const moeGluBlocks = 4
 
 // moeExpertsGemv is MoEExperts on the pair gemv, the sum into out or
@@ -167,8 +169,12 @@ func (d *Device) moeExpertsGemv(out uintptr, outF32 bool, residual uintptr, x, i
 	p := t * k
 	wpo := d.gemvWarps(inter*p, h)
 	xblocks := (inter + 8/wpo - 1) / (8 / wpo)
-	if gx := min(xblocks, max(1, d.moeGluBlocks*d.ctx.SMs/p)); d.moeGluBlocks > 0 && gx < xblocks {
-		// EBB_MOE_GLU_BLOCKS: that many blocks an SM, each taking groups in turn.
+	glu := d.moeGluBlocks
+	if glu < 0 { // unset: one token, where it was measured, takes moeGluBlocks
+		glu = moeGluBlocks * boolInt(t == 1)
+	}
+	if gx := min(xblocks, max(1, glu*d.ctx.SMs/p)); glu > 0 && gx < xblocks {
+		// That many blocks an SM, each taking groups in turn.
 		d.launch("moe_gemv_glu_loop", Dim3{X: uint32(gx), Y: uint32(p), Z: 1}, D1(256), 0,
 			P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo), I(xblocks))
 	} else {

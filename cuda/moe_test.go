@@ -535,8 +535,8 @@ func TestMoEExpertsAddThenRMSNormMatMul(t *testing.T) {
 // TestMoEDownBulkSameBits: moe_down_bulk (one token's weights by bulk
 // copies into shared memory) gives moe_down_combine's bits, into a sum
 // and added into a residual, and so does moe_gemv_glu on a grid of one,
-// three or moeGluBlocks blocks an SM (EBB_MOE_GLU_BLOCKS), each taking
-// groups in turn.
+// three or (unset, one token) moeGluBlocks blocks an SM
+// (EBB_MOE_GLU_BLOCKS), each taking groups in turn.
 func TestMoEDownBulkSameBits(t *testing.T) {
 	p := newPair(t)
 	if !p.gpu.wgmma {
@@ -565,7 +565,7 @@ func TestMoEDownBulkSameBits(t *testing.T) {
 		settings := []struct {
 			noBulk    bool
 			gluBlocks int
-		}{{true, 0}, {false, 0}, {false, 1}, {false, 3}, {false, moeGluBlocks}}
+		}{{true, 0}, {false, 0}, {false, 1}, {false, 3}, {false, -1}}
 		for _, set := range settings {
 			p.gpu.noMoEBulk, p.gpu.moeGluBlocks = set.noBulk, set.gluBlocks
 			out := p.random(device.BF16, 0, c.rows, c.hidden)
@@ -577,7 +577,7 @@ func TestMoEDownBulkSameBits(t *testing.T) {
 			}
 			sums = append(sums, p.bits(r.g))
 		}
-		p.gpu.noMoEBulk, p.gpu.moeGluBlocks = false, 0
+		p.gpu.noMoEBulk, p.gpu.moeGluBlocks = false, -1
 		for i := 1; i < len(settings); i++ {
 			if !slices.Equal(outs[0], outs[i]) || !slices.Equal(sums[0], sums[i]) {
 				t.Fatalf("%s: %+v gives other bits than %+v", name, settings[i], settings[0])
