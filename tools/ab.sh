@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# ab.sh: an A/B run of `ebb bench one-batch`. Each setting (environment
+# assignments such as EBB_SAMPLE_SCAN_BOUND=1 or
+# EBB_KERNEL_DEFINES=MOE_SORT_CACHE=1, several separated by spaces in one
+# argument, or - for none) runs in turn, the settings interleaved over the
+# rounds, so that every ratio is taken on one machine within the same
+# minutes (machines differ by up to 1 %, more than most changes measured).
+# It prints each run's decode ms a step, then per setting and batch size the
+# rounds, their mean against the first setting's and whether the outputs
+# were the same tokens (the output digest). Exit status 1 if a run failed.
+#
+#   tools/ab.sh [-r ROUNDS] [-o OUT_DIR] SETTING... -- ONE-BATCH-ARGS
+#   tools/ab.sh -r 2 - EBB_SAMPLE_SCAN_BOUND=1 -- --model /tmp/q30 \
+#       --load-format dummy --batch-size 1,256 --input-len 128 --output-len 128 --temperature 1
+#
+# EBB (default: ebb on the PATH) names the binary. The runs' JSON and logs
+# are left in OUT_DIR (default: a temporary directory).
+set -euo pipefail
+rounds=2 out=""
+while getopts "r:o:" opt; do
+	case $opt in
+	r) rounds=$OPTARG ;;
+	o) out=$OPTARG ;;
+	*) exit 2 ;;
+	esac
+done
+shift $((OPTIND - 1))
+settings=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+	settings+=("$1")
+	shift
+done
+if [ $# -eq 0 ] || [ ${#settings[@]} -eq 0 ]; then
+	sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+	exit 2
+fi
+shift # the --
+ebb=${EBB:-ebb}
+out=${out:-$(mktemp -d)}
+mkdir -p "$out"
+failed=0
+for r in $(seq 1 "$rounds"); do
+	for i in "${!settings[@]}"; do
+		s=${settings[$i]}
+		f="$out/s$i-r$r"
+		env_args=()
+		[ "$s" != "-" ] && read -r -a env_args <<<"$s"
+		if env ${env_args[@]+"${env_args[@]}"} "$ebb" bench one-batch --json "$@" >"$f.json" 2>"$f.log"; then
+			python3 -c 'import json,sys
+for b in json.load(open(sys.argv[1])):
+    print("round %s  %-40s batch %4d  %9.3f ms a step  %s" % (sys.argv[2], sys.argv[3], b["batch_size"], b["decode_step_median_ms"], b["output_digest"]))' \
+				"$f.json" "$r" "$s"
+		else
+			echo "round $r  $s: failed (exit $?), log $f.log:" >&2
+			tail -5 "$f.log" >&2
+			failed=1
+		fi
+	done
+done
+python3 - "$out" "$rounds" "${settings[@]}" <<'EOF'
+import json, os, sys
+out, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+runs = {}  # (setting, batch) -> [(ms, digest)]
+for i in range(len(settings)):
+    for r in range(1, rounds + 1):
+        f = os.path.join(out, "s%d-r%d.json" % (i, r))
+        if os.path.getsize(f) == 0:
+            continue
+        for b in json.load(open(f)):
+            runs.setdefault((i, b["batch_size"]), []).append((b["decode_step_median_ms"], b["output_digest"]))
+print("\n| setting | batch | ms a decode step, by round | mean | against the first | same tokens |")
+print("|---|---|---|---|---|---|")
+for batch in sorted({b for _, b in runs}):
+    base = runs.get((0, batch))
+    for i, s in enumerate(settings):
+        got = runs.get((i, batch))
+        if not got:
+            print("| %s | %d | failed | | | |" % (s, batch))
+            continue
+        mean = sum(ms for ms, _ in got) / len(got)
+        vs, same = "", ""
+        if base:
+            bmean = sum(ms for ms, _ in base) / len(base)
+            vs = "%+.2f %%" % (100 * (mean / bmean - 1))
+            same = "yes" if {d for _, d in got} == {d for _, d in base} else "no"
+        print("| %s | %d | %s | %.3f | %s | %s |" % (s, batch, ", ".join("%.3f" % ms for ms, _ in got), mean, vs, same))
+print("\nruns in %s" % out)
+EOF
+exit $failed
