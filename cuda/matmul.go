@@ -339,8 +339,14 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.
 	if d.err != nil {
 		return true
 	}
-	d.launch(fmt.Sprintf("gemv_fused_m%d", m), D1(parts), D1(256), 0, P(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
-		P(residual.Ptr), P(0), P(0), F(0), P(0), P(d.rowSquares.Ptr))
+	if gx := min(parts, d.gemvFusedBlocks*d.ctx.SMs); m == 1 && gx > 0 && gx < parts {
+		// EBB_GEMV_FUSED_BLOCKS: that many blocks an SM, each taking groups in turn.
+		d.launch("gemv_fused_loop_m1", D1(gx), D1(256), 0, P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
+			P(residual.Ptr), P(d.rowSquares.Ptr), I(parts))
+	} else {
+		d.launch(fmt.Sprintf("gemv_fused_m%d", m), D1(parts), D1(256), 0, P(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
+			P(residual.Ptr), P(0), P(0), F(0), P(0), P(d.rowSquares.Ptr))
+	}
 	d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: parts}
 	return true
 }

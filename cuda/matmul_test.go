@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 
@@ -516,5 +517,61 @@ func TestLaunchOfUnknownKernelIsAnError(t *testing.T) {
 	d.launch("gemv_m0", D1(0), D1(256), 0) // an empty grid runs nothing
 	if d.err != nil {
 		t.Fatalf("empty grid: %v", d.err)
+	}
+}
+
+// TestGemvFusedLoopSameBits: one row's gemv_fused in squares mode on a
+// grid of one to three blocks an SM, each taking column groups in turn
+// (EBB_GEMV_FUSED_BLOCKS), leaves the residual, the blocks' sums of
+// squares and the normalising product after it with the bits of a block a
+// group: o_proj of the 30B-A3B and 0.6B shapes, and down_proj with silu
+// of the 0.6B and 8B shapes.
+func TestGemvFusedLoopSameBits(t *testing.T) {
+	p := newPair(t)
+	looped := 0 // settings with fewer blocks than groups
+	for _, c := range []struct {
+		k, hidden int
+		silu      bool
+	}{{4096, 2048, false}, {2048, 1024, false}, {3072, 1024, true}, {12288, 4096, true}} {
+		kin := c.k
+		if c.silu {
+			kin = 2 * c.k
+		}
+		x := p.random(device.BF16, 2, 1, kin)
+		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(c.k))), c.hidden, c.k)
+		next := p.random(device.BF16, 1/float32(math.Sqrt(float64(c.hidden))), 1024, c.hidden)
+		normW := p.random(device.BF16, 0.3, c.hidden)
+		res0 := p.random(device.BF16, 3, 1, c.hidden)
+		var want [3][]uint16
+		for _, blocks := range []int{0, 1, 2, 3} {
+			p.gpu.gemvFusedBlocks = blocks
+			res := p.clone(device.BF16, res0)
+			y := p.random(device.BF16, 1, 1, 1024)
+			if !p.gpu.MatMulAdd(x.g, w.g, c.silu, res.g, next.g, false) {
+				t.Fatalf("%+v: not fused", c)
+			}
+			parts := p.gpu.pendingNorm.parts
+			if blocks > 0 && blocks*p.gpu.ctx.SMs < parts {
+				looped++
+			}
+			sq := p.bits(p.gpu.rowSquares)[:2*parts]
+			if !p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6, false) {
+				t.Fatalf("%+v: not normalised", c)
+			}
+			got := [3][]uint16{p.bits(res.g), sq, p.bits(y.g)}
+			if blocks == 0 {
+				want = got
+				continue
+			}
+			for i, what := range []string{"residual", "sums of squares", "normalising product"} {
+				if !slices.Equal(got[i], want[i]) {
+					t.Errorf("%+v, %d blocks an SM: the %s differ from a block a group's", c, blocks, what)
+				}
+			}
+		}
+		p.gpu.gemvFusedBlocks = 0
+	}
+	if looped == 0 {
+		t.Error("no setting took gemv_fused_loop_m1")
 	}
 }
