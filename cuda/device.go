@@ -80,6 +80,7 @@ type Device struct {
 	sampleWaves     int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	sampleBound     bool           // sample_scan skips the noise of tokens that cannot beat their warp's best (EBB_SAMPLE_SCAN_BOUND=1)
 	gemvFusedBlocks int            // one row's gemv_fused in squares mode on this many blocks an SM, each taking groups in turn (EBB_GEMV_FUSED_BLOCKS; 0: a block a group)
+	gemvBlocks      int            // one row's normalising gemv likewise (EBB_GEMV_BLOCKS)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
 	det                 bool
@@ -160,7 +161,7 @@ var kernelNames = []string{
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"sample_scan_det_f32", "sample_scan_det_bf16", "token_logprobs_det", "attn_det_d64", "attn_det_d128", "attn_det_dec_d64", "attn_det_dec_d128",
-	"gemv_m1", "gemv2_m1", "gemv_fused_m1", "gemv_fused_loop_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128",
+	"gemv_m1", "gemv2_m1", "gemv_loop_m1", "gemv2_loop_m1", "gemv_fused_m1", "gemv_fused_loop_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128",
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
@@ -300,6 +301,9 @@ func (d *Device) init() error {
 	d.sampleBound = os.Getenv("EBB_SAMPLE_SCAN_BOUND") == "1"
 	if n, err := strconv.Atoi(os.Getenv("EBB_GEMV_FUSED_BLOCKS")); err == nil && n >= 0 {
 		d.gemvFusedBlocks = n
+	}
+	if n, err := strconv.Atoi(os.Getenv("EBB_GEMV_BLOCKS")); err == nil && n >= 0 {
+		d.gemvBlocks = n
 	}
 	if err := d.initMatMulWG(); err != nil {
 		return err

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"strings"
 
 	"ebb/device"
 )
@@ -389,6 +390,12 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 		return true
 	}
 	gemv, wpo, blocks := d.gemvShape(m, n, k, glu)
+	if gx := min(blocks, d.gemvBlocks*d.ctx.SMs); m == 1 && gx > 0 && gx < blocks {
+		// EBB_GEMV_BLOCKS: that many blocks an SM, each taking groups in turn.
+		d.launch(strings.Replace(gemv, "_m", "_loop_m", 1), D1(gx), D1(256), 0, P(out.Ptr), I(0), P(residual.Ptr), P(w.Ptr),
+			I(n), I(k), I(wpo), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps), I(boolInt(glu)), I(blocks))
+		return true
+	}
 	d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(residual.Ptr), P(w.Ptr),
 		I(n), I(k), I(wpo), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps), I(boolInt(glu)))
 	return true

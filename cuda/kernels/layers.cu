@@ -591,6 +591,24 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 GEMV(1, 1, gemv_m1)
 GEMV(1, 2, gemv2_m1)
 
+// gemv_loop_m1 and gemv2_loop_m1 are gemv_m1 and gemv2_m1 (the same bits)
+// on a smaller grid: a block takes groups blockIdx.x, blockIdx.x +
+// gridDim.x, ... below blocks, so that the next kernel's blocks (decode
+// attention after qkv, the down product after gate and up) find room to
+// start and load what they can before their wait (EBB_GEMV_BLOCKS), as
+// moe_gemv_glu_loop does for the experts.
+#define GEMV_LOOP(M, C, NAME)                                                                            \
+	extern "C" __global__ void __launch_bounds__(256, 4)                                                 \
+	    NAME(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,               \
+	         const bf16 *norm_w, const float *sq, int nsq, float eps, int glu, int blocks) {            \
+		for (int bx = blockIdx.x; bx < blocks; bx += gridDim.x) {                                       \
+			gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps, glu, bx);            \
+			if (bx + gridDim.x < blocks) __syncthreads(); /* the group's sums read before the next's */ \
+		}                                                                                                \
+	}
+GEMV_LOOP(1, 1, gemv_loop_m1)
+GEMV_LOOP(1, 2, gemv2_loop_m1)
+
 // gemv_fused is gemv for M rows (built for one) with what decode does around it:
 // with silu, the input rows are [gate | up] (2K wide) and the activation
 // silu(gate) * up is formed on the fly (rounded as silu_mul does). Then
