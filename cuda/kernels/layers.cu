@@ -609,6 +609,36 @@ GEMV(1, 2, gemv2_m1)
 GEMV_LOOP(1, 1, gemv_loop_m1)
 GEMV_LOOP(1, 2, gemv2_loop_m1)
 
+// gemv_fused_squares is gemv_fused's squares mode for column group bx of
+// parts: the group's outputs added into residual, and the sums of their
+// squares in sq[m * parts + bx].
+template <int M>
+__device__ void gemv_fused_squares(const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo, bf16 *residual,
+                                   float *sq, int bx, int parts) {
+	__shared__ float col_sq[8][M];
+	float sum[M];
+	long long n;
+	int part;
+	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, 0, &n, &part, bx);
+	if (part == 0 && (threadIdx.x & 31) == 0) {
+#pragma unroll
+		for (int m = 0; m < M; m++) {
+			float v = 0.f;
+			if (n < N) {
+				v = rbf(bf2f(residual[(long long)m * N + n]) + rbf(sum[m]));
+				residual[(long long)m * N + n] = f2bf(v);
+			}
+			col_sq[(threadIdx.x >> 5) / wpo][m] = v * v;
+		}
+	}
+	__syncthreads();
+	if (threadIdx.x < M) {
+		float s = 0.f;
+		for (int c = 0; c < 8 / wpo; c++) s += col_sq[c][threadIdx.x];
+		sq[(long long)threadIdx.x * parts + bx] = s;
+	}
+}
+
 // gemv_fused is gemv for M rows (built for one) with what decode does around it:
 // with silu, the input rows are [gate | up] (2K wide) and the activation
 // silu(gate) * up is formed on the fly (rounded as silu_mul does). Then
@@ -619,9 +649,6 @@ GEMV_LOOP(1, 2, gemv2_loop_m1)
 // sq[m * gridDim.x + block] the sum of their squares, from which the next
 // gemv normalises residual as it reads it: no block waits for the others.
 // out is not written in squares mode (gemv_fused_squares).
-template <int M>
-__device__ void gemv_fused_squares(const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo, bf16 *residual,
-                                   float *sq, int bx, int parts);
 template <int M>
 __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo,
                                 bf16 *residual, bf16 *normed, const bf16 *norm_w, float eps, int *counter,
@@ -665,36 +692,6 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 		for (int i = threadIdx.x; i < N; i += blockDim.x) r[i] = f2bf(rbf(bf2f(r[i]) + bf2f(__ldcg(o + i))));
 	}
 	if (threadIdx.x == 0) *counter = 0;
-}
-
-// gemv_fused_squares is gemv_fused's squares mode for column group bx of
-// parts: the group's outputs added into residual, and the sums of their
-// squares in sq[m * parts + bx].
-template <int M>
-__device__ void gemv_fused_squares(const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo, bf16 *residual,
-                                   float *sq, int bx, int parts) {
-	__shared__ float col_sq[8][M];
-	float sum[M];
-	long long n;
-	int part;
-	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, 0, &n, &part, bx);
-	if (part == 0 && (threadIdx.x & 31) == 0) {
-#pragma unroll
-		for (int m = 0; m < M; m++) {
-			float v = 0.f;
-			if (n < N) {
-				v = rbf(bf2f(residual[(long long)m * N + n]) + rbf(sum[m]));
-				residual[(long long)m * N + n] = f2bf(v);
-			}
-			col_sq[(threadIdx.x >> 5) / wpo][m] = v * v;
-		}
-	}
-	__syncthreads();
-	if (threadIdx.x < M) {
-		float s = 0.f;
-		for (int c = 0; c < 8 / wpo; c++) s += col_sq[c][threadIdx.x];
-		sq[(long long)threadIdx.x * parts + bx] = s;
-	}
 }
 
 #define GEMV_FUSED(M)                                                                                          \
