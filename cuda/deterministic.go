@@ -396,7 +396,7 @@ func (d *Device) sampleDet(suffix string, logits device.Tensor, a device.SampleA
 		return 0, false
 	}
 	d.launch("sample_scan_det_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
-		P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr), I(boolInt(d.sampleBound)))
+		P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
 	return parts, true
 }
 
@@ -414,7 +414,7 @@ func (d *Device) tokenLogprobsDet(out, logits, targets device.Tensor) {
 		n := min(chunk, rows-r0)
 		l := logits.Rows(r0, r0+n)
 		d.launch("sample_scan_det_f32", Dim3{uint32(n), uint32(parts), 1}, D1(256), 0, P(l.Ptr), I(v),
-			P(0), P(0), P(0), P(d.samplePart.Ptr), I(0))
+			P(0), P(0), P(0), P(d.samplePart.Ptr))
 		d.launch("token_logprobs_det", D1((n+127)/128), D1(128), 0, P(out.Ptr+uintptr(4*r0)), P(l.Ptr),
 			P(targets.Ptr+uintptr(4*r0)), I(v), P(d.samplePart.Ptr), I(parts), I(n))
 	}

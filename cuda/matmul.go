@@ -2,7 +2,6 @@ package cuda
 
 import (
 	"fmt"
-	"strings"
 
 	"ebb/device"
 )
@@ -288,20 +287,6 @@ func (d *Device) MatMulAddRMSNorm(out, x, w device.Tensor, silu bool, residual, 
 	return true
 }
 
-// loopBlocks is the grid of a loop kernel (gemv_loop, gemv_fused_loop,
-// moe_gemv_glu_loop) for groups column groups on perSM blocks an SM
-// shared by lanes grids' worth of rows (blockIdx.y), each block taking
-// groups in turn; 0 where the plain kernel, a block a group, is no larger.
-func loopBlocks(groups, perSM, sms, lanes int) int {
-	if perSM <= 0 {
-		return 0
-	}
-	if gx := min(groups, max(1, perSM*sms/lanes)); gx < groups {
-		return gx
-	}
-	return 0
-}
-
 // fusable says whether gemv_fused takes m rows of x (silu: [gate | up]).
 func fusable(m int, x, w device.Tensor) bool {
 	n, k := w.Dim(0), w.Dim(-1)
@@ -354,14 +339,8 @@ func (d *Device) MatMulAdd(x, w device.Tensor, silu bool, residual, next device.
 	if d.err != nil {
 		return true
 	}
-	if gx := loopBlocks(parts, d.gemvFusedBlocks, d.ctx.SMs, 1); m == 1 && gx > 0 {
-		// EBB_GEMV_FUSED_BLOCKS: that many blocks an SM, each taking groups in turn.
-		d.launch("gemv_fused_loop_m1", D1(gx), D1(256), 0, P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
-			P(residual.Ptr), P(d.rowSquares.Ptr), I(parts))
-	} else {
-		d.launch(fmt.Sprintf("gemv_fused_m%d", m), D1(parts), D1(256), 0, P(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
-			P(residual.Ptr), P(0), P(0), F(0), P(0), P(d.rowSquares.Ptr))
-	}
+	d.launch(fmt.Sprintf("gemv_fused_m%d", m), D1(parts), D1(256), 0, P(0), P(x.Ptr), P(w.Ptr), I(n), I(k), I(boolInt(silu)), I(wpo),
+		P(residual.Ptr), P(0), P(0), F(0), P(0), P(d.rowSquares.Ptr))
 	d.pendingNorm = pendingNorm{residual: residual.Ptr, rows: m, cols: n, parts: parts}
 	return true
 }
@@ -404,12 +383,6 @@ func (d *Device) RMSNormMatMul(out, residual, normW, w device.Tensor, eps float3
 		return true
 	}
 	gemv, wpo, blocks := d.gemvShape(m, n, k, glu)
-	if gx := loopBlocks(blocks, d.gemvBlocks, d.ctx.SMs, 1); m == 1 && gx > 0 {
-		// EBB_GEMV_BLOCKS: that many blocks an SM, each taking groups in turn.
-		d.launch(strings.Replace(gemv, "_m", "_loop_m", 1), D1(gx), D1(256), 0, P(out.Ptr), I(0), P(residual.Ptr), P(w.Ptr),
-			I(n), I(k), I(wpo), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps), I(boolInt(glu)), I(blocks))
-		return true
-	}
 	d.launch(gemv, D1(blocks), D1(256), 0, P(out.Ptr), I(0), P(residual.Ptr), P(w.Ptr),
 		I(n), I(k), I(wpo), P(normW.Ptr), P(d.rowSquares.Ptr), I(p.parts), F(eps), I(boolInt(glu)))
 	return true

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"math"
 	"os"
-	"slices"
 	"strings"
 	"testing"
 
@@ -517,67 +516,5 @@ func TestLaunchOfUnknownKernelIsAnError(t *testing.T) {
 	d.launch("gemv_m0", D1(0), D1(256), 0) // an empty grid runs nothing
 	if d.err != nil {
 		t.Fatalf("empty grid: %v", d.err)
-	}
-}
-
-// TestGemvLoopsSameBits: one row's gemv_fused in squares mode and the
-// normalising gemv after it, on grids of one to three blocks an SM whose
-// blocks take column groups in turn (EBB_GEMV_FUSED_BLOCKS,
-// EBB_GEMV_BLOCKS), leave the residual, the blocks' sums of squares and
-// the normalised product with the bits of a block a group: o_proj then qkv
-// of the 30B-A3B shape, o_proj then gate_up (glu) of the 0.6B, down_proj
-// with silu then qkv of the 0.6B and 8B.
-func TestGemvLoopsSameBits(t *testing.T) {
-	p := newPair(t)
-	fusedLooped, gemvLooped := 0, 0 // settings with fewer blocks than groups
-	for _, c := range []struct {
-		k, hidden, next int
-		silu, glu       bool
-	}{{4096, 2048, 5120, false, false}, {2048, 1024, 6144, false, true}, {3072, 1024, 4096, true, false},
-		{12288, 4096, 6144, true, false}} {
-		kin, ny := c.k, c.next
-		if c.silu {
-			kin = 2 * c.k
-		}
-		if c.glu {
-			ny = c.next / 2
-		}
-		x := p.random(device.BF16, 2, 1, kin)
-		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(c.k))), c.hidden, c.k)
-		next := p.random(device.BF16, 1/float32(math.Sqrt(float64(c.hidden))), c.next, c.hidden)
-		normW := p.random(device.BF16, 0.3, c.hidden)
-		res0 := p.random(device.BF16, 3, 1, c.hidden)
-		var want [3][]uint16
-		for _, blocks := range []int{0, 1, 2, 3} {
-			p.gpu.gemvFusedBlocks, p.gpu.gemvBlocks = blocks, blocks
-			res := p.clone(device.BF16, res0)
-			y := p.random(device.BF16, 1, 1, ny)
-			if !p.gpu.MatMulAdd(x.g, w.g, c.silu, res.g, next.g, c.glu) {
-				t.Fatalf("%+v: not fused", c)
-			}
-			parts := p.gpu.pendingNorm.parts
-			sq := p.bits(p.gpu.rowSquares)[:2*parts]
-			if !p.gpu.RMSNormMatMul(y.g, res.g, normW.g, next.g, 1e-6, c.glu) {
-				t.Fatalf("%+v: not normalised", c)
-			}
-			if _, _, groups := p.gpu.gemvShape(1, c.next, c.hidden, c.glu); blocks > 0 {
-				fusedLooped += boolInt(blocks*p.gpu.ctx.SMs < parts)
-				gemvLooped += boolInt(blocks*p.gpu.ctx.SMs < groups)
-			}
-			got := [3][]uint16{p.bits(res.g), sq, p.bits(y.g)}
-			if blocks == 0 {
-				want = got
-				continue
-			}
-			for i, what := range []string{"residual", "sums of squares", "normalised product"} {
-				if !slices.Equal(got[i], want[i]) {
-					t.Errorf("%+v, %d blocks an SM: the %s differ from a block a group's", c, blocks, what)
-				}
-			}
-		}
-		p.gpu.gemvFusedBlocks, p.gpu.gemvBlocks = 0, 0
-	}
-	if fusedLooped == 0 || gemvLooped == 0 {
-		t.Errorf("settings that took the loops: %d of gemv_fused's, %d of the gemv's; want some of each", fusedLooped, gemvLooped)
 	}
 }

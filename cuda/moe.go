@@ -173,7 +173,7 @@ func (d *Device) moeExpertsGemv(out uintptr, outF32 bool, residual uintptr, x, i
 	if glu < 0 { // unset: one token, where it was measured, takes moeGluBlocks
 		glu = moeGluBlocks * boolInt(t == 1)
 	}
-	if gx := loopBlocks(xblocks, glu, d.ctx.SMs, p); gx > 0 {
+	if gx := min(xblocks, max(1, glu*d.ctx.SMs/p)); glu > 0 && gx < xblocks {
 		// That many blocks an SM, each taking groups in turn.
 		d.launch("moe_gemv_glu_loop", Dim3{X: uint32(gx), Y: uint32(p), Z: 1}, D1(256), 0,
 			P(w.act), P(x.Ptr), P(ids.Ptr), I(k), P(gateUp.Ptr), I(e), I(2*inter), I(h), I(wpo), I(xblocks))

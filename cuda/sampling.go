@@ -51,7 +51,7 @@ func (d *Device) Sample(logits device.Tensor, a device.SampleArgs) {
 			parts--
 		}
 		d.launch("sample_scan_"+suffix, Dim3{uint32(rows), uint32(parts), 1}, D1(256), 0, P(logits.Ptr), I(v),
-			P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr), I(boolInt(d.sampleBound)))
+			P(a.Temperature.Ptr), P(a.TopK.Ptr), P(a.Keys.Ptr), P(d.samplePart.Ptr))
 	}
 	d.launch("sample_finish_"+suffix, D1(rows), D1(1024), 0, P(logits.Ptr), I(v), P(a.Temperature.Ptr),
 		P(a.TopP.Ptr), P(a.TopK.Ptr), P(a.MinP.Ptr), P(a.Keys.Ptr), P(a.IDs.Ptr), P(a.Logprobs.Ptr),

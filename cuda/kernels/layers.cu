@@ -591,54 +591,6 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 GEMV(1, 1, gemv_m1)
 GEMV(1, 2, gemv2_m1)
 
-// gemv_loop_m1 and gemv2_loop_m1 are gemv_m1 and gemv2_m1 (the same bits)
-// on a smaller grid: a block takes groups blockIdx.x, blockIdx.x +
-// gridDim.x, ... below blocks, so that the next kernel's blocks (decode
-// attention after qkv, the down product after gate and up) find room to
-// start and load what they can before their wait (EBB_GEMV_BLOCKS), as
-// moe_gemv_glu_loop does for the experts.
-#define GEMV_LOOP(M, C, NAME)                                                                            \
-	extern "C" __global__ void __launch_bounds__(256, 4)                                                 \
-	    NAME(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,               \
-	         const bf16 *norm_w, const float *sq, int nsq, float eps, int glu, int blocks) {            \
-		for (int bx = blockIdx.x; bx < blocks; bx += gridDim.x) {                                       \
-			gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps, glu, bx);            \
-			if (bx + gridDim.x < blocks) __syncthreads(); /* the group's sums read before the next's */ \
-		}                                                                                                \
-	}
-GEMV_LOOP(1, 1, gemv_loop_m1)
-GEMV_LOOP(1, 2, gemv2_loop_m1)
-
-// gemv_fused_squares is gemv_fused's squares mode for column group bx of
-// parts: the group's outputs added into residual, and the sums of their
-// squares in sq[m * parts + bx].
-template <int M>
-__device__ void gemv_fused_squares(const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo, bf16 *residual,
-                                   float *sq, int bx, int parts) {
-	__shared__ float col_sq[8][M];
-	float sum[M];
-	long long n;
-	int part;
-	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, 0, &n, &part, bx);
-	if (part == 0 && (threadIdx.x & 31) == 0) {
-#pragma unroll
-		for (int m = 0; m < M; m++) {
-			float v = 0.f;
-			if (n < N) {
-				v = rbf(bf2f(residual[(long long)m * N + n]) + rbf(sum[m]));
-				residual[(long long)m * N + n] = f2bf(v);
-			}
-			col_sq[(threadIdx.x >> 5) / wpo][m] = v * v;
-		}
-	}
-	__syncthreads();
-	if (threadIdx.x < M) {
-		float s = 0.f;
-		for (int c = 0; c < 8 / wpo; c++) s += col_sq[c][threadIdx.x];
-		sq[(long long)threadIdx.x * parts + bx] = s;
-	}
-}
-
 // gemv_fused is gemv for M rows (built for one) with what decode does around it:
 // with silu, the input rows are [gate | up] (2K wide) and the activation
 // silu(gate) * up is formed on the fly (rounded as silu_mul does). Then
@@ -648,22 +600,39 @@ __device__ void gemv_fused_squares(const bf16 *x, const bf16 *w, int N, int K, i
 // or (squares mode) each block adds its outputs to residual and leaves in
 // sq[m * gridDim.x + block] the sum of their squares, from which the next
 // gemv normalises residual as it reads it: no block waits for the others.
-// out is not written in squares mode (gemv_fused_squares).
+// out is not written in squares mode.
 template <int M>
 __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo,
                                 bf16 *residual, bf16 *normed, const bf16 *norm_w, float eps, int *counter,
                                 float *sq) {
-	if (sq) {
-		gemv_fused_squares<M>(x, w, N, K, silu, wpo, residual, sq, blockIdx.x, gridDim.x);
-		return;
-	}
 	__shared__ float red[32];
+	__shared__ float col_sq[8][M];
 	__shared__ int last;
 	float sum[M];
 	long long n;
 	int part;
 	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, 0, &n, &part);
 	const bool owner = part == 0 && (threadIdx.x & 31) == 0;
+	if (sq) {
+		if (owner) {
+#pragma unroll
+			for (int m = 0; m < M; m++) {
+				float v = 0.f;
+				if (n < N) {
+					v = rbf(bf2f(residual[(long long)m * N + n]) + rbf(sum[m]));
+					residual[(long long)m * N + n] = f2bf(v);
+				}
+				col_sq[(threadIdx.x >> 5) / wpo][m] = v * v;
+			}
+		}
+		__syncthreads();
+		if (threadIdx.x < M) {
+			float s = 0.f;
+			for (int c = 0; c < 8 / wpo; c++) s += col_sq[c][threadIdx.x];
+			sq[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
+		}
+		return;
+	}
 	if (n < N && owner) {
 #pragma unroll
 		for (int m = 0; m < M; m++) out[(long long)m * N + n] = f2bf(sum[m]);
@@ -702,24 +671,6 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 		gemv_fused_impl<M>(out, x, w, N, K, silu, wpo, residual, normed, norm_w, eps, counter, sq);              \
 	}
 GEMV_FUSED(1)
-
-// gemv_fused_loop_m1 is gemv_fused_m1's squares mode (the same bits) on a
-// smaller grid: a block takes column groups blockIdx.x, blockIdx.x +
-// gridDim.x, ... below parts, so that room is left on the SMs for the next
-// kernel's blocks (moe_norm_route's cluster of 512-thread blocks, which
-// could start only as o_proj's blocks left) to launch and load their
-// weights while this one streams (EBB_GEMV_FUSED_BLOCKS, as
-// EBB_MOE_GLU_BLOCKS does for the experts' gate and up). Shared memory is
-// reused safely: every read of one group's sums precedes a barrier that
-// every thread passes before the next group's are written. Four blocks an
-// SM hold it to 64 registers (85 unbounded, NVRTC 11.8, sm_80), so that a
-// 512-thread block fits beside two of them.
-extern "C" __global__ void __launch_bounds__(256, 4)
-    gemv_fused_loop_m1(const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo, bf16 *residual, float *sq,
-                       int parts) {
-	for (int bx = blockIdx.x; bx < parts; bx += gridDim.x)
-		gemv_fused_squares<1>(x, w, N, K, silu, wpo, residual, sq, bx, parts);
-}
 
 // silu_mul: out = silu(gate) * up with gate_up rows [gate | up], rounded as
 // transformers' act_fn(gate) * up in bf16. Grid-stride over rows * inter.

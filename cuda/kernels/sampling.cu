@@ -55,7 +55,7 @@ __device__ ArgMax block_argmax(ArgMax a, float *shared) {
 // largest hash, h>>8 + 0.5 rounds to 2^24, which made u 1 and the noise
 // +inf, so that token won whatever its logit (one row in 110 over a
 // 151,936-token vocabulary).
-__device__ __forceinline__ float gumbel_u(unsigned k0, unsigned k1, int i) {
+__device__ __forceinline__ float gumbel(unsigned k0, unsigned k1, int i) {
 	unsigned h = ((unsigned)i * 0x9e3779b1u) ^ k0;
 	h ^= h >> 16;
 	h *= 0x7feb352du;
@@ -68,27 +68,8 @@ __device__ __forceinline__ float gumbel_u(unsigned k0, unsigned k1, int i) {
 	h ^= h >> 15;
 	h *= 0x846ca68bu;
 	h ^= h >> 16;
-	return fminf(((float)(h >> 8) + 0.5f) * (1.f / 16777216.f), __int_as_float(0x3f7fffff));
-}
-__device__ __forceinline__ float gumbel(unsigned k0, unsigned k1, int i) { return -logf(-logf(gumbel_u(k0, k1, i))); }
-
-// GUMBEL_MAX bounds gumbel from above with room to spare: u is at most
-// 1 - 2^-24, so the noise at most -log(-log(1 - 2^-24)) = 16.64.
-#define GUMBEL_MAX 17.f
-
-// below_bar says that s + gumbel(k0, k1, i) rounds below bar, so that
-// token i cannot win where a value of bar is known. First from s alone
-// (no noise reaches bar: a trained model's logits leave most tokens
-// there), then from the token's uniform u: -log u >= 1 - u, and 1 - u > 2
-// exp(s - bar) puts the noise more than ln 2 (less the exponential's and
-// the logarithms' few ulps) below bar - s. Rounding closes neither gap
-// while |bar| < 1e6. A hash and an exponential on the special-function
-// unit in place of two accurate logarithms; NaN and infinite values fail
-// both tests, so they take the exact noise as before.
-__device__ __forceinline__ bool below_bar(float s, unsigned k0, unsigned k1, int i, float bar) {
-	if (!(fabsf(bar) < 1e6f)) return false;
-	if (s < bar - GUMBEL_MAX) return true;
-	return 1.f - gumbel_u(k0, k1, i) > 2.f * __expf(s - bar);
+	const float u = fminf(((float)(h >> 8) + 0.5f) * (1.f / 16777216.f), __int_as_float(0x3f7fffff));
+	return -logf(-logf(u));
 }
 
 __device__ __forceinline__ float logit(const float *x, long long i) { return x[i]; }
@@ -166,15 +147,6 @@ __device__ __forceinline__ bool scan_noise(const RowParams &rp, int k, int V) {
 	return rp.sampled && !(SAMPLE_SCAN_TOPK && k > 0 && k < V && k <= SAMPLE_THREADS);
 }
 
-// bound (sample_scan's argument): a sampled row's scan skips the
-// logarithms of the tokens whose noise cannot lift them to the warp's best
-// so far (below_bar). Once a warp has drawn n tokens, about one in n of the
-// next can still beat its best, whatever the logits, so nearly all take a
-// hash and an exponential in place of two logarithms. The same winner and
-// bits (TestSampleScanBoundSameBits); off by default until an A/B run
-// (EBB_SAMPLE_SCAN_BOUND=1, BenchmarkSample and a batch-256 step at
-// temperature 1) measures it.
-
 // sample_scan reduces one slice of a row (blockIdx.y of gridDim.y): the
 // largest scaled logit m, the sum of exp(x/T - m), and the winner: the
 // lowest index of the largest logit (greedy rows, and sampled rows whose
@@ -185,7 +157,7 @@ __device__ __forceinline__ bool scan_noise(const RowParams &rp, int k, int V) {
 // that a thread sums the same tokens in the same order from either.
 template <typename T, bool DET = false>
 __device__ void sample_scan_impl(const T *logits, int V, const float *temp, const int *top_k, const unsigned *keys,
-                                 float *part, bool bound) {
+                                 float *part) {
 	__shared__ float shared[64];
 	const int r = blockIdx.x, p = blockIdx.y, parts = gridDim.y;
 	const T *x = logits + (long long)r * V;
@@ -200,7 +172,6 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 	const int len = ((V + parts - 1) / parts + VEC - 1) / VEC * VEC, lo = p * len, hi = min(V, lo + len);
 	float m = -EBB_INF, z = 0.f;
 	ArgMax best = {-EBB_INF, 0x7fffffff};
-	float bar = -EBB_INF; // the warp's best noisy value at the last round's end
 	auto take = [&](float raw, int i) {
 		const float s = raw * inv;
 		if (s > m) {
@@ -209,32 +180,21 @@ __device__ void sample_scan_impl(const T *logits, int V, const float *temp, cons
 		} else if (s > -EBB_INF) {
 			z += __expf(s - m);
 		}
-		if (!noise) {
-			best = better(best, ArgMax{s, i});
-			return;
-		}
-		if (bound && below_bar(s, rp.k0, rp.k1, i, fmaxf(bar, best.v))) return;
-		best = better(best, ArgMax{s + gumbel(rp.k0, rp.k1, i), i});
+		const float v = noise ? s + gumbel(rp.k0, rp.k1, i) : s;
+		best = better(best, ArgMax{v, i});
 	};
-	// Every lane of a warp runs as many rounds as its first lane (the same
-	// tokens a lane as a loop of its own), so that the warp can share its
-	// best value between rounds.
 	const int vend = V % VEC == 0 ? hi : lo, step = blockDim.x * VEC;
-	for (int base = lo + (threadIdx.x & ~31) * VEC; base < vend; base += 2 * step) {
-		const int i = base + (threadIdx.x & 31) * VEC;
-		if (i < vend) {
-			float a[VEC], b[VEC];
-			const bool two = i + step < vend;
-			logits_vecn<VEC>(x, i, a);
-			if (two) logits_vecn<VEC>(x, i + step, b);
+	for (int i = lo + threadIdx.x * VEC; i < vend; i += 2 * step) {
+		float a[VEC], b[VEC];
+		const bool two = i + step < vend;
+		logits_vecn<VEC>(x, i, a);
+		if (two) logits_vecn<VEC>(x, i + step, b);
 #pragma unroll
-			for (int e = 0; e < VEC; e++) take(a[e], i + e);
-			if (two) {
+		for (int e = 0; e < VEC; e++) take(a[e], i + e);
+		if (two) {
 #pragma unroll
-				for (int e = 0; e < VEC; e++) take(b[e], i + step + e);
-			}
+			for (int e = 0; e < VEC; e++) take(b[e], i + step + e);
 		}
-		if (bound && noise) bar = warp_max(best.v);
 	}
 	for (int i = vend + threadIdx.x; i < hi; i += blockDim.x) take(logit(x, i), i);
 	// Merge the threads' (m, z) pairs, then the winners.
@@ -505,9 +465,9 @@ __device__ void sample_finish_impl(const T *logits, int V, const float *temp, co
 #define SAMPLE_KERNELS(NAME, T)                                                                                  \
 	extern "C" __global__ void __launch_bounds__(256) sample_scan_##NAME(const T *logits, int V, const float *temp, \
 	                                                                     const int *top_k, const unsigned *keys,  \
-	                                                                     float *part, int bound) {                \
+	                                                                     float *part) {                           \
 		DEP(); \
-		sample_scan_impl<T>(logits, V, temp, top_k, keys, part, bound);                                            \
+		sample_scan_impl<T>(logits, V, temp, top_k, keys, part);                                                   \
 	}                                                                                                            \
 	extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                 \
 	    sample_finish_##NAME(const T *logits, int V, const float *temp, const float *top_p, const int *top_k,      \
@@ -524,9 +484,9 @@ SAMPLE_KERNELS(bf16, bf16)
 // the logits' dtype (the host fixes the slices by vocabulary alone).
 #define SAMPLE_SCAN_DET(NAME, T)                                                                                  \
 	extern "C" __global__ void __launch_bounds__(256) sample_scan_det_##NAME(                                     \
-	    const T *logits, int V, const float *temp, const int *top_k, const unsigned *keys, float *part, int bound) { \
+	    const T *logits, int V, const float *temp, const int *top_k, const unsigned *keys, float *part) {          \
 		DEP();                                                                                                     \
-		sample_scan_impl<T, true>(logits, V, temp, top_k, keys, part, bound);                                      \
+		sample_scan_impl<T, true>(logits, V, temp, top_k, keys, part);                                             \
 	}
 SAMPLE_SCAN_DET(f32, float)
 SAMPLE_SCAN_DET(bf16, bf16)
