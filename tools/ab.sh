@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ab.sh: an A/B run of `ebb bench one-batch`. Each setting (environment
-# assignments such as EBB_SAMPLE_SCAN_BOUND=1 or
+# assignments such as EBB_MOE_GLU_BLOCKS=3 or
 # EBB_KERNEL_DEFINES=MOE_SORT_CACHE=1, several separated by spaces in one
 # argument, or - for none) runs in turn, the settings interleaved over the
 # rounds, so that every ratio is taken on one machine within the same
@@ -10,11 +10,12 @@
 # were the same tokens (the output digest). Exit status 1 if a run failed.
 #
 #   tools/ab.sh [-r ROUNDS] [-o OUT_DIR] SETTING... -- ONE-BATCH-ARGS
-#   tools/ab.sh -r 2 - EBB_SAMPLE_SCAN_BOUND=1 -- --model /tmp/q30 \
+#   tools/ab.sh -r 2 - EBB_MOE_GLU_BLOCKS=3 -- --model /tmp/q30 \
 #       --load-format dummy --batch-size 1,256 --input-len 128 --output-len 128 --temperature 1
 #
-# EBB (default: ebb on the PATH) names the binary. The runs' JSON and logs
-# are left in OUT_DIR (default: a temporary directory).
+# EBB (default: ebb on the PATH) names the binary; a setting's own EBB=PATH
+# runs that binary instead, so that two builds compare on one machine. The
+# runs' JSON and logs are left in OUT_DIR (default: a temporary directory).
 set -euo pipefail
 rounds=2 out=""
 while getopts "r:o:" opt; do
@@ -45,7 +46,11 @@ for r in $(seq 1 "$rounds"); do
 		f="$out/s$i-r$r"
 		env_args=()
 		[ "$s" != "-" ] && read -r -a env_args <<<"$s"
-		if env ${env_args[@]+"${env_args[@]}"} "$ebb" bench one-batch --json "$@" >"$f.json" 2>"$f.log"; then
+		bin=$ebb
+		for a in ${env_args[@]+"${env_args[@]}"}; do
+			[[ $a == EBB=* ]] && bin=${a#EBB=}
+		done
+		if env ${env_args[@]+"${env_args[@]}"} "$bin" bench one-batch --json "$@" >"$f.json" 2>"$f.log"; then
 			python3 -c 'import json,sys
 for b in json.load(open(sys.argv[1])):
     print("round %s  %-40s batch %4d  %9.3f ms a step  %s" % (sys.argv[2], sys.argv[3], b["batch_size"], b["decode_step_median_ms"], b["output_digest"]))' \
