@@ -12,6 +12,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -25,7 +26,10 @@ import (
 var kernelFS embed.FS
 
 // KernelSource is every kernel file, prelude first, as one translation unit,
-// after the defines of $EBB_KERNEL_DEFINES.
+// after the defines of $EBB_KERNEL_DEFINES. $EBB_KERNEL_DIR names a
+// directory whose kernel files replace the embedded ones, so that an A/B
+// run compares two versions of a kernel from one binary (the host's
+// launches must fit both).
 func KernelSource() (string, error) {
 	var b strings.Builder
 	env := os.Getenv("EBB_KERNEL_DEFINES")
@@ -33,26 +37,30 @@ func KernelSource() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	prelude, err := kernelFS.ReadFile("kernels/prelude.cuh")
+	files, err := fs.Sub(kernelFS, "kernels")
 	if err != nil {
 		return "", err
+	}
+	if dir := os.Getenv("EBB_KERNEL_DIR"); dir != "" {
+		files = os.DirFS(dir)
+	}
+	prelude, err := fs.ReadFile(files, "prelude.cuh")
+	if err != nil {
+		return "", fmt.Errorf("kernel sources: %w", err)
 	}
 	b.Write(prelude)
-	entries, err := kernelFS.ReadDir("kernels")
+	names, err := fs.Glob(files, "*.cu")
 	if err != nil {
 		return "", err
 	}
-	var names []string
-	for _, e := range entries {
-		if strings.HasSuffix(e.Name(), ".cu") {
-			names = append(names, e.Name())
-		}
+	if len(names) == 0 {
+		return "", errors.New("kernel sources: no .cu files")
 	}
 	sort.Strings(names)
 	for _, n := range names {
-		src, err := kernelFS.ReadFile("kernels/" + n)
+		src, err := fs.ReadFile(files, n)
 		if err != nil {
-			return "", err
+			return "", fmt.Errorf("kernel sources: %w", err)
 		}
 		fmt.Fprintf(&b, "\n// ---- %s ----\n", n)
 		b.Write(src)

@@ -172,3 +172,40 @@ func TestKernelDefinesTakeEffect(t *testing.T) {
 		}
 	}
 }
+
+// TestKernelDirReplacesSources: $EBB_KERNEL_DIR's files are the source,
+// in place of the embedded ones, and a directory without a prelude or
+// kernels is an error that names what is missing.
+func TestKernelDirReplacesSources(t *testing.T) {
+	embedded, err := KernelSource()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	t.Setenv("EBB_KERNEL_DIR", dir)
+	if _, err := KernelSource(); err == nil || !strings.Contains(err.Error(), "prelude.cuh") {
+		t.Errorf("empty directory: error %v, want one naming prelude.cuh", err)
+	}
+	write := func(name, text string) {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("prelude.cuh", "// prelude\n")
+	if _, err := KernelSource(); err == nil || !strings.Contains(err.Error(), ".cu") {
+		t.Errorf("no kernels: error %v, want one naming .cu files", err)
+	}
+	write("b.cu", "// b\n")
+	write("a.cu", "// a\n")
+	src, err := KernelSource()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "// prelude\n\n// ---- a.cu ----\n// a\n\n// ---- b.cu ----\n// b\n"; src != want {
+		t.Errorf("source %q, want %q", src, want)
+	}
+	t.Setenv("EBB_KERNEL_DIR", "")
+	if again, err := KernelSource(); err != nil || again != embedded {
+		t.Errorf("unset: %v, the embedded source back: %v", err, again == embedded)
+	}
+}
