@@ -100,21 +100,22 @@ __device__ __forceinline__ void load8x(const float *p, float f[8]) {
 	for (int e = 0; e < 8; e++) f[e] = rbf(f[e]);
 }
 
-// norm_vals8 is rmsnorm (residual null) or add_rmsnorm of row blockIdx.x
-// (at off) from x's 8 values at i that this thread holds (i < dim).
-__device__ __forceinline__ void norm_vals8(bf16 *residual, float v[8], bf16 *out, const bf16 *w, int dim, float eps,
-                                           long long off, int i) {
+// norm_loaded8 is norm_vals8 with the residual's 8 values at i (r) and the
+// norm's weights (wv) already loaded, for a kernel that reads them before
+// it waits for x.
+__device__ __forceinline__ void norm_loaded8(bf16 *residual, uint4 r, float v[8], bf16 *out, uint4 wv, int dim,
+                                             float eps, long long off, int i) {
 	__shared__ float red[32];
-	float wv[8];
+	float wf[8];
 	float ss = 0.f;
 	if (i < dim) {
 		if (residual) {
-			float r[8];
-			unpack8(*(const uint4 *)(residual + off + i), r);
+			float rf[8];
+			unpack8(r, rf);
 #pragma unroll
-			for (int e = 0; e < 8; e++) v[e] = rbf(r[e] + v[e]);
+			for (int e = 0; e < 8; e++) v[e] = rbf(rf[e] + v[e]);
 		}
-		unpack8(*(const uint4 *)(w + i), wv);
+		unpack8(wv, wf);
 #pragma unroll
 		for (int e = 0; e < 8; e++) ss += v[e] * v[e];
 	}
@@ -122,9 +123,21 @@ __device__ __forceinline__ void norm_vals8(bf16 *residual, float v[8], bf16 *out
 	if (i < dim) {
 		if (residual) *(uint4 *)(residual + off + i) = pack8(v);
 #pragma unroll
-		for (int e = 0; e < 8; e++) wv[e] *= rbf(v[e] * inv);
-		*(uint4 *)(out + off + i) = pack8(wv);
+		for (int e = 0; e < 8; e++) wf[e] *= rbf(v[e] * inv);
+		*(uint4 *)(out + off + i) = pack8(wf);
 	}
+}
+
+// norm_vals8 is rmsnorm (residual null) or add_rmsnorm of row blockIdx.x
+// (at off) from x's 8 values at i that this thread holds (i < dim).
+__device__ __forceinline__ void norm_vals8(bf16 *residual, float v[8], bf16 *out, const bf16 *w, int dim, float eps,
+                                           long long off, int i) {
+	uint4 r = make_uint4(0, 0, 0, 0), wv = r;
+	if (i < dim) {
+		if (residual) r = *(const uint4 *)(residual + off + i);
+		wv = *(const uint4 *)(w + i);
+	}
+	norm_loaded8(residual, r, v, out, wv, dim, eps, off, i);
 }
 
 // norm_row8 is rmsnorm (residual null) or add_rmsnorm of one row.

@@ -649,30 +649,40 @@ __device__ __forceinline__ void moe_gemm_impl(bf16 *out, const bf16 *a, const in
 MOE_GEMM(moe_gemm, 64, 32, 2)
 MOE_GEMM(moe_gemm_r16, 16, 64, 1)
 
-// moe_pair_order lists a token's k pairs (ids_row, k <= MOE_MAX_TOPK) in
-// ascending expert order, the lower pair first among equal experts: the
-// order in which moe_combine and moe_down_combine add their terms.
-__device__ __forceinline__ void moe_pair_order(int order[], const int *ids_row, int k) {
-	int e[MOE_MAX_TOPK];
-	for (int j = 0; j < k; j++) {
-		e[j] = ids_row[j], order[j] = j;
-		for (int i = j; i > 0 && e[i] < e[i - 1]; i--) { // insertion
-			const int te = e[i], to = order[i];
-			e[i] = e[i - 1], order[i] = order[i - 1];
-			e[i - 1] = te, order[i - 1] = to;
-		}
+// moe_pair_sorted puts token t's k pairs (k <= MOE_MAX_TOPK) in ascending
+// expert order, the lower pair first among equal experts (the order in
+// which moe_combine and moe_down_combine add their terms): at rank r, the
+// pair (order), its weight (wt) and, with inv, its place in y (pos). A
+// whole warp calls it, lane j loading pair j, so that a token's ids,
+// weights and places arrive in one round trip, not one after another as
+// the sort of a single thread asked for them (in local memory). With the
+// residual read before the wait too (moe_down_residual, and
+// moe_combine_add_rmsnorm), the full 30B-A3B shape on an H200, ms a
+// decode step over three rounds: batch 1 3.106 -> 3.018, batch 256
+// 18.972 -> 18.899 (fifty-fourth stop).
+__device__ __forceinline__ void moe_pair_sorted(int *order, float *wt, int *pos, const int *inv, const int *ids,
+                                                const float *weights, int k, long long t) {
+	const int lane = threadIdx.x & 31;
+	const bool mine = lane < k;
+	const int e = mine ? ids[t * k + lane] : 0;
+	const float w = mine ? weights[t * k + lane] : 0.f;
+	const int at = mine && inv ? inv[t * k + lane] : 0;
+	int rank = 0;
+	for (int i = 0; i < k; i++) {
+		const int ei = __shfl_sync(0xffffffffu, e, i);
+		rank += ei < e || (ei == e && i < lane);
 	}
+	if (!mine) return;
+	wt[rank] = w;
+	if (order) order[rank] = lane;
+	if (pos) pos[rank] = at;
 }
 
-// moe_combine_setup: thread 0 lists token t's k choices in ascending
-// expert order, their places in y (pos) and weights (wt).
+// moe_combine_setup: warp 0 lists token t's k choices in ascending expert
+// order, their places in y (pos) and weights (wt).
 __device__ __forceinline__ void moe_combine_setup(int *pos, float *wt, const int *inv, const int *ids,
                                                   const float *weights, int k, long long t) {
-	if (threadIdx.x == 0) {
-		int order[MOE_MAX_TOPK];
-		moe_pair_order(order, ids + t * k, k);
-		for (int j = 0; j < k; j++) pos[j] = inv[t * k + order[j]], wt[j] = weights[t * k + order[j]];
-	}
+	if (threadIdx.x < 32) moe_pair_sorted(nullptr, wt, pos, inv, ids, weights, k, t);
 	__syncthreads();
 }
 
@@ -746,9 +756,10 @@ extern "C" __global__ void moe_combine(void *out, int out_f32, const bf16 *y, co
 // It runs after the down product, which runs after gate and up: ids,
 // weights (moe_route) and inv (moe_sort) were written before gate and up
 // passed their waits, and a block of down has passed its own when this
-// kernel starts, so the token's places and weights are looked up before
-// the wait, and only the experts' results after it (MOE_COMBINE_EARLY 0:
-// all after it, for A/B runs). 30B-A3B shape, H200, batch-256 decode step,
+// kernel starts, so the token's places and weights (and the residual,
+// which o_proj's add wrote before the routing, and the norm's weights)
+// are read before the wait, and only the experts' results after it
+// (MOE_COMBINE_EARLY 0: all after it, for A/B runs). 30B-A3B shape, H200, batch-256 decode step,
 // ms, two rounds in one run: 19.062 / 19.028 without, 18.951 / 19.053
 // with (and 19.177 / 19.083 with neither this nor moe_wg's first tiles).
 #ifndef MOE_COMBINE_EARLY
@@ -762,11 +773,13 @@ extern "C" __global__ void moe_combine_add_rmsnorm(bf16 *residual, bf16 *x, cons
 	const long long t = blockIdx.x;
 	if (!MOE_COMBINE_EARLY) DEP();
 	moe_combine_setup(pos, wt, inv, ids, weights, k, t);
-	if (MOE_COMBINE_EARLY) DEP();
 	const int i = 8 * threadIdx.x;
+	uint4 r = make_uint4(0, 0, 0, 0), wv = r;
+	if (i < H) r = *(const uint4 *)(residual + t * H + i), wv = *(const uint4 *)(w + i);
+	if (MOE_COMBINE_EARLY) DEP();
 	float v[8];
 	if (i < H) moe_combine8(v, y, pos, wt, k, H, i, false);
-	norm_vals8(residual, v, x, w, H, eps, t * H, i);
+	norm_loaded8(residual, r, v, x, wv, H, eps, t * H, i);
 }
 
 // ---- decode: a few tokens ----------------------------------------------------
@@ -809,28 +822,39 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_glu_loop(bf16 *act, c
 // Output columns of one token that a moe_down_combine block takes.
 #define MOE_DOWN_COLS 4
 
+// moe_down_residual is the residual at the column moe_down_finish has this
+// thread add to (0 where it adds none). The residual was written before
+// the experts' gate and up passed their waits (o_proj's add), so it is read
+// before this kernel's, and the block's last step waits on no load.
+__device__ __forceinline__ float moe_down_residual(const bf16 *residual, int H, long long t, int n0) {
+	const int n = n0 + threadIdx.x;
+	return residual && threadIdx.x < MOE_DOWN_COLS && n < H ? bf2f(residual[t * H + n]) : 0.f;
+}
+
 // moe_down_finish adds a moe_down_combine block's dots [column][pair] in
-// ascending expert order, each term and partial sum rounded as
-// moe_combine rounds them, into out or (residual set) the residual; every
-// thread of the block calls it.
-__device__ __forceinline__ void moe_down_finish(void *out, int out_f32, const int *ids, const float *weights, int k,
-                                                int H, bf16 *residual, float *sq, long long t, int n0,
-                                                float dots[MOE_DOWN_COLS][MOE_MAX_TOPK], int *order) {
+// ascending expert order (order and wt from moe_pair_sorted), each term
+// and partial sum rounded as moe_combine rounds them, into out or
+// (residual set) the residual, whose value at the thread's column (rv,
+// from moe_down_residual) was read before the wait; every thread of the
+// block calls it.
+__device__ __forceinline__ void moe_down_finish(void *out, int out_f32, int k, int H, bf16 *residual, float rv,
+                                                float *sq, long long t, int n0,
+                                                float dots[MOE_DOWN_COLS][MOE_MAX_TOPK], const int *order,
+                                                const float *wt) {
 	constexpr int R = MOE_DOWN_COLS;
-	if (threadIdx.x == 0) moe_pair_order(order, ids + t * k, k);
 	__syncthreads();
 	const int r = threadIdx.x, n = n0 + r;
 	if (r >= R) return;
 	float acc = 0.f;
 	if (n < H)
 		for (int j = 0; j < k; j++) {
-			const float term = weights[t * k + order[j]] * rbf(dots[r][order[j]]);
+			const float term = wt[j] * rbf(dots[r][order[j]]);
 			acc = out_f32 ? acc + term : rbf(acc + rbf(term));
 		}
 	if (residual) {
 		float v = 0.f;
 		if (n < H) {
-			v = rbf(bf2f(residual[t * H + n]) + acc);
+			v = rbf(rv + acc);
 			residual[t * H + n] = f2bf(v);
 		}
 		float s = v * v;
@@ -874,8 +898,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, in
 	constexpr int R = MOE_DOWN_COLS, Q = R;
 	__shared__ float dots[R][MOE_MAX_TOPK];
 	__shared__ int order[MOE_MAX_TOPK];
+	__shared__ float wt[MOE_MAX_TOPK];
 	const long long t = blockIdx.y;
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * R, kv = I / 8;
+	if (warp == 0) moe_pair_sorted(order, wt, nullptr, nullptr, ids, weights, k, t);
+	const float rv = moe_down_residual(residual, H, t, n0);
 	for (int q0 = 0; q0 < R * k; q0 += 8 * Q) {
 		const uint4 *wr[Q], *ar[Q];
 		bool ok[Q];
@@ -911,7 +938,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, in
 			if (lane == 0 && ok[s]) dots[q / k][q % k] = d;
 		}
 	}
-	moe_down_finish(out, out_f32, ids, weights, k, H, residual, sq, t, n0, dots, order);
+	moe_down_finish(out, out_f32, k, H, residual, rv, sq, t, n0, dots, order, wt);
 }
 
 // moe_down_bulk is moe_down_combine (the same products, sums and bits)
@@ -931,6 +958,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_bulk(void *out, int o
 	__shared__ __align__(8) unsigned long long bar;
 	__shared__ float dots[R][MOE_MAX_TOPK];
 	__shared__ int order[MOE_MAX_TOPK];
+	__shared__ float wt[MOE_MAX_TOPK];
 	const long long t = blockIdx.y;
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * R, cols = min(R, H - n0);
 	const unsigned rows = smem_u32(moe_down_smem), b = smem_u32(&bar), bytes = (unsigned)cols * I * 2;
@@ -948,6 +976,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_bulk(void *out, int o
 			             : "memory");
 		}
 	}
+	if (warp == 1) moe_pair_sorted(order, wt, nullptr, nullptr, ids, weights, k, t);
+	const float rv = moe_down_residual(residual, H, t, n0);
 	__syncthreads();
 	DEP();
 	mbar_wait(b, 0);
@@ -962,7 +992,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_bulk(void *out, int o
 		d = warp_sum(d);
 		if (lane == 0) dots[r][j] = d;
 	}
-	moe_down_finish(out, out_f32, ids, weights, k, H, residual, sq, t, n0, dots, order);
+	moe_down_finish(out, out_f32, k, H, residual, rv, sq, t, n0, dots, order, wt);
 #endif
 }
 
