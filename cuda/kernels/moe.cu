@@ -107,6 +107,14 @@ extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logit
 #define MOE_ROUTE_PRE 8 // a 2,048-wide row is 8 chunks a lane
 #endif
 #define MOE_ROUTE_XS 1024 // moeRouteMaxHidden / 8: x's chunks in shared memory
+// With MOE_ROUTE_NORM_EARLY 1 a thread's first chunk of the norm's weights
+// is loaded before the wait and of the residual right after it, beside the
+// partial sums of squares, rather than after the block has added those:
+// one round trip less before the router's products. Off until an A/B run
+// measures it (EBB_KERNEL_DEFINES=MOE_ROUTE_NORM_EARLY=1).
+#ifndef MOE_ROUTE_NORM_EARLY
+#define MOE_ROUTE_NORM_EARLY 0
+#endif
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
 	const unsigned au[4] = {a.x, a.y, a.z, a.w}, bu[4] = {b.x, b.y, b.z, b.w};
@@ -135,13 +143,19 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 		const int i = lane + 32 * c;
 		if (r0 < E && i < kv) pre[c] = __ldcs(w0 + i);
 	}
+	const bool early = MOE_ROUTE_NORM_EARLY && threadIdx.x < kv;
+	uint4 h0 = make_uint4(0, 0, 0, 0), nw0 = h0;
+	if (early) nw0 = __ldg((const uint4 *)norm_w + threadIdx.x);
 	DEP();
+	if (early) h0 = __ldcg((const uint4 *)h + threadIdx.x);
 	// The row's scale: the same bits in every block.
 	float ss = 0.f;
 	for (int j = threadIdx.x; j < nsq; j += blockDim.x) ss += __ldcg(sq + j);
 	const float inv = rsqrtf(block_sum(ss, red) / H + eps);
 	for (int i = threadIdx.x; i < kv; i += blockDim.x) {
-		xs[i] = rmsnorm8(__ldcg((const uint4 *)h + i), __ldg((const uint4 *)norm_w + i), inv);
+		xs[i] = early && i == threadIdx.x
+		            ? rmsnorm8(h0, nw0, inv)
+		            : rmsnorm8(__ldcg((const uint4 *)h + i), __ldg((const uint4 *)norm_w + i), inv);
 		if (i % MOE_ROUTE_BLOCKS == rank) ((uint4 *)x)[i] = xs[i];
 	}
 	__syncthreads();
