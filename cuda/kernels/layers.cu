@@ -638,6 +638,15 @@ GEMV(1, 2, gemv2_m1)
 // sq[m * gridDim.x + block] the sum of their squares, from which the next
 // gemv normalises residual as it reads it: no block waits for the others.
 // out is not written in squares mode.
+//
+// With GEMV_FUSED_RES_EARLY 1 squares mode reads its columns of the
+// residual before the wait (the kernels that wrote it finished before the
+// one this kernel waits for let it launch), so that a block's last step
+// adds to a value it holds rather than one it must ask for. Off until an
+// A/B run measures it (EBB_KERNEL_DEFINES=GEMV_FUSED_RES_EARLY=1).
+#ifndef GEMV_FUSED_RES_EARLY
+#define GEMV_FUSED_RES_EARLY 0
+#endif
 template <int M>
 __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, int K, int silu, int wpo,
                                 bf16 *residual, bf16 *normed, const bf16 *norm_w, float eps, int *counter,
@@ -648,6 +657,14 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 	float sum[M];
 	long long n;
 	int part;
+	float res[M]; // squares mode, GEMV_FUSED_RES_EARLY: the owner's residual, read before the wait
+	if (GEMV_FUSED_RES_EARLY && sq) {
+		const int warp = threadIdx.x >> 5;
+		const long long col = (long long)blockIdx.x * (8 / wpo) + warp / wpo; // gemv_group's n
+		const bool own = warp % wpo == 0 && (threadIdx.x & 31) == 0 && col < N;
+#pragma unroll
+		for (int m = 0; m < M; m++) res[m] = own ? bf2f(residual[(long long)m * N + col]) : 0.f;
+	}
 	gemv_group<M, 1>(sum, x, w, N, K, silu, wpo, nullptr, nullptr, 0, 0.f, 0, &n, &part);
 	const bool owner = part == 0 && (threadIdx.x & 31) == 0;
 	if (sq) {
@@ -656,7 +673,8 @@ __device__ void gemv_fused_impl(bf16 *out, const bf16 *x, const bf16 *w, int N, 
 			for (int m = 0; m < M; m++) {
 				float v = 0.f;
 				if (n < N) {
-					v = rbf(bf2f(residual[(long long)m * N + n]) + rbf(sum[m]));
+					const float r = GEMV_FUSED_RES_EARLY ? res[m] : bf2f(residual[(long long)m * N + n]);
+					v = rbf(r + rbf(sum[m]));
 					residual[(long long)m * N + n] = f2bf(v);
 				}
 				col_sq[(threadIdx.x >> 5) / wpo][m] = v * v;
