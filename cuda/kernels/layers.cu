@@ -481,6 +481,9 @@ __device__ __forceinline__ void gemv_chunk(float acc[C * M], const uint4 wv[C], 
 // after the block has added those: one round trip less between the wait
 // and the first product. Prefetches, not loads: loads held across the
 // block's sum took gemv_m1 from 40 registers to 75 (NVRTC 11.8, sm_80).
+// And a thread asks for its first four partial sums together: one after
+// another, as the loop did (not unrolled), the 512 parts that o_proj and
+// down leave at every shape measured made two round trips.
 // Off until an A/B run measures it: EBB_KERNEL_DEFINES=GEMV_NORM_EARLY=1.
 #ifndef GEMV_NORM_EARLY
 #define GEMV_NORM_EARLY 0
@@ -547,7 +550,20 @@ __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, cons
 		inv[m] = 0.f;
 		if (norm_w) {
 			float ss = 0.f;
-			for (int j = threadIdx.x; j < nsq; j += blockDim.x) ss += __ldcg(sq + (long long)m * nsq + j);
+			const float *row = sq + (long long)m * nsq;
+			if (GEMV_NORM_EARLY) { // the first four a thread asked for together, added in the same order
+				float v[4];
+#pragma unroll
+				for (int u = 0; u < 4; u++) {
+					const int j = threadIdx.x + u * blockDim.x;
+					v[u] = j < nsq ? __ldcg(row + j) : 0.f;
+				}
+#pragma unroll
+				for (int u = 0; u < 4; u++)
+					if (threadIdx.x + u * blockDim.x < nsq) ss += v[u];
+				for (int j = threadIdx.x + 4 * blockDim.x; j < nsq; j += blockDim.x) ss += __ldcg(row + j);
+			} else
+				for (int j = threadIdx.x; j < nsq; j += blockDim.x) ss += __ldcg(row + j);
 			inv[m] = rsqrtf(block_sum(ss, sq_red) / K + eps);
 		}
 	}
