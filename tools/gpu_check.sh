@@ -41,6 +41,16 @@ status=0
 skip=${SKIP:-}
 skipped=()
 
+# The test binaries the steps not skipped run, next to ebb: a bundle that
+# left one out fails here, not after minutes of the steps before it.
+for need in "kernels cuda.test" "goldens engine.test"; do
+	read -r name file <<<"$need"
+	if [[ " $skip " != *" $name "* && ! -x "$bin/$file" ]]; then
+		echo "GPU check: no $bin/$file for the $name step (build it with go test -c, or SKIP=\"$name\")" >&2
+		exit 2
+	fi
+done
+
 # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the outcome
 # and prints it at once, so that a run cut short (a timeout) still says
 # which steps passed.
@@ -53,13 +63,21 @@ step() {
 		echo "step: ${summary[-1]}"
 		return
 	fi
-	if "$@" >"$out/$name.log" 2>&1; then
+	if "$@" >"$out/$name.log" 2>&1 && ran "$name"; then
 		summary+=("PASS $name ($((SECONDS - t0)) s)$(note "$name")")
 	else
 		summary+=("FAIL $name ($((SECONDS - t0)) s): $(tail -n 3 "$out/$name.log" | tr '\n' ' ')")
 		status=1
 	fi
 	echo "step: ${summary[-1]}"
+}
+
+# ran says whether a test step ran any test: a test binary that exits 0
+# having run none (a stub, a -test.run that matches nothing) is no pass.
+ran() {
+	case $1 in
+	kernels | goldens) grep -qE '^--- PASS' "$out/$1.log" || { echo "no test passed" >>"$out/$1.log"; return 1; } ;;
+	esac
 }
 
 # note picks the figure worth quoting from a step's log.
