@@ -110,7 +110,9 @@ extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logit
 // With MOE_ROUTE_NORM_EARLY 1 a thread's first chunk of the norm's weights
 // is loaded before the wait and of the residual right after it, beside the
 // partial sums of squares, rather than after the block has added those:
-// one round trip less before the router's products. Off until an A/B run
+// one round trip less before the router's products (and in
+// moe_add_norm_route, the norm's weights before the wait, not after the
+// block's sums). Off until an A/B run
 // measures it (EBB_KERNEL_DEFINES=MOE_ROUTE_NORM_EARLY=1).
 #ifndef MOE_ROUTE_NORM_EARLY
 #define MOE_ROUTE_NORM_EARLY 0
@@ -252,6 +254,14 @@ __device__ __forceinline__ void moe_add_norm_route_impl(int *ids, float *weights
 			pre_hi[j] = c < chunks && e0 + 8 < E ? __ldg(w1 + 4 * c) : zero;
 		}
 	}
+	uint4 nw[MOE_NR_CHUNKS]; // MOE_ROUTE_NORM_EARLY: the norm's weights, asked for before the wait
+	if (MOE_ROUTE_NORM_EARLY) {
+#pragma unroll
+		for (int ci = 0; ci < MOE_NR_CHUNKS; ci++) {
+			const int i = (threadIdx.x & 255) + 256 * ci;
+			nw[ci] = i < kv ? __ldg((const uint4 *)norm_w + i) : zero;
+		}
+	}
 	DEP();
 	// Each 256 threads add and normalise GROUP of the block's tokens, a
 	// thread chunks col and col + 256 of each; the sums stay in registers.
@@ -302,7 +312,7 @@ __device__ __forceinline__ void moe_add_norm_route_impl(int *ids, float *weights
 		const int i = col + 256 * ci;
 		if (i >= kv) break;
 		float w[8];
-		unpack8(__ldg((const uint4 *)norm_w + i), w);
+		unpack8(MOE_ROUTE_NORM_EARLY ? nw[ci] : __ldg((const uint4 *)norm_w + i), w);
 #pragma unroll
 		for (int j = 0; j < GROUP; j++) {
 			float v[8], o[8];
