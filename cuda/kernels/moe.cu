@@ -112,8 +112,8 @@ extern "C" __global__ void moe_route(int *ids, float *weights, const bf16 *logit
 // partial sums of squares, rather than after the block has added those:
 // one round trip less before the router's products (and in
 // moe_add_norm_route, the norm's weights before the wait, not after the
-// block's sums). Off until an A/B run
-// measures it (EBB_KERNEL_DEFINES=MOE_ROUTE_NORM_EARLY=1).
+// block's sums). Off until an A/B run measures it
+// (EBB_KERNEL_DEFINES=MOE_ROUTE_NORM_EARLY=1).
 #ifndef MOE_ROUTE_NORM_EARLY
 #define MOE_ROUTE_NORM_EARLY 0
 #endif
@@ -783,9 +783,10 @@ extern "C" __global__ void moe_combine(void *out, int out_f32, const bf16 *y, co
 // kernel starts, so the token's places and weights (and the residual,
 // which o_proj's add wrote before the routing, and the norm's weights)
 // are read before the wait, and only the experts' results after it
-// (MOE_COMBINE_EARLY 0: all after it, for A/B runs). 30B-A3B shape, H200, batch-256 decode step,
-// ms, two rounds in one run: 19.062 / 19.028 without, 18.951 / 19.053
-// with (and 19.177 / 19.083 with neither this nor moe_wg's first tiles).
+// (MOE_COMBINE_EARLY 0: all after it, for A/B runs). 30B-A3B shape, H200,
+// batch-256 decode step, ms, two rounds in one run: 19.062 / 19.028
+// without, 18.951 / 19.053 with (and 19.177 / 19.083 with neither this nor
+// moe_wg's first tiles).
 #ifndef MOE_COMBINE_EARLY
 #define MOE_COMBINE_EARLY 1
 #endif
