@@ -227,8 +227,8 @@ __device__ __forceinline__ void attn_prefill_mma_impl(bf16 *out, const bf16 *qkv
 	if (raw_q) {
 #pragma unroll
 		for (int ps = 0; ps < PASSES; ps++) {
-			asm volatile("prefetch.global.L1 [%0];" ::"l"(cos_t + rope_at(ps)));
-			asm volatile("prefetch.global.L1 [%0];" ::"l"(sin_t + rope_at(ps)));
+			prefetch_l1(cos_t + rope_at(ps));
+			prefetch_l1(sin_t + rope_at(ps));
 		}
 	}
 	cp_async_wait<1>(); // the queries, while the first K/V tile loads
