@@ -231,9 +231,12 @@ func cacheDir() string {
 	return filepath.Join(os.TempDir(), "ebb-kernels")
 }
 
-// compileCached returns the CUBIN for arch from the disk cache, compiling on
-// a miss. The key covers the source, the architecture and the compiler.
-func compileCached(source, arch string) ([]byte, error) {
+// CompileCached returns the CUBIN for arch from the disk cache that
+// engines load their kernels from ($EBB_KERNEL_CACHE), compiling on a miss.
+// The key covers the source, the architecture and the compiler, so that
+// `ebb kernels --cache` can compile an A/B run's settings side by side
+// before its runs, each of which would otherwise compile in turn.
+func CompileCached(source, arch string) ([]byte, error) {
 	major, minor, err := NVRTCVersion()
 	if err != nil {
 		return nil, err
@@ -269,6 +272,21 @@ type Kernel struct {
 	Name string
 }
 
+// EngineArch is the target an engine compiles for on a GPU of real
+// architecture arch: sm_90 takes sm_90a, with the warpgroup MMA
+// (matmul_wg), where NVRTC has "a" targets (12.0 and later).
+func EngineArch(arch string) string {
+	major, _, err := NVRTCVersion()
+	return engineArch(arch, major, err == nil)
+}
+
+func engineArch(arch string, nvrtcMajor int, ok bool) string {
+	if arch == "sm_90" && ok && nvrtcMajor >= 12 {
+		return "sm_90a"
+	}
+	return arch
+}
+
 // LoadKernels compiles (or takes from the cache) every embedded kernel for
 // this GPU and loads them.
 func (c *Context) LoadKernels() (*Module, error) {
@@ -276,11 +294,8 @@ func (c *Context) LoadKernels() (*Module, error) {
 	if err != nil {
 		return nil, err
 	}
-	arch := fmt.Sprintf("sm_%d%d", c.CCMajor, c.CCMinor)
-	if major, _, verr := NVRTCVersion(); arch == "sm_90" && verr == nil && major >= 12 {
-		arch = "sm_90a" // with the warpgroup MMA (matmul_wg); NVRTC 12.0 added "a" targets
-	}
-	bin, err := compileCached(src, arch)
+	arch := EngineArch(fmt.Sprintf("sm_%d%d", c.CCMajor, c.CCMinor))
+	bin, err := CompileCached(src, arch)
 	if err != nil {
 		return nil, err
 	}

@@ -209,3 +209,25 @@ func TestKernelDirReplacesSources(t *testing.T) {
 		t.Errorf("unset: %v, the embedded source back: %v", err, again == embedded)
 	}
 }
+
+// TestEngineArch: sm_90 takes its "a" target only where NVRTC has one, so
+// that `ebb kernels --cache` fills the cache entry an engine will look for.
+func TestEngineArch(t *testing.T) {
+	for _, tc := range []struct {
+		arch  string
+		major int
+		ok    bool
+		want  string
+	}{
+		{"sm_90", 13, true, "sm_90a"},
+		{"sm_90", 12, true, "sm_90a"},
+		{"sm_90", 11, true, "sm_90"},
+		{"sm_90", 13, false, "sm_90"},
+		{"sm_80", 13, true, "sm_80"},
+		{"sm_100", 13, true, "sm_100"},
+	} {
+		if got := engineArch(tc.arch, tc.major, tc.ok); got != tc.want {
+			t.Errorf("engineArch(%q, %d, %v) = %q, want %q", tc.arch, tc.major, tc.ok, got, tc.want)
+		}
+	}
+}

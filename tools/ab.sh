@@ -8,6 +8,8 @@
 # It prints each run's decode ms a step, then per setting and batch size the
 # rounds, their mean against the first setting's and whether the outputs
 # were the same tokens (the output digest). Exit status 1 if a run failed.
+# On a GPU machine the settings' kernels are first compiled side by side
+# (`ebb kernels --cache`), so that no run waits for its own compile.
 #
 #   tools/ab.sh [-r ROUNDS] [-o OUT_DIR] SETTING... -- ONE-BATCH-ARGS
 #   tools/ab.sh -r 2 - EBB_MOE_GLU_BLOCKS=3 -- --model /tmp/q30 \
@@ -32,7 +34,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
 	shift
 done
 if [ $# -eq 0 ] || [ ${#settings[@]} -eq 0 ]; then
-	sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+	sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//' >&2
 	exit 2
 fi
 shift # the --
@@ -40,16 +42,34 @@ ebb=${EBB:-ebb}
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
 failed=0
+
+# setting I: env_args and bin for setting I.
+setting() {
+	env_args=()
+	[ "${settings[$1]}" != "-" ] && read -r -a env_args <<<"${settings[$1]}"
+	bin=$ebb
+	for a in ${env_args[@]+"${env_args[@]}"}; do
+		if [[ $a == EBB=* ]]; then bin=${a#EBB=}; fi
+	done
+}
+
+# Each setting's kernels (EBB_KERNEL_DEFINES, EBB_KERNEL_DIR) compiled side
+# by side into the cache the runs load from, rather than by each first run
+# in turn (about a minute each on the H200's NVRTC); a failure here is left
+# for the run to report.
+if cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1) && [ -n "$cc" ]; then
+	for i in "${!settings[@]}"; do
+		setting "$i"
+		env ${env_args[@]+"${env_args[@]}"} "$bin" kernels --cache --arch "sm_${cc/./}" >"$out/kernels-s$i.log" 2>&1 &
+	done
+	wait
+fi
+
 for r in $(seq 1 "$rounds"); do
 	for i in "${!settings[@]}"; do
 		s=${settings[$i]}
 		f="$out/s$i-r$r"
-		env_args=()
-		[ "$s" != "-" ] && read -r -a env_args <<<"$s"
-		bin=$ebb
-		for a in ${env_args[@]+"${env_args[@]}"}; do
-			[[ $a == EBB=* ]] && bin=${a#EBB=}
-		done
+		setting "$i"
 		if env ${env_args[@]+"${env_args[@]}"} "$bin" bench one-batch --json "$@" >"$f.json" 2>"$f.log"; then
 			python3 -c 'import json,sys
 for b in json.load(open(sys.argv[1])):

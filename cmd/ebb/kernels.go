@@ -11,9 +11,9 @@ import (
 
 func kernelsCmd() *cobra.Command {
 	var arch, match string
-	var source bool
+	var source, cache bool
 	cmd := &cobra.Command{
-		Use:   "kernels [--arch sm_90] [--match NAME] [--source]",
+		Use:   "kernels [--arch sm_90] [--match NAME] [--source] [--cache]",
 		Short: "Compile the kernels with NVRTC and print each one's registers and local memory",
 		Long: `Compiles ebb's kernels (with $EBB_KERNEL_DEFINES) for a real architecture
 and prints, for each kernel, the registers a thread and the bytes of local
@@ -29,7 +29,12 @@ nvcc on the GPU machine, whose ptxas says more than NVRTC's log (spills by
 kernel, and wgmma instructions it serialises, C7511 and C7515):
 
   ebb kernels --source >k.cu
-  nvcc -arch=sm_90a -cubin -std=c++17 -DEBB_NVRTC=1 --resource-usage k.cu -o /dev/null`,
+  nvcc -arch=sm_90a -cubin -std=c++17 -DEBB_NVRTC=1 --resource-usage k.cu -o /dev/null
+
+With --cache it compiles for --arch as an engine on that GPU would (sm_90
+takes sm_90a where NVRTC has it) into the kernel cache engines load from
+($EBB_KERNEL_CACHE), so that the runs after it start without compiling:
+tools/ab.sh compiles its settings' kernels side by side this way.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			src, err := cuda.KernelSource()
@@ -40,7 +45,14 @@ kernel, and wgmma instructions it serialises, C7511 and C7515):
 				_, err := fmt.Print(src)
 				return err
 			}
-			cubin, err := cuda.Compile(src, "ebb_kernels.cu", arch)
+			target := arch
+			var cubin []byte
+			if cache {
+				target = cuda.EngineArch(arch)
+				cubin, err = cuda.CompileCached(src, target)
+			} else {
+				cubin, err = cuda.Compile(src, "ebb_kernels.cu", arch)
+			}
 			if err != nil {
 				return err
 			}
@@ -49,7 +61,7 @@ kernel, and wgmma instructions it serialises, C7511 and C7515):
 				return err
 			}
 			major, minor, _ := cuda.NVRTCVersion()
-			fmt.Printf("NVRTC %d.%d, %s\n", major, minor, arch)
+			fmt.Printf("NVRTC %d.%d, %s\n", major, minor, target)
 			fmt.Printf("%-44s %9s %11s\n", "kernel", "registers", "local bytes")
 			for _, r := range res {
 				if strings.Contains(r.Name, match) {
@@ -62,5 +74,6 @@ kernel, and wgmma instructions it serialises, C7511 and C7515):
 	cmd.Flags().StringVar(&arch, "arch", "sm_90", "real architecture to compile for (sm_80, sm_90, sm_90a with NVRTC 12 or later)")
 	cmd.Flags().StringVar(&match, "match", "", "only kernels whose name contains this")
 	cmd.Flags().BoolVar(&source, "source", false, "print the kernels' translation unit (EBB_KERNEL_DEFINES applied) instead of compiling it")
+	cmd.Flags().BoolVar(&cache, "cache", false, "compile as an engine on --arch would, into the kernel cache engines load from")
 	return cmd
 }
