@@ -67,6 +67,15 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	constexpr int OS = D + 1;
 	__shared__ float sh_o[DG_WARPS][MG][OS];
 	__shared__ __align__(16) bf16 sh_q[DG_HEADS_A_BLOCK][MG][D];
+	// The raw kernels keep the newest key and value they prepare in shared
+	// memory too, and the warp whose first chunk holds the newest position
+	// takes them from there after the block's barrier, rather than looking
+	// up its slot and reading the row back from the cache: two round trips
+	// less on that warp's path. At batch 1 every split is one chunk a warp,
+	// so the newest is always in a first chunk (H200, batch 1 a step: 30B-A3B
+	// -0.27 %, 8B -0.11 %, 0.6B -0.76 %).
+	constexpr bool NEW_SH = RAW;
+	__shared__ __align__(16) bf16 sh_new[NEW_SH ? DG_HEADS_A_BLOCK : 1][2][D]; // the newest K and V a head
 	// A block takes hpb kv heads of one (sequence, split), DG_WARPS / hpb
 	// warps each (see DG_HEADS_A_BLOCK); warp w's head is hh = w / wph.
 	const int s = blockIdx.y, sp = blockIdx.z, wph = DG_WARPS / hpb;
@@ -181,6 +190,12 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 			*(uint4 *)(kc + base + D / 2 + c8) = b;
 			*(uint4 *)(vc + base + c8) = *(const uint4 *)(v + c8);
 			*(uint4 *)(vc + base + D / 2 + c8) = *(const uint4 *)(v + D / 2 + c8);
+			if (NEW_SH) {
+				*(uint4 *)&sh_new[th][0][c8] = a;
+				*(uint4 *)&sh_new[th][0][D / 2 + c8] = b;
+				*(uint4 *)&sh_new[th][1][c8] = *(const uint4 *)(v + c8);
+				*(uint4 *)&sh_new[th][1][D / 2 + c8] = *(const uint4 *)(v + D / 2 + c8);
+			}
 		}
 	}
 	// Query rows past G are zero (the products' N is MG).
@@ -189,7 +204,22 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 		*(uint4 *)&sh_q[th][j][8 * (i % (D / 8))] = make_uint4(0, 0, 0, 0);
 	}
 	__syncthreads(); // the queries, and the newest K and V, for the whole block
-	if (holds_newest && newest >= first && newest < first + DG_CHUNK) load(first, newest, newest + 1, kr, vr, false);
+	if (holds_newest && newest >= first && newest < first + DG_CHUNK) {
+		if constexpr (NEW_SH) {
+			// fetch_k's and fetch_v's places in the row, from shared memory.
+#pragma unroll
+			for (int j = 0; j < 2; j++)
+				if (first + gid + 8 * j == newest)
+#pragma unroll
+					for (int q = 0; q < 4; q++) kr[j][q] = *(const uint4 *)&sh_new[hh][0][32 * q + 8 * t];
+#pragma unroll
+			for (int i = 0; i < 4; i++)
+				if (first + 2 * t + (i & 1) + 8 * (i >> 1) == newest)
+#pragma unroll
+					for (int u = 0; u < 2; u++) vr[i][u] = *(const uint4 *)&sh_new[hh][1][64 * u + 8 * gid];
+		} else
+			load(first, newest, newest + 1, kr, vr, false);
+	}
 	// The queries stay in registers where there is room (PF); the lean
 	// kernels read them from shared memory for each chunk.
 	uint4 qf[4];

@@ -475,6 +475,17 @@ __device__ __forceinline__ void gemv_chunk(float acc[C * M], const uint4 wv[C], 
 #define GEMV_PRELOAD 4
 #endif
 
+// The normalising gemv asks for a thread's first GEMV_SQ_TOGETHER partial
+// sums of squares together: one after another, as a plain loop does (not
+// unrolled), the 512 parts that o_proj and down leave at every shape
+// measured were two round trips between the wait and the first product.
+// 0 is the loop. With GEMV_MIN_BLOCKS below, H200, batch 1 a step: 30B-A3B
+// -0.42 %, 8B -0.31 %, 0.6B -1.14 % (without it -1.12 %, +3.08 %, -2.41 %).
+// Taken with L1 prefetches of the residual and norm weights it lost 23 %.
+#ifndef GEMV_SQ_TOGETHER
+#define GEMV_SQ_TOGETHER 2
+#endif
+
 // gemv_group computes this thread's group's C outputs from n (valid while
 // < N) and returns the sums to lane 0 of the group's first warp (part 0),
 // sum[c * M + m]. With silu the rows of x are [gate | up], 2K wide, and the
@@ -524,7 +535,19 @@ __device__ __forceinline__ void gemv_group(float sum[C * M], const bf16 *x, cons
 		if (norm_w) {
 			float ss = 0.f;
 			const float *row = sq + (long long)m * nsq;
-			for (int j = threadIdx.x; j < nsq; j += blockDim.x) ss += __ldcg(row + j);
+			if (GEMV_SQ_TOGETHER) { // a thread's first n asked for together, added in the same order
+				float v[GEMV_SQ_TOGETHER > 0 ? GEMV_SQ_TOGETHER : 1];
+#pragma unroll
+				for (int u = 0; u < GEMV_SQ_TOGETHER; u++) {
+					const int j = threadIdx.x + u * blockDim.x;
+					v[u] = j < nsq ? __ldcg(row + j) : 0.f;
+				}
+#pragma unroll
+				for (int u = 0; u < GEMV_SQ_TOGETHER; u++)
+					if (threadIdx.x + u * blockDim.x < nsq) ss += v[u];
+				for (int j = threadIdx.x + GEMV_SQ_TOGETHER * blockDim.x; j < nsq; j += blockDim.x) ss += __ldcg(row + j);
+			} else
+				for (int j = threadIdx.x; j < nsq; j += blockDim.x) ss += __ldcg(row + j);
 			inv[m] = rsqrtf(block_sum(ss, sq_red) / K + eps);
 		}
 	}
@@ -596,8 +619,15 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 // gemv2_m* take two columns per warp group, for matrices so wide that
 // one column each would fill the GPU with blocks; with glu, a gate and
 // its up, and out is [M, N/2] of silu(gate) * up.
+// GEMV_MIN_BLOCKS: blocks an SM the compiler must leave room for. The
+// loop's 40 registers gave six; GEMV_SQ_TOGETHER's unrolled loads took
+// gemv_m1 and gemv2_m1 to 48 (five), which cost the 8B shape's step 3 %.
+#ifndef GEMV_MIN_BLOCKS
+#define GEMV_MIN_BLOCKS 6
+#endif
+#define GEMV_BOUNDS __launch_bounds__(256, GEMV_MIN_BLOCKS)
 #define GEMV(M, C, NAME)                                                                                \
-	extern "C" __global__ void __launch_bounds__(256)                                                   \
+	extern "C" __global__ void GEMV_BOUNDS                                                              \
 	    NAME(void *out, int out_f32, const bf16 *x, const bf16 *w, int N, int K, int wpo,               \
 	         const bf16 *norm_w, const float *sq, int nsq, float eps, int glu) {                        \
 		gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps, glu);                    \
