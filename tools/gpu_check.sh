@@ -26,6 +26,10 @@
 # step runs `ebb bench serving --check`. Logs go to OUT_DIR; the summary
 # is the last lines printed.
 #
+# EBB_KERNEL_DEFINES or EBB_KERNEL_DIR in the environment reach every step
+# (the check of an A/B setting before it becomes the default); the summary
+# names them.
+#
 # SKIP="kernels goldens" leaves those steps out (say where they passed on
 # the same build): the summary names them and the verdict says so.
 set -uo pipefail
@@ -182,6 +186,11 @@ else
 fi
 
 echo "== GPU check ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)), logs in $out"
+# A check run under an A/B setting checks that setting's kernels, not the
+# defaults: the summary says so.
+for v in EBB_KERNEL_DEFINES EBB_KERNEL_DIR; do
+	[ -n "${!v:-}" ] && echo "   with $v=${!v}"
+done
 printf '%s\n' "${summary[@]}"
 verdict=PASS
 [ $status -eq 0 ] || verdict=FAIL
