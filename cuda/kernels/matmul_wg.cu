@@ -198,6 +198,13 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 	             "r"(parity)
 	             : "memory");
 }
+// bulk_load copies bytes (a multiple of 16) from global src to shared dst,
+// completing on bar's transaction count.
+__device__ __forceinline__ void bulk_load(unsigned dst, const void *src, unsigned bytes, unsigned bar) {
+	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+	             "l"(src), "r"(bytes), "r"(bar)
+	             : "memory");
+}
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc *map, unsigned bar, int c0, int c1) {
 	asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
 	             "[%4];" ::"r"(dst),

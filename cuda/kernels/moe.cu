@@ -1008,19 +1008,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_bulk(void *out, int o
 			for (int j = 0; j < MOE_MAX_TOPK; j++) e[j] = j < k ? min(max(ids[t * k + j], 0), E - 1) : 0;
 #pragma unroll
 			for (int j = 0; j < MOE_MAX_TOPK; j++)
-				if (j < k)
-					asm volatile(
-					    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-					        rows + j * R * I * 2),
-					    "l"(w + ((long long)e[j] * H + n0) * I), "r"(bytes), "r"(b)
-					    : "memory");
+				if (j < k) bulk_load(rows + j * R * I * 2, w + ((long long)e[j] * H + n0) * I, bytes, b);
 		} else
 			for (int j = 0; j < k; j++) {
 				const int e = min(max(ids[t * k + j], 0), E - 1);
-				asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-				                 rows + j * R * I * 2),
-				             "l"(w + ((long long)e * H + n0) * I), "r"(bytes), "r"(b)
-				             : "memory");
+				bulk_load(rows + j * R * I * 2, w + ((long long)e * H + n0) * I, bytes, b);
 			}
 	}
 	if (warp == 1) moe_pair_sorted(order, wt, nullptr, nullptr, ids, weights, k, t);
