@@ -61,6 +61,7 @@ type Device struct {
 	gqaLean       int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
 	gqaHeads      int            // the kv heads a lean attn_decode_gqa block takes where EBB_GQA_HEADS_A_BLOCK sets them (0: gqaHeadsABlock chooses 1 or 2)
 	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
+	gemvOneWave   bool           // one-row gemvs of one wave at five blocks an SM take the _one_wave kernels (EBB_GEMV_ONE_WAVE=1)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	skipRepeats   lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
@@ -158,7 +159,7 @@ var kernelNames = []string{
 	"token_logprobs", "bf16_to_f32", "bf16_to_f32_v8", "f32_to_bf16", "f16_to_bf16", "f16_to_f32",
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"sample_scan_det_f32", "sample_scan_det_bf16", "token_logprobs_det", "attn_det_d64", "attn_det_d128", "attn_det_dec_d64", "attn_det_dec_d128",
-	"gemv_m1", "gemv2_m1", "gemv_fused_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128",
+	"gemv_m1", "gemv2_m1", "gemv_m1_one_wave", "gemv2_m1_one_wave", "gemv_fused_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128",
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
@@ -245,6 +246,7 @@ func (d *Device) init() error {
 		d.gqaHeads = n
 	}
 	d.wgFullRing = os.Getenv("EBB_MATMUL_WG_RING") == "full"
+	d.gemvOneWave = os.Getenv("EBB_GEMV_ONE_WAVE") == "1"
 	if d.skipKernels, d.skipRepeats = skipList(os.Getenv("EBB_SKIP_KERNELS")); d.skipKernels != nil || d.skipRepeats != nil {
 		fmt.Fprintf(os.Stderr, "ebb: EBB_SKIP_KERNELS=%s: these kernels are not launched and every output is wrong (for timing only)\n",
 			os.Getenv("EBB_SKIP_KERNELS"))

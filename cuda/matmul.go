@@ -256,7 +256,10 @@ func (d *Device) gemvWarps(n, k int) int {
 // would put more than four blocks per SM (gate_up, lm_head), a warp group
 // takes two columns, forming each input chunk once for both (H100 decode
 // steps: batch 2 1.26 -> 1.18 ms, batch 4 1.68 -> 1.48 ms).
-// With glu the two columns of a group are a gate and its up.
+// With glu the two columns of a group are a gate and its up. With
+// EBB_GEMV_ONE_WAVE=1 a one-row grid of at most gemvOneWaveBlocks an SM
+// takes the kernel without the blocks-an-SM bound (layers.cu,
+// GEMV_MIN_BLOCKS), which such a grid does not need.
 func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int) {
 	cols, name := 1, fmt.Sprintf("gemv_m%d", m)
 	if m <= 4 && (glu || n/8 > 4*d.ctx.SMs) {
@@ -264,8 +267,16 @@ func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int)
 	}
 	wpo = d.gemvWarps((n+cols-1)/cols, k)
 	perBlock := 8 / wpo * cols
-	return name, wpo, (n + perBlock - 1) / perBlock
+	blocks = (n + perBlock - 1) / perBlock
+	if d.gemvOneWave && m == 1 && blocks <= gemvOneWaveBlocks*d.ctx.SMs {
+		name += "_one_wave"
+	}
+	return name, wpo, blocks
 }
+
+// gemvOneWaveBlocks is how many blocks an SM gemv_m1 and gemv2_m1 hold
+// without their launch bound (48 registers, NVRTC 11.8, sm_80).
+const gemvOneWaveBlocks = 5
 
 // MatMulAddRMSNorm implements device.Fused for one row, and under
 // deterministic inference for the split products of detMatMulAddRMSNorm.

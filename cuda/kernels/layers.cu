@@ -622,27 +622,14 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 // GEMV_MIN_BLOCKS: blocks an SM the compiler must leave room for. The
 // loop's 40 registers gave six; GEMV_SQ_TOGETHER's unrolled loads took
 // gemv_m1 and gemv2_m1 to 48 (five), which cost the 8B shape's step 3 %
-// and gained the 30B-A3B shape's (no gemv2) 0.7 % against six.
-// GEMV_M1_MIN_BLOCKS and GEMV2_M1_MIN_BLOCKS set one kernel's (0: no
-// bound) for A/B runs of which of the two wants it.
+// and gained the 30B-A3B shape's 0.7 % against six. Its 8B products of
+// more than five blocks an SM (gate and up, 1,536 blocks; lm_head) want
+// the sixth; a grid of one wave at five (qkv: 320 blocks for the 30B-A3B
+// shape, 384 for the 8B) has no use for it and pays its spills. The
+// _one_wave kernels have no bound, for such grids (EBB_GEMV_ONE_WAVE=1,
+// for A/B runs until one measures them).
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 6
-#endif
-#ifndef GEMV_M1_MIN_BLOCKS
-#define GEMV_M1_MIN_BLOCKS GEMV_MIN_BLOCKS
-#endif
-#ifndef GEMV2_M1_MIN_BLOCKS
-#define GEMV2_M1_MIN_BLOCKS GEMV_MIN_BLOCKS
-#endif
-#if GEMV_M1_MIN_BLOCKS > 0
-#define GEMV_M1_BOUNDS __launch_bounds__(256, GEMV_M1_MIN_BLOCKS)
-#else
-#define GEMV_M1_BOUNDS __launch_bounds__(256)
-#endif
-#if GEMV2_M1_MIN_BLOCKS > 0
-#define GEMV2_M1_BOUNDS __launch_bounds__(256, GEMV2_M1_MIN_BLOCKS)
-#else
-#define GEMV2_M1_BOUNDS __launch_bounds__(256)
 #endif
 #define GEMV(M, C, NAME, BOUNDS)                                                                        \
 	extern "C" __global__ void BOUNDS                                                                   \
@@ -650,8 +637,10 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 	         const bf16 *norm_w, const float *sq, int nsq, float eps, int glu) {                        \
 		gemv_impl<M, C>(out, out_f32, x, w, N, K, wpo, norm_w, sq, nsq, eps, glu);                    \
 	}
-GEMV(1, 1, gemv_m1, GEMV_M1_BOUNDS)
-GEMV(1, 2, gemv2_m1, GEMV2_M1_BOUNDS)
+GEMV(1, 1, gemv_m1, __launch_bounds__(256, GEMV_MIN_BLOCKS))
+GEMV(1, 2, gemv2_m1, __launch_bounds__(256, GEMV_MIN_BLOCKS))
+GEMV(1, 1, gemv_m1_one_wave, __launch_bounds__(256))
+GEMV(1, 2, gemv2_m1_one_wave, __launch_bounds__(256))
 
 // gemv_fused is gemv for M rows (built for one) with what decode does around it:
 // with silu, the input rows are [gate | up] (2K wide) and the activation
