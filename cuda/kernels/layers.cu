@@ -622,11 +622,11 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 // GEMV_MIN_BLOCKS: blocks an SM the compiler must leave room for. The
 // loop's 40 registers gave six; GEMV_SQ_TOGETHER's unrolled loads took
 // gemv_m1 and gemv2_m1 to 48 (five), which cost the 8B shape's step 3 %
-// and gained the 30B-A3B shape's 0.7 % against six. Its 8B products of
-// more than five blocks an SM (gate and up, 1,536 blocks; lm_head) want
-// the sixth; a grid of one wave at five (qkv: 320 blocks for the 30B-A3B
-// shape, 384 for the 8B) has no use for it and pays its spills. The
-// _one_wave kernels have no bound, for such grids (EBB_GEMV_ONE_WAVE=1,
+// and gained the 30B-A3B shape's 0.7 % against six. Likely the 8B's grids
+// of more than five blocks an SM (gate and up, 1,536 blocks) want the
+// sixth, where a grid of one wave at five (qkv: 320 blocks for the
+// 30B-A3B shape, 384 for the 8B) has no use for it and pays its spills.
+// The _one_wave kernels have no bound, for such grids (EBB_GEMV_ONE_WAVE=1,
 // for A/B runs until one measures them).
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 6
