@@ -74,8 +74,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	// less on that warp's path. At batch 1 every split is one chunk a warp,
 	// so the newest is always in a first chunk (H200, batch 1 a step: 30B-A3B
 	// -0.27 %, 8B -0.11 %, 0.6B -0.76 %).
-	constexpr bool NEW_SH = RAW;
-	__shared__ __align__(16) bf16 sh_new[NEW_SH ? DG_HEADS_A_BLOCK : 1][2][D]; // the newest K and V a head
+	__shared__ __align__(16) bf16 sh_new[RAW ? DG_HEADS_A_BLOCK : 1][2][D]; // the newest K and V a head
 	// A block takes hpb kv heads of one (sequence, split), DG_WARPS / hpb
 	// warps each (see DG_HEADS_A_BLOCK); warp w's head is hh = w / wph.
 	const int s = blockIdx.y, sp = blockIdx.z, wph = DG_WARPS / hpb;
@@ -190,12 +189,10 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 			*(uint4 *)(kc + base + D / 2 + c8) = b;
 			*(uint4 *)(vc + base + c8) = *(const uint4 *)(v + c8);
 			*(uint4 *)(vc + base + D / 2 + c8) = *(const uint4 *)(v + D / 2 + c8);
-			if (NEW_SH) {
-				*(uint4 *)&sh_new[th][0][c8] = a;
-				*(uint4 *)&sh_new[th][0][D / 2 + c8] = b;
-				*(uint4 *)&sh_new[th][1][c8] = *(const uint4 *)(v + c8);
-				*(uint4 *)&sh_new[th][1][D / 2 + c8] = *(const uint4 *)(v + D / 2 + c8);
-			}
+			*(uint4 *)&sh_new[th][0][c8] = a;
+			*(uint4 *)&sh_new[th][0][D / 2 + c8] = b;
+			*(uint4 *)&sh_new[th][1][c8] = *(const uint4 *)(v + c8);
+			*(uint4 *)&sh_new[th][1][D / 2 + c8] = *(const uint4 *)(v + D / 2 + c8);
 		}
 	}
 	// Query rows past G are zero (the products' N is MG).
@@ -205,7 +202,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	}
 	__syncthreads(); // the queries, and the newest K and V, for the whole block
 	if (holds_newest && newest >= first && newest < first + DG_CHUNK) {
-		if constexpr (NEW_SH) {
+		if constexpr (RAW) {
 			// fetch_k's and fetch_v's places in the row, from shared memory.
 #pragma unroll
 			for (int j = 0; j < 2; j++)
