@@ -61,7 +61,6 @@ type Device struct {
 	gqaLean       int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
 	gqaHeads      int            // the kv heads a lean attn_decode_gqa block takes where EBB_GQA_HEADS_A_BLOCK sets them (0: gqaHeadsABlock chooses 1 or 2)
 	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
-	gemvOneWave   bool           // one-row gemvs of one wave at five blocks an SM take the _one_wave kernels (EBB_GEMV_ONE_WAVE=1)
 	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
 	skipRepeats   lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
 	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
@@ -246,7 +245,6 @@ func (d *Device) init() error {
 		d.gqaHeads = n
 	}
 	d.wgFullRing = os.Getenv("EBB_MATMUL_WG_RING") == "full"
-	d.gemvOneWave = os.Getenv("EBB_GEMV_ONE_WAVE") == "1"
 	if d.skipKernels, d.skipRepeats = skipList(os.Getenv("EBB_SKIP_KERNELS")); d.skipKernels != nil || d.skipRepeats != nil {
 		fmt.Fprintf(os.Stderr, "ebb: EBB_SKIP_KERNELS=%s: these kernels are not launched and every output is wrong (for timing only)\n",
 			os.Getenv("EBB_SKIP_KERNELS"))

@@ -256,10 +256,11 @@ func (d *Device) gemvWarps(n, k int) int {
 // would put more than four blocks per SM (gate_up, lm_head), a warp group
 // takes two columns, forming each input chunk once for both (H100 decode
 // steps: batch 2 1.26 -> 1.18 ms, batch 4 1.68 -> 1.48 ms).
-// With glu the two columns of a group are a gate and its up. With
-// EBB_GEMV_ONE_WAVE=1 a one-row grid of at most gemvOneWaveBlocks an SM
-// takes the kernel without the blocks-an-SM bound (layers.cu,
-// GEMV_MIN_BLOCKS), which such a grid does not need.
+// With glu the two columns of a group are a gate and its up. A one-row
+// grid of at most gemvOneWaveBlocks an SM takes the kernel without the
+// blocks-an-SM bound (layers.cu, GEMV_MIN_BLOCKS): such a grid has no use
+// for a sixth block and the bound's spills cost it (H200, batch 1:
+// 30B-A3B -1.04 %, 8B -0.25 %, 0.6B -1.47 %).
 func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int) {
 	cols, name := 1, fmt.Sprintf("gemv_m%d", m)
 	if m <= 4 && (glu || n/8 > 4*d.ctx.SMs) {
@@ -268,7 +269,7 @@ func (d *Device) gemvShape(m, n, k int, glu bool) (name string, wpo, blocks int)
 	wpo = d.gemvWarps((n+cols-1)/cols, k)
 	perBlock := 8 / wpo * cols
 	blocks = (n + perBlock - 1) / perBlock
-	if d.gemvOneWave && m == 1 && blocks <= gemvOneWaveBlocks*d.ctx.SMs {
+	if m == 1 && blocks <= gemvOneWaveBlocks*d.ctx.SMs {
 		name += "_one_wave"
 	}
 	return name, wpo, blocks

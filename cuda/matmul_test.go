@@ -391,30 +391,29 @@ func TestMatMulRoute(t *testing.T) {
 	}
 }
 
-// TestGemvOneWave (no GPU): with EBB_GEMV_ONE_WAVE=1 a one-row gemv whose
-// grid is one wave at five blocks an SM takes the kernel without the
-// launch bound; larger grids, more rows, and the default keep it.
+// TestGemvOneWave (no GPU): a one-row gemv whose grid is one wave at five
+// blocks an SM takes the kernel without the launch bound; larger grids and
+// more rows keep it.
 func TestGemvOneWave(t *testing.T) {
 	cases := []struct {
-		name         string
-		m, n, k      int
-		glu, oneWave bool
-		want         string
+		name    string
+		m, n, k int
+		glu     bool
+		want    string
 	}{
-		{"30B-A3B qkv, 320 blocks", 1, 5120, 2048, false, true, "gemv2_m1_one_wave"},
-		{"30B-A3B qkv, default", 1, 5120, 2048, false, false, "gemv2_m1"},
-		{"0.6B qkv, 512 blocks", 1, 4096, 1024, false, true, "gemv_m1_one_wave"},
-		{"0.6B gate and up, 384 blocks", 1, 6144, 1024, true, true, "gemv2_m1_one_wave"},
-		{"8B gate and up, 1,536 blocks", 1, 24576, 4096, true, true, "gemv2_m1"},
-		{"lm_head", 1, 151936, 2048, false, true, "gemv2_m1"},
-		{"two rows", 2, 5120, 2048, false, true, "gemv2_m2"},
+		{"30B-A3B qkv, 320 blocks", 1, 5120, 2048, false, "gemv2_m1_one_wave"},
+		{"0.6B qkv, 512 blocks", 1, 4096, 1024, false, "gemv_m1_one_wave"},
+		{"0.6B gate and up, 384 blocks", 1, 6144, 1024, true, "gemv2_m1_one_wave"},
+		{"8B gate and up, 1,536 blocks", 1, 24576, 4096, true, "gemv2_m1"},
+		{"lm_head", 1, 151936, 2048, false, "gemv2_m1"},
+		{"two rows", 2, 5120, 2048, false, "gemv2_m2"},
 	}
 	loaded := map[string]bool{}
 	for _, n := range kernelNames {
 		loaded[n] = true
 	}
 	for _, c := range cases {
-		d := &Device{ctx: &Context{SMs: 132}, gemvOneWave: c.oneWave}
+		d := &Device{ctx: &Context{SMs: 132}}
 		name, _, blocks := d.gemvShape(c.m, c.n, c.k, c.glu)
 		if name != c.want {
 			t.Errorf("%s: %s (%d blocks), want %s", c.name, name, blocks, c.want)

@@ -626,8 +626,7 @@ __device__ void gemv_impl(void *out, int out_f32, const bf16 *x, const bf16 *w, 
 // of more than five blocks an SM (gate and up, 1,536 blocks) want the
 // sixth, where a grid of one wave at five (qkv: 320 blocks for the
 // 30B-A3B shape, 384 for the 8B) has no use for it and pays its spills.
-// The _one_wave kernels have no bound, for such grids (EBB_GEMV_ONE_WAVE=1,
-// for A/B runs until one measures them).
+// The _one_wave kernels have no bound, for such grids (gemvShape).
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 6
 #endif
