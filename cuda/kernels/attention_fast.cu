@@ -175,18 +175,6 @@ __device__ __forceinline__ void decode_block_store(bf16 *out, float *part_o, flo
 	}
 }
 
-// With DV_MERGE_QUADS n, decode_merge's few-split path takes four output
-// elements a turn and asks for n turns' partials together. One element a
-// turn, as it is by default, the last block of a (sequence, kv head) runs
-// G * D / blockDim turns one after another, each a round trip to L2: eight
-// for the 30B-A3B shape's eight heads of 128 on 128 threads, at batch 1
-// after every split (three of 64 positions at 192). The same sums in the
-// same order. Off until an A/B run measures it
-// (EBB_KERNEL_DEFINES=DV_MERGE_QUADS=2).
-#ifndef DV_MERGE_QUADS
-#define DV_MERGE_QUADS 0
-#endif
-
 // decode_merge: after every split of a (sequence, kv head) has left its
 // partials (split_store), the last block to finish merges them into the
 // output. Every thread of the block calls it.
@@ -196,47 +184,6 @@ __device__ __forceinline__ void decode_merge(bf16 *out, const float *part_o, con
 	__shared__ int sh_last;
 	const int G = hq / hk;
 	if (used == 1 || !split_elect_last(&counters[s * hk + g], used, &sh_last)) return;
-	if (DV_MERGE_QUADS && used <= DV_FEW_SPLITS) {
-		// Few splits, four output elements a thread's turn and its
-		// DV_MERGE_QUADS turns asked for together (16-byte loads of the
-		// partials; a row's maxima and sums once for its four elements).
-		constexpr int U = DV_MERGE_QUADS > 0 ? DV_MERGE_QUADS : 1;
-		const int nq = G * D / 4;
-		for (int q0 = threadIdx.x; q0 < nq; q0 += U * blockDim.x) {
-			float mj[U][DV_FEW_SPLITS], lj[U][DV_FEW_SPLITS];
-			float4 oj[U][DV_FEW_SPLITS];
-#pragma unroll
-			for (int u = 0; u < U; u++) {
-				const int q = q0 + u * blockDim.x;
-				if (q >= nq) break;
-				const long long rh = row * hq + g * G + 4 * q / D;
-				const float *ml = part_ml + rh * splits * 2, *po = part_o + rh * splits * D + 4 * q % D;
-#pragma unroll
-				for (int j = 0; j < DV_FEW_SPLITS; j++) {
-					if (j >= used) break;
-					mj[u][j] = __ldcg(ml + 2 * j);
-					lj[u][j] = __ldcg(ml + 2 * j + 1);
-					oj[u][j] = __ldcg((const float4 *)(po + j * D));
-				}
-			}
-#pragma unroll
-			for (int u = 0; u < U; u++) {
-				const int q = q0 + u * blockDim.x;
-				if (q >= nq) break;
-				const long long rh = row * hq + g * G + 4 * q / D;
-#pragma unroll
-				for (int e = 0; e < 4; e++) {
-					const float v = merge_splits(used, [&](int j, float &m, float &l, float &o) {
-						m = mj[u][j], l = lj[u][j];
-						o = e == 0 ? oj[u][j].x : e == 1 ? oj[u][j].y : e == 2 ? oj[u][j].z : oj[u][j].w;
-					});
-					out[rh * D + 4 * q % D + e] = f2bf(v);
-				}
-			}
-		}
-		if (threadIdx.x == 0) counters[s * hk + g] = 0;
-		return;
-	}
 	if (used <= DV_FEW_SPLITS) {
 		// Few splits: each thread requests all it needs at once, from two
 		// base addresses with constant offsets.

@@ -958,23 +958,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_combine(void *out, in
 	moe_down_finish(out, out_f32, k, H, residual, rv, sq, t, n0, dots, order, wt);
 }
 
-// Two round trips off moe_down_bulk's path, off until an A/B run measures
-// them. MOE_DOWN_IDS_FIRST 1: thread 0 loads the token's k expert ids
-// together before it asks for any copy, not one id before each copy (the
-// copies' asm orders every load after the one before: k round trips).
-// MOE_DOWN_ACT_EARLY 1: where every product of a warp takes the same pair
-// (8 % k == 0) and I is at most 32 * MOE_DOWN_ACT_CHUNKS * 8, the warp asks
-// for its act row right after the wait, before it waits for the copies,
-// and holds it in registers, not one chunk after another (two round trips
-// at I = 768) for its first product. Same sums, same order.
-#ifndef MOE_DOWN_IDS_FIRST
-#define MOE_DOWN_IDS_FIRST 0
-#endif
-#ifndef MOE_DOWN_ACT_EARLY
-#define MOE_DOWN_ACT_EARLY 0
-#endif
-#define MOE_DOWN_ACT_CHUNKS 4
-
 // moe_down_bulk is moe_down_combine (the same products, sums and bits)
 // with its weights brought in by the copy engine: before it waits for
 // moe_gemv_glu, one thread asks for the block's columns of each chosen
@@ -1002,33 +985,15 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_bulk(void *out, int o
 		mbar_init(b, 1);
 		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 		mbar_expect_tx(b, bytes * k);
-		if (MOE_DOWN_IDS_FIRST) {
-			int e[MOE_MAX_TOPK];
-#pragma unroll
-			for (int j = 0; j < MOE_MAX_TOPK; j++) e[j] = j < k ? min(max(ids[t * k + j], 0), E - 1) : 0;
-#pragma unroll
-			for (int j = 0; j < MOE_MAX_TOPK; j++)
-				if (j < k) bulk_load(rows + j * R * I * 2, w + ((long long)e[j] * H + n0) * I, bytes, b);
-		} else
-			for (int j = 0; j < k; j++) {
-				const int e = min(max(ids[t * k + j], 0), E - 1);
-				bulk_load(rows + j * R * I * 2, w + ((long long)e * H + n0) * I, bytes, b);
-			}
+		for (int j = 0; j < k; j++) {
+			const int e = min(max(ids[t * k + j], 0), E - 1);
+			bulk_load(rows + j * R * I * 2, w + ((long long)e * H + n0) * I, bytes, b);
+		}
 	}
 	if (warp == 1) moe_pair_sorted(order, wt, nullptr, nullptr, ids, weights, k, t);
 	const float rv = moe_down_residual(residual, H, t, n0);
 	__syncthreads();
 	DEP();
-	bool held = false;
-	uint4 ah[MOE_DOWN_ACT_CHUNKS]; // held: the warp's act row, chunks lane, lane + 32, ...
-	if (MOE_DOWN_ACT_EARLY) {
-		const int kv = I / 8;
-		held = 8 % k == 0 && kv <= 32 * MOE_DOWN_ACT_CHUNKS && warp < R * k;
-		const uint4 *ar = (const uint4 *)(act + (t * k + warp % k) * I);
-#pragma unroll
-		for (int c = 0; c < MOE_DOWN_ACT_CHUNKS; c++)
-			ah[c] = held && lane + 32 * c < kv ? __ldg(ar + lane + 32 * c) : make_uint4(0, 0, 0, 0);
-	}
 	mbar_wait(b, 0);
 	const int kv = I / 8;
 	for (int q = warp; q < R * k; q += 8) {
@@ -1037,12 +1002,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_bulk(void *out, int o
 		const uint4 *wr = (const uint4 *)(moe_down_smem + (size_t)(j * R + r) * I * 2);
 		const uint4 *ar = (const uint4 *)(act + (t * k + j) * I);
 		float d = 0.f;
-		if (held) {
-#pragma unroll
-			for (int c = 0; c < MOE_DOWN_ACT_CHUNKS; c++)
-				if (lane + 32 * c < kv) d = dot8(wr[lane + 32 * c], ah[c], d);
-		} else
-			for (int i = lane; i < kv; i += 32) d = dot8(wr[i], __ldg(ar + i), d);
+		for (int i = lane; i < kv; i += 32) d = dot8(wr[i], __ldg(ar + i), d);
 		d = warp_sum(d);
 		if (lane == 0) dots[r][j] = d;
 	}
