@@ -293,7 +293,8 @@ func TestSiLUMul(t *testing.T) {
 // each row count and times it.
 func TestBenchMatMul(t *testing.T) {
 	p := newPair(t)
-	// 25 to 128 rows: matmul_wg where its kernels were built, in its 32-
+	// One row of 1,024 columns: 128 blocks, one wave (gemvShape). 25 to
+	// 128 rows: matmul_wg where its kernels were built, in its 32-
 	// to 128-row tiles.
 	wg32, wg128 := "cublasGemmEx", "cublasGemmEx"
 	if p.gpu.wgmma {
@@ -302,7 +303,7 @@ func TestBenchMatMul(t *testing.T) {
 	for _, c := range []struct {
 		m      int
 		kernel string
-	}{{1, "gemv_m1"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {24, "matmul_tc_t3"}, {25, wg32}, {128, wg128}, {129, "cublasGemmEx"}} {
+	}{{1, "gemv_m1_one_wave"}, {8, "matmul_tc_t1"}, {16, "matmul_tc_t2"}, {24, "matmul_tc_t3"}, {25, wg32}, {128, wg128}, {129, "cublasGemmEx"}} {
 		r, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: c.m, N: 1024, K: 2048, Iters: 3})
 		if err != nil {
 			t.Fatal(err)
