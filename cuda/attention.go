@@ -120,6 +120,20 @@ func decodeVecMinSplit(splits int) int {
 	return 64
 }
 
+// decodeMinSplit is decodeVecMinSplit unless EBB_DECODE_MIN_SPLIT sets it,
+// for A/B runs: at batch 1 a short context's splits each pay the kernel's
+// chain of loads and the last one the merge's, and the 30B-A3B shape's step
+// at 128 to 256 positions ran 1.35 % faster in one split than in three
+// (EBB_DECODE_SPLITS=1, H200), the 8B shape's 0.4 % slower. A floor on a
+// split's positions keeps that for short contexts and leaves long ones
+// their splits, which EBB_DECODE_SPLITS does not.
+func (d *Device) decodeMinSplit(splits int) int {
+	if d.decodeMinSplitAt > 0 {
+		return d.decodeMinSplitAt
+	}
+	return decodeVecMinSplit(splits)
+}
+
 // splitDecodeKernel picks the split decode kernel for g query heads a kv
 // head, the head size, a step's pairs (sequence, kv head) and its longest
 // context: attention_gqa.cu's tensor-core kernel for 3 to 8 heads of 128
@@ -457,7 +471,7 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 	grid := Dim3{uint32(b), uint32(hk), uint32(splits)}
 	if balanced {
 		grid = Dim3{uint32(hk), uint32(b), uint32(splits)}
-		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(decodeVecMinSplit(splits)))
+		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(d.decodeMinSplit(splits)))
 	}
 	if strings.HasPrefix(name, "attn_decode_gqa") {
 		hpb := d.gqaHeadsABlock(strings.Contains(name, "_lean"), b, hq, hk, waves)

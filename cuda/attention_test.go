@@ -455,6 +455,19 @@ func TestDecodeGrid(t *testing.T) {
 	}
 }
 
+// TestDecodeMinSplit (no GPU): a split's fewest positions are 64, 128
+// past 32 splits, and EBB_DECODE_MIN_SPLIT's wherever it is set.
+func TestDecodeMinSplit(t *testing.T) {
+	for _, c := range []struct {
+		splits, env, want int
+	}{{3, 0, 64}, {32, 0, 64}, {64, 0, 128}, {3, 256, 256}, {64, 256, 256}} {
+		d := &Device{decodeMinSplitAt: c.env}
+		if got := d.decodeMinSplit(c.splits); got != c.want {
+			t.Errorf("%d splits, EBB_DECODE_MIN_SPLIT %d: %d, want %d", c.splits, c.env, got, c.want)
+		}
+	}
+}
+
 // TestDecodeKernelChoice (no GPU): 3 to 8 query heads a kv head at 128
 // dims take the tensor-core kernel (a loaded kernel), and 1 or 2 where the
 // step's pairs are at most 4.5 waves of SMs; 1 to 8 at any batch with
