@@ -128,8 +128,8 @@ func decodeVecMinSplit(splits int) int {
 // split's positions keeps that for short contexts and leaves long ones
 // their splits, which EBB_DECODE_SPLITS does not.
 func (d *Device) decodeMinSplit(splits int) int {
-	if d.decodeMinSplitAt > 0 {
-		return d.decodeMinSplitAt
+	if d.splitFloor > 0 {
+		return d.splitFloor
 	}
 	return decodeVecMinSplit(splits)
 }

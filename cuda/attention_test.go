@@ -461,7 +461,7 @@ func TestDecodeMinSplit(t *testing.T) {
 	for _, c := range []struct {
 		splits, env, want int
 	}{{3, 0, 64}, {32, 0, 64}, {64, 0, 128}, {3, 256, 256}, {64, 256, 256}} {
-		d := &Device{decodeMinSplitAt: c.env}
+		d := &Device{splitFloor: c.env}
 		if got := d.decodeMinSplit(c.splits); got != c.want {
 			t.Errorf("%d splits, EBB_DECODE_MIN_SPLIT %d: %d, want %d", c.splits, c.env, got, c.want)
 		}

@@ -32,53 +32,53 @@ type Device struct {
 	nvml      *NVML
 	err       error
 
-	partO, partML    device.Tensor  // split-KV attention partials (fixed addresses, for graphs)
-	counters         device.Tensor  // split-KV merge counters, zero between launches
-	samplePart       device.Tensor  // per-slice row reductions for sampling
-	rowSquares       device.Tensor  // MatMulAdd's per-block sums of squares, for RMSNormMatMul
-	pendingNorm      pendingNorm    // what the last MatMulAdd left in rowSquares
-	pinned           []*pinned      // host staging buffers handed out by AllocPinned
-	savedStack       int64          // stack limit to restore on resume (0: not shrunk)
-	prefillShared    int            // dynamic shared memory the prefill kernel is allowed
-	mmaShared        map[int]bool   // head sizes whose tensor-core prefill kernel was allowed its shared memory
-	fences           []*Event       // idle events for Fence
-	peers            *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
-	wgmma            bool           // matmul_wg runs: the kernels were built for sm_90a
-	wgMaxRows        int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
-	noPart           bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
-	wgOneTile        bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)
-	wgBlock          int            // matmul_wg's threads a block (matMulWGBlock)
-	wgNo192          bool           // batches of 129-192 rows take the 256-row tile (EBB_MATMUL_WG_N192=0)
-	noQKVEpilogue    bool           // deterministic qkv products leave q, k and v to prepare_qkv16 (EBB_DET_QKV_EPILOGUE=0)
-	detPartFrom      int            // deterministic qkv products run on matmul_wg_part past this many rows (EBB_DET_PART_FROM; 0: matMulWGDetPartFrom)
-	noDetFold        bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
-	few              fewSettings    // the products matmul_wg_few takes (EBB_MATMUL_FEW, EBB_DET_FEW_*)
-	foldTC           bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
-	foldWG           bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
-	rawDecode        bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
-	gqaFrom          int            // the fewest query heads a kv head that decode on attn_decode_gqa (EBB_DECODE_GQA; 0: gqaDecodeFrom)
-	gqaWaves         int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
-	gqaLean          int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
-	gqaHeads         int            // the kv heads a lean attn_decode_gqa block takes where EBB_GQA_HEADS_A_BLOCK sets them (0: gqaHeadsABlock chooses 1 or 2)
-	wgFullRing       bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
-	skipKernels      kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
-	skipRepeats      lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
-	moeGemvTokens    int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
-	moeGluBlocks     int            // moe_gemv_glu's blocks an SM, each taking column groups in turn (EBB_MOE_GLU_BLOCKS, every step; 0: a block a group; -1, unset: moeGluBlocks for one token)
-	moeTileRows      int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
-	moeWG            bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
-	moeSortedFrom    int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
-	noMoEFold        bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
-	moeFirstTiles    int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
-	moeRouteWarps    int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
-	normRouteRows    int            // the most tokens moe_add_norm_route takes (EBB_MOE_NORM_ROUTE_ROWS)
-	routeEights      int            // the most it takes in clusters of eight tokens (moeNormRouteEights; tests change it)
-	noMoEBulk        bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
-	moeWGRing32      int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
-	tcLarge          bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
-	decodeSplits     int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
-	decodeMinSplitAt int            // the fewest positions a balanced decode split takes where EBB_DECODE_MIN_SPLIT sets it (0: decodeVecMinSplit)
-	sampleWaves      int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
+	partO, partML device.Tensor  // split-KV attention partials (fixed addresses, for graphs)
+	counters      device.Tensor  // split-KV merge counters, zero between launches
+	samplePart    device.Tensor  // per-slice row reductions for sampling
+	rowSquares    device.Tensor  // MatMulAdd's per-block sums of squares, for RMSNormMatMul
+	pendingNorm   pendingNorm    // what the last MatMulAdd left in rowSquares
+	pinned        []*pinned      // host staging buffers handed out by AllocPinned
+	savedStack    int64          // stack limit to restore on resume (0: not shrunk)
+	prefillShared int            // dynamic shared memory the prefill kernel is allowed
+	mmaShared     map[int]bool   // head sizes whose tensor-core prefill kernel was allowed its shared memory
+	fences        []*Event       // idle events for Fence
+	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
+	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
+	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
+	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
+	wgOneTile     bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)
+	wgBlock       int            // matmul_wg's threads a block (matMulWGBlock)
+	wgNo192       bool           // batches of 129-192 rows take the 256-row tile (EBB_MATMUL_WG_N192=0)
+	noQKVEpilogue bool           // deterministic qkv products leave q, k and v to prepare_qkv16 (EBB_DET_QKV_EPILOGUE=0)
+	detPartFrom   int            // deterministic qkv products run on matmul_wg_part past this many rows (EBB_DET_PART_FROM; 0: matMulWGDetPartFrom)
+	noDetFold     bool           // deterministic inference runs every add_rmsnorm in a launch of its own (EBB_DET_FOLD=0)
+	few           fewSettings    // the products matmul_wg_few takes (EBB_MATMUL_FEW, EBB_DET_FEW_*)
+	foldTC        bool           // matmul_tc takes part in add_rmsnorm (EBB_NORM_FOLD)
+	foldWG        bool           // matmul_wg takes part in add_rmsnorm (EBB_NORM_FOLD)
+	rawDecode     bool           // decode attention prepares its own q, k and v (EBB_DECODE_PREPARE)
+	gqaFrom       int            // the fewest query heads a kv head that decode on attn_decode_gqa (EBB_DECODE_GQA; 0: gqaDecodeFrom)
+	gqaWaves      int            // attn_decode_gqa's waves where EBB_GQA_WAVES sets it (0: decodeVecGrid's)
+	gqaLean       int            // when attn_decode_gqa takes its lean kernels (EBB_GQA_LEAN: leanByContext, leanAlways, leanNever)
+	gqaHeads      int            // the kv heads a lean attn_decode_gqa block takes where EBB_GQA_HEADS_A_BLOCK sets them (0: gqaHeadsABlock chooses 1 or 2)
+	wgFullRing    bool           // matmul_wg allocates its whole ring however few k-steps a block runs (EBB_MATMUL_WG_RING=full)
+	skipKernels   kernelSet      // kernels not launched, for timing only (EBB_SKIP_KERNELS): see launch
+	skipRepeats   lastLaunches   // kernels not launched again with their last launch's arguments (EBB_SKIP_KERNELS name:repeats)
+	moeGemvTokens int            // MoE steps of at most this many tokens take moe_gemv_glu (EBB_MOE_GEMV_TOKENS)
+	moeGluBlocks  int            // moe_gemv_glu's blocks an SM, each taking column groups in turn (EBB_MOE_GLU_BLOCKS, every step; 0: a block a group; -1, unset: moeGluBlocks for one token)
+	moeTileRows   int            // moe_gemm's tile height where EBB_MOE_TILE_ROWS sets it (0: by the rows an expert averages)
+	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
+	moeSortedFrom int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
+	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
+	moeFirstTiles int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
+	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
+	normRouteRows int            // the most tokens moe_add_norm_route takes (EBB_MOE_NORM_ROUTE_ROWS)
+	routeEights   int            // the most it takes in clusters of eight tokens (moeNormRouteEights; tests change it)
+	noMoEBulk     bool           // moe_down_combine reads its weights into registers, not by bulk copies (EBB_MOE_BULK=0)
+	moeWGRing32   int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
+	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
+	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
+	splitFloor    int            // the fewest positions a balanced decode split takes where EBB_DECODE_MIN_SPLIT sets it (0: decodeVecMinSplit)
+	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
 	det                 bool
@@ -290,7 +290,7 @@ func (d *Device) init() error {
 	d.few = fewFromEnv()
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_MIN_SPLIT")); err == nil && n > 0 {
-		d.decodeMinSplitAt = n
+		d.splitFloor = n
 	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)
