@@ -120,18 +120,28 @@ func decodeVecMinSplit(splits int) int {
 	return 64
 }
 
-// decodeMinSplit is decodeVecMinSplit unless EBB_DECODE_MIN_SPLIT sets it,
-// for A/B runs: at batch 1 a short context's splits each pay the kernel's
-// chain of loads and the last one the merge's, and the 30B-A3B shape's step
-// at 128 to 256 positions ran 1.35 % faster in one split than in three
-// (EBB_DECODE_SPLITS=1, H200), the 8B shape's 0.4 % slower. A floor on a
-// split's positions keeps that for short contexts and leaves long ones
-// their splits, which EBB_DECODE_SPLITS does not.
-func (d *Device) decodeMinSplit(splits int) int {
-	if d.splitFloor > 0 {
-		return d.splitFloor
+// decodeWholeContext is the longest context a balanced decode kernel
+// takes in one split. One split writes its output at once where more leave
+// partials, elect a last block and merge them, and at short contexts that
+// costs more than the split's positions save. A decode step at 128 to 256
+// positions, H200, against the splits decode_split cuts (two of 128
+// positions at batch 1): the 30B-A3B shape batch 1 2.890 -> 2.761 ms
+// (-4.45 %), batch 8 8.408 -> 8.176 (-2.76 %), batch 32 14.953 -> 14.752
+// (-1.35 %), batch 256 the same (one split already); the 8B shape batch 1
+// 4.412 -> 4.401 (-0.26 %), batch 32 5.400 -> 5.331 (-1.28 %); the 0.6B
+// shape batch 1 0.758 -> 0.757 (-0.20 %). Longer bounds lost where
+// contexts reach them: 512 at 384 to 512 positions, 8B batch 1 +2.52 %,
+// 0.6B +11.7 % (30B-A3B -0.25 %); 1,024 at 896 to 1,024, 30B-A3B batch 1
+// +15.7 %.
+const decodeWholeContext = 256
+
+// decodeWhole is decodeWholeContext unless EBB_DECODE_WHOLE sets it, for
+// A/B runs (0: the splits decode_split cuts).
+func (d *Device) decodeWhole() int {
+	if d.wholeSet {
+		return d.whole
 	}
-	return decodeVecMinSplit(splits)
+	return decodeWholeContext
 }
 
 // splitDecodeKernel picks the split decode kernel for g query heads a kv
@@ -471,7 +481,7 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 	grid := Dim3{uint32(b), uint32(hk), uint32(splits)}
 	if balanced {
 		grid = Dim3{uint32(hk), uint32(b), uint32(splits)}
-		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(d.decodeMinSplit(splits)))
+		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(decodeVecMinSplit(splits)), I(d.decodeWhole()))
 	}
 	if strings.HasPrefix(name, "attn_decode_gqa") {
 		hpb := d.gqaHeadsABlock(strings.Contains(name, "_lean"), b, hq, hk, waves)

@@ -150,6 +150,14 @@ func TestPrepareDecode(t *testing.T) {
 		{"lean4-qwen3-8b-g4-ragged", 32, 8, 128, true, raggedContexts(80)},
 		{"lean2-qwen3", 16, 8, 128, true, []int{700, 1, 65, 130, 2000, 64}},
 		{"lean4-g3-no-norm", 12, 4, 128, false, []int{90, 400, 7}},
+		// EBB_DECODE_WHOLE=512: contexts up to 512 positions in one split.
+		{"qwen3-30b-a3b-g8-whole", 32, 4, 128, true, []int{700, 1, 65, 512, 513, 3000}},
+		{"qwen3-30b-a3b-g8-b1-whole", 32, 4, 128, true, []int{400}},
+		{"lean-qwen3-30b-a3b-g8-whole", 32, 4, 128, true, []int{700, 1, 65, 512, 513, 3000}},
+		{"vector-qwen3-whole", 16, 8, 128, true, []int{700, 1, 65, 512, 513, 3000}},
+		// EBB_DECODE_WHOLE=0: short contexts in more than one split.
+		{"qwen3-30b-a3b-g8-b1-split", 32, 4, 128, true, []int{250}},
+		{"vector-qwen3-split", 16, 8, 128, true, []int{200, 1, 65, 130, 256, 64}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -157,6 +165,7 @@ func TestPrepareDecode(t *testing.T) {
 			p.gpu.rawDecode = true
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
+			p.gpu.whole, p.gpu.wholeSet = wholeMode(tc.name)
 			qlens := repeat(1, len(tc.kvlens))
 			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
 			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
@@ -393,12 +402,24 @@ func TestAttention(t *testing.T) {
 		{"sparse-d128", 16, 8, 128, []int{1, 0, 1, 1, 0}, []int{1, 128, 300, 65, 20}},
 		{"sparse-d64-g3", 6, 2, 64, []int{0, 1, 1}, []int{40, 4000, 7}},
 		{"sparse-d32", 4, 2, 32, []int{1, 0, 1}, []int{3, 5, 129}},
+		// EBB_DECODE_WHOLE=512: contexts up to 512 positions in one split,
+		// longer ones cut as before.
+		{"decode-gqa-g8-whole", 32, 4, 128, repeat(1, 5), []int{1, 300, 512, 513, 3000}},
+		{"decode-gqa-g8-b1-whole", 32, 4, 128, []int{1}, []int{400}},
+		{"lean-decode-gqa-g8-whole", 32, 4, 128, repeat(1, 5), []int{1, 300, 512, 513, 3000}},
+		{"vector-g2-whole", 16, 8, 128, repeat(1, 5), []int{1, 300, 512, 513, 3000}},
+		// EBB_DECODE_WHOLE=0: short contexts in more than one split.
+		{"decode-gqa-g8-split", 32, 4, 128, repeat(1, 5), []int{1, 15, 130, 200, 256}},
+		{"decode-gqa-g8-b1-split", 32, 4, 128, []int{1}, []int{250}},
+		{"lean-decode-gqa-g8-split", 32, 4, 128, repeat(1, 5), []int{1, 15, 130, 200, 256}},
+		{"vector-g2-split", 16, 8, 128, repeat(1, 5), []int{1, 15, 130, 200, 256}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPair(t)
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
+			p.gpu.whole, p.gpu.wholeSet = wholeMode(tc.name)
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
 			if strings.HasPrefix(tc.name, "sparse") {
 				for i := range meta {
@@ -410,6 +431,20 @@ func TestAttention(t *testing.T) {
 			p.cpu.Attention(out.c, qkv.c, kc.c, vc.c, meta[1], scale)
 			p.close("attention", out, 2e-2, 2e-2)
 		})
+	}
+}
+
+// TestDecodeWhole (no GPU): contexts of up to 256 positions take one
+// split unless EBB_DECODE_WHOLE sets another bound (0: none).
+func TestDecodeWhole(t *testing.T) {
+	for _, c := range []struct {
+		env, want int
+		set       bool
+	}{{0, decodeWholeContext, false}, {0, 0, true}, {512, 512, true}} {
+		d := &Device{whole: c.env, wholeSet: c.set}
+		if got := d.decodeWhole(); got != c.want {
+			t.Errorf("EBB_DECODE_WHOLE %d (set %v): %d, want %d", c.env, c.set, got, c.want)
+		}
 	}
 }
 
@@ -451,19 +486,6 @@ func TestDecodeGrid(t *testing.T) {
 		waves, splits := d.decodeVecGrid(c.pairs, c.heads, c.gqa)
 		if waves != c.wantWaves || splits != c.wantMaxSplits {
 			t.Errorf("%s: %d waves, %d splits; want %d, %d", c.name, waves, splits, c.wantWaves, c.wantMaxSplits)
-		}
-	}
-}
-
-// TestDecodeMinSplit (no GPU): a split's fewest positions are 64, 128
-// past 32 splits, and EBB_DECODE_MIN_SPLIT's wherever it is set.
-func TestDecodeMinSplit(t *testing.T) {
-	for _, c := range []struct {
-		splits, env, want int
-	}{{3, 0, 64}, {32, 0, 64}, {64, 0, 128}, {3, 256, 256}, {64, 256, 256}} {
-		d := &Device{splitFloor: c.env}
-		if got := d.decodeMinSplit(c.splits); got != c.want {
-			t.Errorf("%d splits, EBB_DECODE_MIN_SPLIT %d: %d, want %d", c.splits, c.env, got, c.want)
 		}
 	}
 }
@@ -607,6 +629,19 @@ func leanHeads(name string) int {
 		return 4
 	}
 	return 0
+}
+
+// wholeMode is the EBB_DECODE_WHOLE setting a case's name asks for:
+// "-whole" 512 positions, "-split" 0 (short contexts cut as long ones),
+// otherwise unset.
+func wholeMode(name string) (int, bool) {
+	switch {
+	case strings.HasSuffix(name, "-whole"):
+		return 512, true
+	case strings.HasSuffix(name, "-split"):
+		return 0, true
+	}
+	return 0, false
 }
 
 // decodeKernelMode is the EBB_DECODE_GQA setting a case's name asks for:

@@ -77,7 +77,8 @@ type Device struct {
 	moeWGRing32   int            // moe_wg's ring at 32-row tiles (MOE_WG_RING32, which the kernels read too)
 	tcLarge       bool           // matmul_tc takes 9-24 rows of large weights too (EBB_MATMUL_TC=all)
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
-	splitFloor    int            // the fewest positions a balanced decode split takes where EBB_DECODE_MIN_SPLIT sets it (0: decodeVecMinSplit)
+	whole         int            // the longest context a balanced decode kernel takes in one split where wholeSet
+	wholeSet      bool           // EBB_DECODE_WHOLE set whole
 	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
@@ -289,8 +290,8 @@ func (d *Device) init() error {
 	}
 	d.few = fewFromEnv()
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
-	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_MIN_SPLIT")); err == nil && n > 0 {
-		d.splitFloor = n
+	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_WHOLE")); err == nil && n >= 0 {
+		d.whole, d.wholeSet = n, true
 	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_SPLITS")); err == nil && n > 0 {
 		d.decodeSplits = min(n, decodeVecMaxSplits)

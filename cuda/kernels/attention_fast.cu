@@ -81,7 +81,11 @@ struct DecodeSplit {
 };
 
 __device__ __forceinline__ DecodeSplit decode_split(const int *kvptr, int kvlen, int hk, int splits, int units,
-                                                    int units_max, int min_split) {
+                                                    int units_max, int min_split, int whole) {
+	// A context of at most whole positions takes one split: no partials,
+	// no election of a last block and no merge, which at short contexts cost
+	// more than the split's positions (see decodeWhole).
+	if (kvlen <= whole) return DecodeSplit{max(kvlen, 1), 1};
 	// Splits of at least min_split positions; where a sequence's fair
 	// share of the batch's work (over units blocks) is longer, it gets as
 	// many splits as it holds shares (a remainder of three quarters counts
@@ -276,8 +280,8 @@ template <int D, int MG, bool RAW>
 __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
-                                                     int units, int units_max, int min_split, float scale,
-                                                     DecodeRaw raw) {
+                                                     int units, int units_max, int min_split, int whole,
+                                                     float scale, DecodeRaw raw) {
 	constexpr int LPR = D / 8, RPW = 32 / LPR, GROUPS = DV_WARPS * RPW;
 	__shared__ float sh_m[GROUPS][MG], sh_l[GROUPS][MG];
 	__shared__ float sh_o[GROUPS][MG][D];
@@ -293,7 +297,7 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	// requested, before dep_wait, while the previous kernel finishes.
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
-	const DecodeSplit ds = decode_split(kvptr, kvlen, hk, splits, units, units_max, min_split);
+	const DecodeSplit ds = decode_split(kvptr, kvlen, hk, splits, units, units_max, min_split, whole);
 	const int per = ds.per, used = ds.used;
 	if (sp >= used) {
 		DEP();
@@ -516,17 +520,17 @@ __device__ __forceinline__ void attn_decode_vec_impl(bf16 *out, const bf16 *qkv,
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32, DV_MIN_BLOCKS(MG)) attn_decode_vec_d##D##_g##MG(  \
 	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,      \
 	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max, \
-	    int min_split, float scale) {                                                                             \
+	    int min_split, int whole, float scale) {                                                                  \
 		attn_decode_vec_impl<D, MG, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,   \
-		                                   hk, splits, units, units_max, min_split, scale, DecodeRaw{});          \
+		                                   hk, splits, units, units_max, min_split, whole, scale, DecodeRaw{});   \
 	}                                                                                                             \
 	extern "C" __global__ void __launch_bounds__(DV_WARPS * 32, DV_MIN_BLOCKS(MG)) attn_decode_vec_raw_d##D##_g##MG( \
 	    bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr, const int *kvidx,      \
 	    float *part_o, float *part_ml, int *counters, int hq, int hk, int d, int splits, int units, int units_max, \
-	    int min_split, float scale, const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots, const float *cos_t, \
-	    const float *sin_t, float eps) {                                                                          \
+	    int min_split, int whole, float scale, const bf16 *qnorm, const bf16 *knorm, const int *pos,              \
+	    const int *slots, const float *cos_t, const float *sin_t, float eps) {                                    \
 		attn_decode_vec_impl<D, MG, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq,    \
-		                                  hk, splits, units, units_max, min_split, scale,                         \
+		                                  hk, splits, units, units_max, min_split, whole, scale,                  \
 		                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});                \
 	}
 #define ATTN_DECODE_VEC_D(D) ATTN_DECODE_VEC(D, 1) ATTN_DECODE_VEC(D, 2) ATTN_DECODE_VEC(D, 4) ATTN_DECODE_VEC(D, 8)

@@ -58,8 +58,8 @@ template <bool RAW, bool PF = true>
 __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
-                                                     int units, int units_max, int min_split, int hpb,
-                                                     float scale, DecodeRaw raw) {
+                                                     int units, int units_max, int min_split, int whole,
+                                                     int hpb, float scale, DecodeRaw raw) {
 	constexpr int D = 128, MG = DG_HEADS;
 	__shared__ float sh_m[DG_WARPS][MG], sh_l[DG_WARPS][MG];
 	// Rows of D + 1: the stores of a warp's outputs (lanes 2t, 8 gid apart)
@@ -84,7 +84,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	const long long row = qptr[s];
 	const int kv0 = kvptr[s], kvlen = kvptr[s + 1] - kv0;
 	// The shares are cut for blocks, each hpb heads' worth of positions.
-	const DecodeSplit ds = decode_split(kvptr, kvlen, hk / hpb, splits, units, units_max, min_split);
+	const DecodeSplit ds = decode_split(kvptr, kvlen, hk / hpb, splits, units, units_max, min_split, whole);
 	if (sp >= ds.used) {
 		DEP();
 		return;
@@ -316,36 +316,37 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
     attn_decode_gqa_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                          const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                         int splits, int units, int units_max, int min_split, int hpb, float scale) {
+                         int splits, int units, int units_max, int min_split, int whole, int hpb, float scale) {
 	attn_decode_gqa_impl<false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
-	                            units_max, min_split, hpb, scale, DecodeRaw{});
+	                            units_max, min_split, whole, hpb, scale, DecodeRaw{});
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 2)
     attn_decode_gqa_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                              const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                             int splits, int units, int units_max, int min_split, int hpb, float scale, const bf16 *qnorm,
-                             const bf16 *knorm, const int *pos, const int *slots, const float *cos_t,
-                             const float *sin_t, float eps) {
+                             int splits, int units, int units_max, int min_split, int whole, int hpb, float scale,
+                             const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots,
+                             const float *cos_t, const float *sin_t, float eps) {
 	attn_decode_gqa_impl<true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits, units,
-	                           units_max, min_split, hpb, scale, DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
+	                           units_max, min_split, whole, hpb, scale,
+	                           DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 4)
     attn_decode_gqa_lean_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                               const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
-                              int splits, int units, int units_max, int min_split, int hpb, float scale) {
+                              int splits, int units, int units_max, int min_split, int whole, int hpb, float scale) {
 	attn_decode_gqa_impl<false, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits,
-	                                   units, units_max, min_split, hpb, scale, DecodeRaw{});
+	                                   units, units_max, min_split, whole, hpb, scale, DecodeRaw{});
 }
 
 extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 4)
     attn_decode_gqa_lean_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
                                   const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk,
-                                  int d, int splits, int units, int units_max, int min_split, int hpb, float scale,
-                                  const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots,
+                                  int d, int splits, int units, int units_max, int min_split, int whole, int hpb,
+                                  float scale, const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots,
                                   const float *cos_t, const float *sin_t, float eps) {
 	attn_decode_gqa_impl<true, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits,
-	                                  units, units_max, min_split, hpb, scale,
+	                                  units, units_max, min_split, whole, hpb, scale,
 	                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
 }
