@@ -121,25 +121,35 @@ func decodeVecMinSplit(splits int) int {
 }
 
 // decodeWholeContext is the longest context a balanced decode kernel
-// takes in one split. One split writes its output at once where more leave
+// takes in one split, decodeWholeContextG8 that for eight query heads a kv
+// head or more. One split writes its output at once where more leave
 // partials, elect a last block and merge them, and at short contexts that
 // costs more than the split's positions save. A decode step at 128 to 256
 // positions, H200, against the splits decode_split cuts (two of 128
-// positions at batch 1): the 30B-A3B shape batch 1 2.890 -> 2.761 ms
-// (-4.45 %), batch 8 8.408 -> 8.176 (-2.76 %), batch 32 14.953 -> 14.752
-// (-1.35 %), batch 256 the same (one split already); the 8B shape batch 1
-// 4.412 -> 4.401 (-0.26 %), batch 32 5.400 -> 5.331 (-1.28 %); the 0.6B
-// shape batch 1 0.758 -> 0.757 (-0.20 %). Longer bounds lost where
-// contexts reach them: 512 at 384 to 512 positions, 8B batch 1 +2.52 %,
-// 0.6B +11.7 % (30B-A3B -0.25 %); 1,024 at 896 to 1,024, 30B-A3B batch 1
-// +15.7 %.
-const decodeWholeContext = 256
+// positions at batch 1): the 30B-A3B shape (8 heads a kv head) batch 1
+// 2.890 -> 2.761 ms (-4.45 %), batch 8 8.408 -> 8.176 (-2.76 %), batch 32
+// 14.953 -> 14.752 (-1.35 %), batch 256 the same (one split already); the
+// 8B shape (4) batch 1 4.412 -> 4.401 (-0.26 %), batch 32 5.400 -> 5.331
+// (-1.28 %); the 0.6B shape (2) batch 1 0.758 -> 0.757 (-0.20 %). At 256 to
+// 384 positions, batch 1, one split up to 384 against 256: 30B-A3B 2.926
+// -> 2.855 (-2.44 %; batch 8 -0.11 %), 8B +1.02 %, 0.6B +6.27 %; the
+// merge a split pays grows with the heads it merges. Longer bounds lost
+// where contexts reach them: 512 at 384 to 512 positions, 8B +2.52 %,
+// 0.6B +11.7 % (30B-A3B -0.25 %); 1,024 at 896 to 1,024, 30B-A3B +15.7 %.
+const (
+	decodeWholeContext   = 256
+	decodeWholeContextG8 = 384
+)
 
-// decodeWhole is decodeWholeContext unless EBB_DECODE_WHOLE sets it, for
-// A/B runs (0: the splits decode_split cuts).
-func (d *Device) decodeWhole() int {
-	if d.wholeSet {
+// decodeWhole is the one-split bound for g query heads a kv head, or
+// EBB_DECODE_WHOLE's where it is set, for A/B runs (0: the splits
+// decode_split cuts).
+func (d *Device) decodeWhole(g int) int {
+	switch {
+	case d.wholeSet:
 		return d.whole
+	case g >= 8:
+		return decodeWholeContextG8
 	}
 	return decodeWholeContext
 }
@@ -481,7 +491,7 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 	grid := Dim3{uint32(b), uint32(hk), uint32(splits)}
 	if balanced {
 		grid = Dim3{uint32(hk), uint32(b), uint32(splits)}
-		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(decodeVecMinSplit(splits)), I(d.decodeWhole()))
+		args = append(args, I(waves*d.ctx.SMs), I(max(waves, 8)*d.ctx.SMs), I(decodeVecMinSplit(splits)), I(d.decodeWhole(hq/hk)))
 	}
 	if strings.HasPrefix(name, "attn_decode_gqa") {
 		hpb := d.gqaHeadsABlock(strings.Contains(name, "_lean"), b, hq, hk, waves)

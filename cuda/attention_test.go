@@ -435,15 +435,23 @@ func TestAttention(t *testing.T) {
 }
 
 // TestDecodeWhole (no GPU): contexts of up to 256 positions take one
-// split unless EBB_DECODE_WHOLE sets another bound (0: none).
+// split, 384 from eight query heads a kv head, unless EBB_DECODE_WHOLE sets
+// another bound (0: none).
 func TestDecodeWhole(t *testing.T) {
 	for _, c := range []struct {
-		env, want int
-		set       bool
-	}{{0, decodeWholeContext, false}, {0, 0, true}, {512, 512, true}} {
+		g, env, want int
+		set          bool
+	}{
+		{2, 0, decodeWholeContext, false},
+		{4, 0, decodeWholeContext, false},
+		{8, 0, decodeWholeContextG8, false},
+		{16, 0, decodeWholeContextG8, false},
+		{8, 0, 0, true},
+		{2, 512, 512, true},
+	} {
 		d := &Device{whole: c.env, wholeSet: c.set}
-		if got := d.decodeWhole(); got != c.want {
-			t.Errorf("EBB_DECODE_WHOLE %d (set %v): %d, want %d", c.env, c.set, got, c.want)
+		if got := d.decodeWhole(c.g); got != c.want {
+			t.Errorf("%d heads a kv head, EBB_DECODE_WHOLE %d (set %v): %d, want %d", c.g, c.env, c.set, got, c.want)
 		}
 	}
 }
