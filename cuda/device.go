@@ -46,6 +46,7 @@ type Device struct {
 	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
 	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
+	noPartOne     bool           // deterministic products of one split keep a block a tile (EBB_DET_PART_ONE=0)
 	wgOneTile     bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)
 	wgBlock       int            // matmul_wg's threads a block (matMulWGBlock)
 	wgNo192       bool           // batches of 129-192 rows take the 256-row tile (EBB_MATMUL_WG_N192=0)

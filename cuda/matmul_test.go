@@ -502,6 +502,11 @@ func TestMatMulWGPartShape(t *testing.T) {
 		{"o_proj, batch 256", 256, 1024, 2048, false, "matmul_wg_n256", Dim3{8, 1, 8}, 4, 0, false},
 		{"down, uneven splits", 4096, 1024, 3072, false, "matmul_wg_part_n128", Dim3{128, 1, 1}, 48, 6, false},
 		{"lm_head (one split)", 8192, 151936, 1024, false, "matmul_wg_n256", Dim3{1187, 32, 1}, 16, 0, false},
+		{"lm_head, batch 256", 256, 151936, 1024, false, "matmul_wg_part_n128", Dim3{132, 1, 1}, 16, 16, false},
+		{"lm_head, batch 193", 193, 151936, 1024, false, "matmul_wg_part_n128", Dim3{132, 1, 1}, 16, 16, false},
+		{"lm_head, batch 192", 192, 151936, 1024, false, "matmul_wg_n192", Dim3{1187, 1, 1}, 16, 0, false},
+		{"lm_head, batch 128", 128, 151936, 1024, false, "matmul_wg_n128", Dim3{1187, 1, 1}, 16, 0, false},
+		{"lm_head, batch 256, flag off", 256, 151936, 1024, false, "matmul_wg_n256", Dim3{1187, 1, 1}, 16, 0, true},
 	} {
 		d := &Device{ctx: &Context{SMs: 132}, wgmma: true, det: !c.flagOff, noPart: c.noPart}
 		name, _, grid, kps, kpart := d.matMulWGShape(c.m, c.n, c.k)

@@ -82,6 +82,7 @@ func (d *Device) initMatMulWG() error {
 		d.detPartFrom = n
 	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
+	d.noPartOne = os.Getenv("EBB_DET_PART_ONE") == "0"
 	d.wgOneTile = os.Getenv("EBB_MATMUL_WG_PERSIST") == "0"
 	d.wgNo192 = os.Getenv("EBB_MATMUL_WG_N192") == "0"
 	for t := 1; t <= detFewMaxRows/8; t++ {
@@ -230,7 +231,21 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	// below (gate_up's two) take 128-row ones from two tiles.
 	pt := (m + matMulWGPartRows - 1) / matMulWGPartRows
 	few := d.det && pt >= 2 && tiles >= matMulWGDetPartTiles && splits < matMulWGDetPartSplits
-	if splits > 1 && (pt*tiles >= d.ctx.SMs || few) && !d.noPart {
+	// A deterministic product of one split whose 128-row part tiles pad no
+	// more rows than matmul_wg's batch tile would (a decode batch of
+	// 193-256 rows; its lm_head has 1,187 weight tiles at the Qwen3
+	// vocabulary) takes the persistent blocks too, each running a tile's
+	// whole K (kpart = kt: no running sum, the bits of a block a tile).
+	// H200, 0.6B shape, flag on, batch 256, four rounds: 3.454 ms a step
+	// with a block a tile, 3.363 on part blocks (batch tiles first), the
+	// same tokens; the lm_head alone 180.6 against 179.8 us, so the step
+	// gains beside it, not in it. At 192 rows (two part tiles where
+	// matmul_wg takes one of 192) a step lost 4.6 % with the weight tiles
+	// first and 1.5 % with the batch tiles first. EBB_DET_PART_ONE=0 keeps
+	// a block a tile, for A/B runs.
+	one := d.det && splits == 1 && pt >= 2 && pt*matMulWGPartRows <= bn && m <= matMulWGRows[len(matMulWGRows)-1] &&
+		!d.noPartOne
+	if (splits > 1 || one) && (pt*tiles >= d.ctx.SMs || few) && !d.noPart {
 		return "matmul_wg_part_n128", matMulWGPartRows, d.persistentGrid(pt * tiles), kt, kps
 	}
 	if d.det && m > cmp.Or(d.detPartFrom, matMulWGDetPartFrom) && tiles >= matMulWGDetPartTiles && splits >= matMulWGDetPartSplits && !d.noPart {

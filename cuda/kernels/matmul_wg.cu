@@ -54,6 +54,18 @@
 //     has landed (the row's nsq partial sums in sq give its scale), before
 //     wgmma reads it. Deterministic inference folds on matmul_wg_few.
 #define MWG_ROWS 128
+// matmul_wg_part's tile order: a weight tile's batch tiles in turn, so
+// that the blocks running at once read the same weights (one read from
+// HBM, the rest from L2). Only products of several batch tiles and more
+// tiles than blocks see it: a deterministic decode batch's lm_head at
+// 193-256 rows, 2 x 1,187 tiles on 132 blocks (H200, 0.6B shape, alone:
+// weight tiles first 198.1 us and 698 MB, the vocabulary read twice;
+// batch tiles first 179.8 us and 383 MB), and deterministic prefills
+// (256 x 128 the same 82 ms). 0 takes the weight tiles first, for A/B
+// runs.
+#ifndef MWG_PART_BATCH_FASTEST
+#define MWG_PART_BATCH_FASTEST 1
+#endif
 #define MWG_CONSUMERS 256
 #define MWG_THREADS (MWG_CONSUMERS + 32) // moe_wg's block: two warpgroups and the producer warp
 // MWG_REGS: matmul_wg's producer is a whole warpgroup that gives its
@@ -409,11 +421,13 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	const bool own = out_f32 == 2 && splits > 1;
 	if (own) out = (float *)out + (long long)split * m * N;
 	// matmul_wg_part's blocks are persistent: block b takes tiles b, b +
-	// gridDim.x, ... (weight tile fastest), so that while its consumers
-	// write one tile the producer fills the ring with the next one's first
-	// stages, and a block's start-up is paid once, not once a tile (a
-	// prefill's tiles run 16-48 k-steps).
-	const int wtiles = (N + MWG_ROWS - 1) / MWG_ROWS, ntiles = PART ? wtiles * ((m + BN - 1) / BN) : 1;
+	// gridDim.x, ... (in MWG_PART_BATCH_FASTEST's order), so that while
+	// its consumers write one tile the producer fills the ring with the
+	// next one's first stages, and a block's start-up is paid once, not
+	// once a tile (a prefill's tiles run 16-48 k-steps).
+	const int wtiles = (N + MWG_ROWS - 1) / MWG_ROWS, btiles = (m + BN - 1) / BN, ntiles = PART ? wtiles * btiles : 1;
+	auto part_wtile = [&](int ti) { return MWG_PART_BATCH_FASTEST ? ti / btiles : ti % wtiles; };
+	auto part_btile = [&](int ti) { return MWG_PART_BATCH_FASTEST ? ti % btiles : ti / wtiles; };
 	int ring = 0; // stages this block has passed through the ring before this tile
 	if (tid == MWG_CONSUMERS) {
 		for (int s = 0; s < S; s++) {
@@ -435,8 +449,8 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 		const bool issue = tid == MWG_CONSUMERS;
 		// The tiles of the consumers' loop below, in its order.
 		for (int ti = blockIdx.x, once = 1; PART ? ti < ntiles : once; ti += gridDim.x, ring += nt, once = 0) {
-			const int tile = PART ? ti % wtiles : blockIdx.x;
-			const int row0 = (PART ? ti / wtiles : blockIdx.y) * BN;
+			const int tile = PART ? part_wtile(ti) : blockIdx.x;
+			const int row0 = (PART ? part_btile(ti) : blockIdx.y) * BN;
 			// The first tile's first stages: weights before the wait for the
 			// previous kernel, which never writes them.
 			const int pre = ring == 0 ? min(nt, S) : 0;
@@ -477,8 +491,8 @@ __device__ void matmul_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, void *o
 	// bytes of spill (ptxas 13 allots 168 registers a thread, the block
 	// counted as three warpgroups).
 	for (int ti = blockIdx.x, once = 1; PART ? ti < ntiles : once; ti += gridDim.x, ring += nt, once = 0) {
-		const int tile = PART ? ti % wtiles : blockIdx.x;
-		const int row0 = (PART ? ti / wtiles : blockIdx.y) * BN;
+		const int tile = PART ? part_wtile(ti) : blockIdx.x;
+		const int row0 = (PART ? part_btile(ti) : blockIdx.y) * BN;
 		// d[4 j + e]: tile row 64 wg + 16 warp + g + 8 (e >> 1), batch row
 		// 8 j + 2 q + (e & 1).
 		const int g = lane >> 2, q = lane & 3, trow = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + g;
