@@ -167,6 +167,9 @@ func (d *Device) splitDecodeKernel(g, dim, pairs, maxKV int) (name, raw string, 
 		if d.leanDecode(g, pairs, maxKV) {
 			return "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128", true
 		}
+		if d.oneDecode(g, pairs, maxKV) {
+			return "attn_decode_gqa_one_d128", "attn_decode_gqa_one_raw_d128", true
+		}
 		return "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", true
 	}
 	mg := 1
@@ -309,6 +312,24 @@ func (d *Device) leanDecode(g, pairs, maxKV int) bool {
 	return g >= gqaDecodeFrom && pairs >= gqaLeanMinPairs && maxKV > 0 && maxKV <= gqaLeanMaxKV
 }
 
+// oneDecode says whether a decode step of g heads a kv head, its pairs
+// and its longest context of maxKV positions takes attn_decode_gqa_one
+// (EBB_DECODE_ONE=1, for A/B runs: not yet measured): fewer pairs than
+// the lean kernels take, every context within decodeWhole's one split.
+// There the two-chunk kernel launches a grid of splits whose blocks past
+// the first return at once, and its four warps take a 384-position
+// context in three chunks each, one round trip after another; the one
+// kernel launches a block a pair, of eight warps. Decode graphs are
+// captured for both sides of decodeWhole where it applies
+// (ShortDecodeContext).
+func (d *Device) oneDecode(g, pairs, maxKV int) bool {
+	w := d.decodeWhole(g)
+	return d.decodeOne && pairs < gqaLeanMinPairs && maxKV > 0 && maxKV <= w
+}
+
+// gqaOneWarps is attention_gqa.cu's DG_ONE_WARPS.
+const gqaOneWarps = 8
+
 // Lean decode modes (EBB_GQA_LEAN).
 const (
 	leanByContext = iota
@@ -324,12 +345,19 @@ func (d *Device) ShortDecodeContext(hq, hk, dim, batch int) int {
 	if d.det || hk == 0 || hq%hk != 0 {
 		return 0
 	}
-	short, _, _ := d.splitDecodeKernel(hq/hk, dim, batch*hk, gqaLeanMaxKV)
-	long, _, _ := d.splitDecodeKernel(hq/hk, dim, batch*hk, gqaLeanMaxKV+1)
-	if short == long {
-		return 0
+	// The one-split kernels' bound (small batches) and the lean kernels'
+	// (from gqaLeanMinPairs pairs) never apply to the same batch.
+	for _, bound := range []int{d.decodeWhole(hq / hk), gqaLeanMaxKV} {
+		if bound == 0 {
+			continue
+		}
+		short, _, _ := d.splitDecodeKernel(hq/hk, dim, batch*hk, bound)
+		long, _, _ := d.splitDecodeKernel(hq/hk, dim, batch*hk, bound+1)
+		if short != long {
+			return bound
+		}
 	}
-	return gqaLeanMaxKV
+	return 0
 }
 
 // PrepareAttention implements device.AttentionPreparer. A decode step's
@@ -482,6 +510,11 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 	for splits > 1 && (int64(b*hq*splits)*int64(dim)*4 > d.partO.Bytes() || int64(b*hq*splits)*8 > d.partML.Bytes()) {
 		splits--
 	}
+	threads := 128
+	if strings.Contains(name, "_one") {
+		// One split a sequence: the kernel never merges.
+		splits, threads = 1, gqaOneWarps*32
+	}
 	if b*hk > matMulCountersAt {
 		d.fail(fmt.Errorf("attention: %d sequences x %d kv heads exceed the merge counters", b, hk))
 		return
@@ -503,7 +536,7 @@ func (d *Device) attnDecode(name string, waves, maxSplits int, balanced bool, ou
 		args = append(args, P(raw.qNorm.Ptr), P(raw.kNorm.Ptr), P(raw.positions.Ptr), P(raw.slots.Ptr), P(raw.cos.Ptr),
 			P(raw.sin.Ptr), F(raw.eps))
 	}
-	d.fail(d.ctx.LaunchKernel(k, grid, D1(128), 0, args...))
+	d.fail(d.ctx.LaunchKernel(k, grid, D1(threads), 0, args...))
 }
 
 const (

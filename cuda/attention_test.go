@@ -155,6 +155,10 @@ func TestPrepareDecode(t *testing.T) {
 		{"qwen3-30b-a3b-g8-b1-whole", 32, 4, 128, true, []int{400}},
 		{"lean-qwen3-30b-a3b-g8-whole", 32, 4, 128, true, []int{700, 1, 65, 512, 513, 3000}},
 		{"vector-qwen3-whole", 16, 8, 128, true, []int{700, 1, 65, 512, 513, 3000}},
+		// EBB_DECODE_ONE=1: attn_decode_gqa_one_raw.
+		{"one-qwen3-30b-a3b-g8", 32, 4, 128, true, []int{1, 65, 16, 17, 384}},
+		{"one-qwen3-8b-g4", 32, 8, 128, true, []int{130, 256}},
+		{"one-qwen3", 16, 8, 128, true, []int{1, 64, 65, 200}},
 		// EBB_DECODE_WHOLE=0: short contexts in more than one split.
 		{"qwen3-30b-a3b-g8-b1-split", 32, 4, 128, true, []int{250}},
 		{"vector-qwen3-split", 16, 8, 128, true, []int{200, 1, 65, 130, 256, 64}},
@@ -166,6 +170,7 @@ func TestPrepareDecode(t *testing.T) {
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
 			p.gpu.whole, p.gpu.wholeSet = wholeMode(tc.name)
+			p.gpu.decodeOne = strings.HasPrefix(tc.name, "one-")
 			qlens := repeat(1, len(tc.kvlens))
 			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
 			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
@@ -408,6 +413,12 @@ func TestAttention(t *testing.T) {
 		{"decode-gqa-g8-b1-whole", 32, 4, 128, []int{1}, []int{400}},
 		{"lean-decode-gqa-g8-whole", 32, 4, 128, repeat(1, 5), []int{1, 300, 512, 513, 3000}},
 		{"vector-g2-whole", 16, 8, 128, repeat(1, 5), []int{1, 300, 512, 513, 3000}},
+		// EBB_DECODE_ONE=1: a few sequences of one-split contexts on
+		// attn_decode_gqa_one (eight warps, no merge).
+		{"one-decode-gqa-g8", 32, 4, 128, repeat(1, 5), []int{1, 15, 16, 300, 384}},
+		{"one-decode-gqa-g8-b1", 32, 4, 128, []int{1}, []int{200}},
+		{"one-decode-gqa-g4", 32, 8, 128, repeat(1, 3), []int{129, 256, 2}},
+		{"one-decode-gqa-g2", 16, 8, 128, repeat(1, 4), []int{1, 65, 255, 256}},
 		// EBB_DECODE_WHOLE=0: short contexts in more than one split.
 		{"decode-gqa-g8-split", 32, 4, 128, repeat(1, 5), []int{1, 15, 130, 200, 256}},
 		{"decode-gqa-g8-b1-split", 32, 4, 128, []int{1}, []int{250}},
@@ -420,6 +431,7 @@ func TestAttention(t *testing.T) {
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
 			p.gpu.whole, p.gpu.wholeSet = wholeMode(tc.name)
+			p.gpu.decodeOne = strings.HasPrefix(tc.name, "one-")
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
 			if strings.HasPrefix(tc.name, "sparse") {
 				for i := range meta {
@@ -597,18 +609,64 @@ func TestDecodeKernelChoice(t *testing.T) {
 	}
 	for _, c := range []struct {
 		mode, hq, hk, dim, batch, want int
+		one                            bool // EBB_DECODE_ONE=1
 	}{
-		{leanByContext, 32, 4, 128, 256, gqaLeanMaxKV},
-		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV},
-		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, 0},
-		{leanByContext, 16, 8, 128, 256, 0},
-		{leanByContext, 32, 8, 64, 256, 0},
-		{leanAlways, 32, 4, 128, 256, 0},
-		{leanNever, 32, 4, 128, 256, 0},
+		{leanByContext, 32, 4, 128, 256, gqaLeanMaxKV, false},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV, false},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, 0, false},
+		{leanByContext, 16, 8, 128, 256, 0, false},
+		{leanByContext, 32, 8, 64, 256, 0, false},
+		{leanAlways, 32, 4, 128, 256, 0, false},
+		{leanNever, 32, 4, 128, 256, 0, false},
+		// The one-split kernels below the lean kernels' pairs.
+		{leanByContext, 32, 4, 128, 1, decodeWholeContextG8, true},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, decodeWholeContextG8, true},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV, true},
+		{leanByContext, 16, 8, 128, 1, decodeWholeContext, true},
+		{leanByContext, 32, 8, 128, 1, decodeWholeContext, true},
+		{leanByContext, 16, 8, 128, 256, 0, true},
+		{leanByContext, 32, 8, 64, 1, 0, true},
 	} {
-		d := &Device{ctx: &Context{SMs: 132}, gqaLean: c.mode}
+		d := &Device{ctx: &Context{SMs: 132}, gqaLean: c.mode, decodeOne: c.one}
 		if got := d.ShortDecodeContext(c.hq, c.hk, c.dim, c.batch); got != c.want {
-			t.Errorf("lean mode %d, %d/%d heads of %d, batch %d: ShortDecodeContext %d, want %d", c.mode, c.hq, c.hk, c.dim, c.batch, got, c.want)
+			t.Errorf("lean mode %d, one %v, %d/%d heads of %d, batch %d: ShortDecodeContext %d, want %d", c.mode, c.one, c.hq, c.hk, c.dim, c.batch, got, c.want)
+		}
+	}
+}
+
+// TestDecodeOneKernel (no GPU): with EBB_DECODE_ONE=1, steps of fewer pairs
+// than the lean kernels take and every context within decodeWhole's one
+// split take attn_decode_gqa_one, at any heads a kv head the tensor-core
+// kernel takes; longer contexts, more pairs and other head sizes keep
+// theirs.
+func TestDecodeOneKernel(t *testing.T) {
+	loaded := map[string]bool{}
+	for _, n := range kernelNames {
+		loaded[n] = true
+	}
+	for _, c := range []struct {
+		g, dim, pairs, maxKV int
+		want                 string
+	}{
+		{8, 128, 4, 1, "attn_decode_gqa_one_d128"},
+		{8, 128, 4, decodeWholeContextG8, "attn_decode_gqa_one_d128"},
+		{8, 128, 4, decodeWholeContextG8 + 1, "attn_decode_gqa_d128"},
+		{8, 128, gqaLeanMinPairs - 1, 200, "attn_decode_gqa_one_d128"},
+		{8, 128, gqaLeanMinPairs, 200, "attn_decode_gqa_lean_d128"},
+		{4, 128, 8, decodeWholeContext, "attn_decode_gqa_one_d128"},
+		{4, 128, 8, decodeWholeContext + 1, "attn_decode_gqa_d128"},
+		{2, 128, 8, 200, "attn_decode_gqa_one_d128"},
+		{8, 128, 4, 0, "attn_decode_gqa_d128"},
+		{2, 64, 8, 200, "attn_decode_vec_d64_g2"},
+	} {
+		d := &Device{ctx: &Context{SMs: 132}, decodeOne: true}
+		name, raw, _ := d.splitDecodeKernel(c.g, c.dim, c.pairs, c.maxKV)
+		if name != c.want || raw == name || (strings.HasPrefix(name, "attn_decode_gqa") && (!loaded[name] || !loaded[raw])) {
+			t.Errorf("%d heads a kv head, %d dims, %d pairs, contexts to %d: %q / %q, want %q", c.g, c.dim, c.pairs, c.maxKV, name, raw, c.want)
+		}
+		d.decodeOne = false
+		if name, _, _ := d.splitDecodeKernel(c.g, c.dim, c.pairs, c.maxKV); strings.Contains(name, "_one") {
+			t.Errorf("%d heads, %d pairs, contexts to %d, EBB_DECODE_ONE unset: %q", c.g, c.pairs, c.maxKV, name)
 		}
 	}
 }

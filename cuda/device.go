@@ -81,6 +81,7 @@ type Device struct {
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	whole         int            // the longest context a balanced decode kernel takes in one split where wholeSet
 	wholeSet      bool           // EBB_DECODE_WHOLE set whole
+	decodeOne     bool           // a few sequences of one-split contexts on attn_decode_gqa_one (EBB_DECODE_ONE=1)
 	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
@@ -163,6 +164,7 @@ var kernelNames = []string{
 	"sample_scan_f32", "sample_finish_f32", "sample_scan_bf16", "sample_finish_bf16",
 	"sample_scan_det_f32", "sample_scan_det_bf16", "token_logprobs_det", "attn_det_d64", "attn_det_d128", "attn_det_dec_d64", "attn_det_dec_d128",
 	"gemv_m1", "gemv2_m1", "gemv_m1_one_wave", "gemv2_m1_one_wave", "gemv_fused_m1", "attn_decode_gqa_d128", "attn_decode_gqa_raw_d128", "attn_decode_gqa_lean_d128", "attn_decode_gqa_lean_raw_d128",
+	"attn_decode_gqa_one_d128", "attn_decode_gqa_one_raw_d128",
 	"matmul_tc_t1", "matmul_tc_t2", "matmul_tc_t3", "matmul_wg_few_t1", "matmul_wg_few_t2", "matmul_wg_n32", "matmul_wg_n48", "matmul_wg_n64", "matmul_wg_n96",
 	"matmul_wg_n128", "matmul_wg_n192", "matmul_wg_n256", "matmul_wg_part_n64", "matmul_wg_part_n128",
 	"matmul_wg_part_qkv_n64", "matmul_wg_part_qkv_n128", "matmul_wg_few_qkv_t1", "matmul_wg_few_qkv_t2",
@@ -292,6 +294,7 @@ func (d *Device) init() error {
 	}
 	d.few = fewFromEnv()
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
+	d.decodeOne = os.Getenv("EBB_DECODE_ONE") == "1"
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_WHOLE")); err == nil && n >= 0 {
 		d.whole, d.wholeSet = n, true
 	}

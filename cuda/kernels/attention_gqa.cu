@@ -30,6 +30,13 @@
 // DG_TASK_ROUNDS rounds of 16 (hpb * (G + 1) <= 16 * DG_TASK_ROUNDS).
 #define DG_HEADS_A_BLOCK 4
 #define DG_TASK_ROUNDS 2
+// The one-split kernels (attn_decode_gqa_one*, EBB_DECODE_ONE): a few
+// sequences whose contexts take one split (decodeWhole) run on blocks of
+// DG_ONE_WARPS warps, twice the four's, so that a warp streams half the
+// chunks one after another; launched with one split a sequence, they
+// never merge (no partials, no counter, and none of the merge's shared
+// memory), and no block of the grid is left without work.
+#define DG_ONE_WARPS 8
 
 __device__ __forceinline__ unsigned movmatrix_t(unsigned x) {
 	unsigned y;
@@ -54,18 +61,18 @@ __device__ __forceinline__ unsigned elem_pair(uint4 x, uint4 y, int e) {
 // (slots, rows, queries, the merges) is most of its time and two blocks an
 // SM left it bare (30B-A3B shape, batch 256 of about 192 positions: 41 us
 // a layer at 1.7 TB/s, H200).
-template <bool RAW, bool PF = true>
+template <bool RAW, bool PF = true, int W = DG_WARPS, bool ONE = false>
 __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr,
                                                      const int *kvptr, const int *kvidx, float *part_o,
                                                      float *part_ml, int *counters, int hq, int hk, int splits,
                                                      int units, int units_max, int min_split, int whole,
                                                      int hpb, float scale, DecodeRaw raw) {
 	constexpr int D = 128, MG = DG_HEADS;
-	__shared__ float sh_m[DG_WARPS][MG], sh_l[DG_WARPS][MG];
+	__shared__ float sh_m[W][MG], sh_l[W][MG];
 	// Rows of D + 1: the stores of a warp's outputs (lanes 2t, 8 gid apart)
 	// met in four banks, an 8-way conflict; now in 2-way.
 	constexpr int OS = D + 1;
-	__shared__ float sh_o[DG_WARPS][MG][OS];
+	__shared__ float sh_o[W][MG][OS];
 	__shared__ __align__(16) bf16 sh_q[DG_HEADS_A_BLOCK][MG][D];
 	// The raw kernels keep the newest key and value they prepare in shared
 	// memory too, and the warp whose first chunk holds the newest position
@@ -75,9 +82,9 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	// so the newest is always in a first chunk (H200, batch 1 a step: 30B-A3B
 	// -0.27 %, 8B -0.11 %, 0.6B -0.76 %).
 	__shared__ __align__(16) bf16 sh_new[RAW ? DG_HEADS_A_BLOCK : 1][2][D]; // the newest K and V a head
-	// A block takes hpb kv heads of one (sequence, split), DG_WARPS / hpb
+	// A block takes hpb kv heads of one (sequence, split), W / hpb
 	// warps each (see DG_HEADS_A_BLOCK); warp w's head is hh = w / wph.
-	const int s = blockIdx.y, sp = blockIdx.z, wph = DG_WARPS / hpb;
+	const int s = blockIdx.y, sp = blockIdx.z, wph = W / hpb;
 	const int G = hq / hk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int hh = warp / wph, wi = warp % wph, g = blockIdx.x * hpb + hh, step = wph * DG_CHUNK;
 	const int gid = lane >> 2, t = lane & 3;
@@ -141,10 +148,11 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	uint4 kr[2][4], vr[4][2];
 	load(first, 0, min(c1, newest), kr, vr, true);
 	// Query preparation in the 16-byte layout (prepare_qkv16's bits): eight
-	// lanes a head, lane group (warp, lane / 8) taking task slot, slot + 16,
+	// lanes a head, lane group (warp, lane / 8) taking task slot, slot + TS,
 	// ... of the block's hpb * (G + 1): for each of its kv heads the query
 	// heads, then the newest key. Every task's rows are requested before
 	// any is prepared.
+	constexpr int TS = 4 * W; // lane groups: tasks a round
 	const int hl = lane & 7, slot = warp * 4 + (lane >> 3), c8 = 8 * hl, tasks = hpb * (G + 1);
 	DecodeRawStep rs{};
 	if (RAW) rs.load<D>(raw, row, c8);
@@ -154,7 +162,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	uint4 qa[DG_TASK_ROUNDS], qb[DG_TASK_ROUNDS];
 #pragma unroll
 	for (int r = 0; r < DG_TASK_ROUNDS; r++) {
-		const int task = slot + 16 * r, th = task / (G + 1), j = task % (G + 1), tg = blockIdx.x * hpb + th;
+		const int task = slot + TS * r, th = task / (G + 1), j = task % (G + 1), tg = blockIdx.x * hpb + th;
 		if (task < tasks && (RAW || j < G)) {
 			const bf16 *h = x + (long long)(j < G ? tg * G + j : hq + tg) * D;
 			qa[r] = *(const uint4 *)(h + c8);
@@ -163,8 +171,8 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 	}
 #pragma unroll
 	for (int r = 0; r < DG_TASK_ROUNDS; r++) {
-		if (16 * r >= tasks) break; // uniform over the block
-		const int task = slot + 16 * r, th = task / (G + 1), j = task % (G + 1), tg = blockIdx.x * hpb + th;
+		if (TS * r >= tasks) break; // uniform over the block
+		const int task = slot + TS * r, th = task / (G + 1), j = task % (G + 1), tg = blockIdx.x * hpb + th;
 		const bool valid = task < tasks, key = j == G;
 		uint4 a = qa[r], b = qb[r];
 		if (RAW) {
@@ -309,7 +317,7 @@ __device__ __forceinline__ void attn_decode_gqa_impl(bf16 *out, const bf16 *qkv,
 		__syncthreads(); // the warps' outputs; the last head's merge done with shared memory
 		decode_block_store<D, MG, OS>(out, part_o, part_ml, &sh_m[h * wph][0], &sh_l[h * wph][0], &sh_o[h * wph][0][0],
 		                              wph, row * hq + hg * G, G, splits, sp, ds.used);
-		decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, hg, splits, ds.used);
+		if constexpr (!ONE) decode_merge<D, MG>(out, part_o, part_ml, counters, row, hq, hk, s, hg, splits, ds.used);
 	}
 }
 
@@ -349,4 +357,24 @@ extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, 4)
 	attn_decode_gqa_impl<true, false>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters, hq, hk, splits,
 	                                  units, units_max, min_split, whole, hpb, scale,
 	                                  DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
+}
+
+extern "C" __global__ void __launch_bounds__(DG_ONE_WARPS * 32, 1)
+    attn_decode_gqa_one_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
+                             const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
+                             int splits, int units, int units_max, int min_split, int whole, int hpb, float scale) {
+	attn_decode_gqa_impl<false, true, DG_ONE_WARPS, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters,
+	                                                      hq, hk, splits, units, units_max, min_split, whole, hpb, scale,
+	                                                      DecodeRaw{});
+}
+
+extern "C" __global__ void __launch_bounds__(DG_ONE_WARPS * 32, 1)
+    attn_decode_gqa_one_raw_d128(bf16 *out, const bf16 *qkv, bf16 *kc, bf16 *vc, const int *qptr, const int *kvptr,
+                                 const int *kvidx, float *part_o, float *part_ml, int *counters, int hq, int hk, int d,
+                                 int splits, int units, int units_max, int min_split, int whole, int hpb, float scale,
+                                 const bf16 *qnorm, const bf16 *knorm, const int *pos, const int *slots,
+                                 const float *cos_t, const float *sin_t, float eps) {
+	attn_decode_gqa_impl<true, true, DG_ONE_WARPS, true>(out, qkv, kc, vc, qptr, kvptr, kvidx, part_o, part_ml, counters,
+	                                                     hq, hk, splits, units, units_max, min_split, whole, hpb, scale,
+	                                                     DecodeRaw{qnorm, knorm, pos, slots, cos_t, sin_t, eps});
 }
