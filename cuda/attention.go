@@ -318,7 +318,7 @@ func (d *Device) leanDecode(g, pairs, maxKV int) bool {
 // the lean kernels take, every context within decodeWhole's one split.
 // There the two-chunk kernel launches a grid of splits whose blocks past
 // the first return at once, and its four warps take a 384-position
-// context in three chunks each, one round trip after another; the one
+// context in six chunks of 16 each, one round trip after another; the one
 // kernel launches a block a pair, of eight warps. Decode graphs are
 // captured for both sides of decodeWhole where it applies
 // (ShortDecodeContext).
