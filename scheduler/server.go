@@ -235,6 +235,10 @@ func (s *Server) Core() *Core { return s.core }
 // back and the weights not stale.
 func (s *Server) canRun() bool { return !s.paused && s.e.Dev.Memory().AllResident() }
 
+// ready reports whether the loop should take a step: generation may
+// proceed and some request wants one.
+func (s *Server) ready() bool { return s.canRun() && !s.core.Idle() }
+
 // releasedTags lists the regions that are released now.
 func (s *Server) releasedTags() []string {
 	var tags []string
@@ -286,9 +290,10 @@ func (s *Server) Loop(ctx context.Context, inbox <-chan ioschema.Message, errs <
 	defer tick.Stop()
 	for {
 		s.noteBlocked()
-		busy := s.canRun() && !s.core.Idle()
-		if busy {
-			// Take whatever has arrived, then step.
+		if s.ready() {
+			// Take whatever has arrived, then step, unless what arrived
+			// paused generation, released memory or ended every request:
+			// a step on released weights or KV reads unmapped memory.
 			for drained := false; !drained; {
 				select {
 				case m := <-inbox:
@@ -296,6 +301,9 @@ func (s *Server) Loop(ctx context.Context, inbox <-chan ioschema.Message, errs <
 				default:
 					drained = true
 				}
+			}
+			if !s.ready() {
+				continue
 			}
 			if err := s.Step(); err != nil {
 				return err
@@ -475,7 +483,7 @@ func (s *Server) Info() map[string]any {
 		"num_waiting_reqs": waiting, "num_running_reqs": running, "kv_free_tokens": free,
 		"num_used_tokens": used, "token_usage": usage, "num_waiting_tokens": s.core.waitingTokens(), "gen_throughput": s.batches.throughput,
 		"kv_cached_tokens": cached, "kv_used_tokens": private, "kv_evictable_tokens": s.core.cache.Evictable(), "cpu_backup": e.Config.CPUBackup,
-		"generated_tokens": s.core.Stats.GeneratedTokens, "prompt_tokens": s.core.Stats.PromptTokens,
+		"generated_tokens": s.core.Stats.GeneratedTokens, "forward_ct": s.core.Stats.Steps, "prompt_tokens": s.core.Stats.PromptTokens,
 		"cached_prompt_tokens": s.core.Stats.CachedTokens, "graph_steps": e.Runner.Stats.GraphSteps,
 		"short_context_graph_steps": e.Runner.Stats.ShortGraphSteps,
 		"num_retracted_reqs":        s.core.Stats.Retractions, "retracted_input_tokens": s.core.Stats.RetractedInputTokens,
