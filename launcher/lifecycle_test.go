@@ -111,6 +111,11 @@ func TestRLCallOrdersCPU(t *testing.T) {
 				finished <- res.MetaInfo.FinishReason.Type
 			}()
 			waitFor(t, func() bool { return s.info(t)["num_running_reqs"].(float64) == 1 })
+			// A busy engine is healthy once it steps; no probe waits in its queue.
+			start := time.Now()
+			if code, body := s.get(t, "/health_generate"); code != 200 || time.Since(start) > 5*time.Second {
+				t.Fatalf("/health_generate while a request runs: %d %v after %v", code, body, time.Since(start))
+			}
 			s.mustPost(t, "/pause_generation", map[string]any{"mode": "abort"})
 			s.mustPost(t, "/update_weights_from_disk", map[string]any{"model_path": modelDir, "abort_all_requests": true})
 			s.mustPost(t, "/continue_generation", map[string]any{})

@@ -216,38 +216,6 @@ func (m *Manager) models(w http.ResponseWriter, _ *http.Request) {
 	}}})
 }
 
-// healthGenerate checks that a one-token generation completes; while
-// generation cannot run (paused, memory released, stale weights) it says
-// why at once instead of waiting.
-func (m *Manager) healthGenerate(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), 20*time.Second)
-	defer cancel()
-	unavailable := func(msg string) {
-		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"error": map[string]any{"message": msg, "code": http.StatusServiceUnavailable}})
-	}
-	reply, err := m.Control(ctx, &ioschema.GetServerInfoReqInput{})
-	if err != nil {
-		unavailable(err.Error())
-		return
-	}
-	if info, ok := reply.(*ioschema.GetServerInfoReqOutput); ok {
-		if why, _ := info.Info["generation_blocked"].(string); why != "" {
-			unavailable("generation is blocked: " + why)
-			return
-		}
-	}
-	one := 1
-	zero := 0.0
-	in := &ioschema.GenerateReqInput{InputIDs: ioschema.InputIDBatch{Items: [][]int32{{0}}},
-		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{{MaxNewTokens: &one, Temperature: &zero}}},
-		Rid:            ioschema.Rids{Items: []string{"health-" + newRid()}}}
-	if _, err := m.Generate(ctx, in); err != nil {
-		unavailable(err.Error())
-		return
-	}
-	w.WriteHeader(http.StatusOK)
-}
-
 func (m *Manager) generate(w http.ResponseWriter, r *http.Request) {
 	var in ioschema.GenerateReqInput
 	if err := decodeBody(r, &in); err != nil {

@@ -10,8 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"ebb/ioschema"
 )
 
 // loadSections are /v1/loads' include values (SGLang's). ebb reports the
@@ -60,17 +58,9 @@ func loadOf(info map[string]any, at time.Time) engineLoad {
 // engineLoads asks every engine (or the one dpRank names, where it is not
 // negative) for its load, in rank order.
 func (m *Manager) engineLoads(ctx context.Context, dpRank int) ([]engineLoad, error) {
-	reply, err := m.Control(ctx, &ioschema.GetServerInfoReqInput{})
+	infos, err := m.engineInfos(ctx)
 	if err != nil {
 		return nil, err
-	}
-	info, ok := reply.(*ioschema.GetServerInfoReqOutput)
-	if !ok {
-		return nil, fmt.Errorf("unexpected reply %s", reply.TypeName())
-	}
-	infos, ok := info.Info["engines"].([]map[string]any)
-	if !ok {
-		infos = []map[string]any{info.Info}
 	}
 	now := time.Now()
 	var loads []engineLoad
