@@ -57,6 +57,9 @@ func checkAfterRun(client *http.Client, url, key string, rep *ServingReport, bef
 	if rep.Failed > 0 {
 		failed = append(failed, fmt.Sprintf("%d of %d requests failed (first: %s)", rep.Failed, rep.Failed+rep.Completed, rep.FirstError))
 	}
+	if c := rep.Chaos; c != nil && c.Failed > 0 {
+		failed = append(failed, fmt.Sprintf("%d control requests of the chaos failed (first: %s)", c.Failed, c.FirstError))
+	}
 	var after serverState
 	deadline := time.Now().Add(time.Minute)
 	for {

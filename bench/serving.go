@@ -66,6 +66,8 @@ type ServingConfig struct {
 	PeakGPU    int
 	PlotPath   string
 	Progress   io.Writer
+	// Chaos sends RL control requests while the workload runs (--chaos).
+	Chaos ChaosConfig
 }
 
 // Percentiles are p50/p90/p99 and the mean, in milliseconds.
@@ -85,31 +87,35 @@ type ServingReport struct {
 	Stream      bool     `json:"stream"`
 	Completed   int      `json:"completed"`
 	Failed      int      `json:"failed"`
-	FirstError  string   `json:"first_error,omitempty"`
-	Samples     int      `json:"samples"` // completions asked for: requests times n
+	// Aborted are the completions a chaos run's pauses of mode abort
+	// ended early (elsewhere an abort is a failure).
+	Aborted    int    `json:"aborted,omitempty"`
+	FirstError string `json:"first_error,omitempty"`
+	Samples    int    `json:"samples"` // completions asked for: requests times n
 	// Retracted and Recomputed are what the server reported during the
 	// run (server_info's num_retracted_reqs and recomputed_tokens).
 	Retracted  int64 `json:"retracted_requests"`
 	Recomputed int64 `json:"recomputed_tokens"`
 	// Checks are the --check findings, "ok" or what failed.
-	Checks           []string    `json:"checks,omitempty"`
-	DurationS        float64     `json:"duration_s"`
-	InputTokens      int         `json:"input_tokens"`
-	CachedTokens     int         `json:"cached_input_tokens"` // prompt tokens the server found in its radix cache
-	OutputTokens     int         `json:"output_tokens"`
-	RequestPerS      float64     `json:"requests_per_s"`
-	OutputTokPerS    float64     `json:"output_tokens_per_s"`
-	TotalTokPerS     float64     `json:"total_tokens_per_s"`
-	TTFTMs           Percentiles `json:"ttft_ms"` // streaming only
-	ITLMs            Percentiles `json:"itl_ms"`  // streaming only: gap between chunks per token
-	E2EMs            Percentiles `json:"e2e_ms"`
-	KVReadBytes      float64     `json:"kv_read_bytes"`                // the workload's least KV traffic
-	WeightReadBytes  float64     `json:"weight_read_bytes"`            // weights once per decode step of each engine's longest output, over all engines
-	GPUs             int         `json:"gpus"`                         // tensor- times data-parallel size
-	PeakGBPerS       float64     `json:"peak_gb_per_s"`                // per GPU
-	FloorTokPerS     float64     `json:"bandwidth_floor_tokens_per_s"` // output tokens/s if reads ran at peak
-	FractionOfFloor  float64     `json:"fraction_of_floor"`
-	ThroughputSeries []XY        `json:"throughput_series"` // output tok/s in time bins
+	Checks           []string     `json:"checks,omitempty"`
+	Chaos            *ChaosReport `json:"chaos,omitempty"`
+	DurationS        float64      `json:"duration_s"`
+	InputTokens      int          `json:"input_tokens"`
+	CachedTokens     int          `json:"cached_input_tokens"` // prompt tokens the server found in its radix cache
+	OutputTokens     int          `json:"output_tokens"`
+	RequestPerS      float64      `json:"requests_per_s"`
+	OutputTokPerS    float64      `json:"output_tokens_per_s"`
+	TotalTokPerS     float64      `json:"total_tokens_per_s"`
+	TTFTMs           Percentiles  `json:"ttft_ms"` // streaming only
+	ITLMs            Percentiles  `json:"itl_ms"`  // streaming only: gap between chunks per token
+	E2EMs            Percentiles  `json:"e2e_ms"`
+	KVReadBytes      float64      `json:"kv_read_bytes"`                // the workload's least KV traffic
+	WeightReadBytes  float64      `json:"weight_read_bytes"`            // weights once per decode step of each engine's longest output, over all engines
+	GPUs             int          `json:"gpus"`                         // tensor- times data-parallel size
+	PeakGBPerS       float64      `json:"peak_gb_per_s"`                // per GPU
+	FloorTokPerS     float64      `json:"bandwidth_floor_tokens_per_s"` // output tokens/s if reads ran at peak
+	FractionOfFloor  float64      `json:"fraction_of_floor"`
+	ThroughputSeries []XY         `json:"throughput_series"` // output tok/s in time bins
 }
 
 // XY is one point of a series.
@@ -121,11 +127,35 @@ type XY struct {
 // requestResult is one request's timings, relative to the run's start.
 type requestResult struct {
 	Input, Output int
+	Want          int     // the output it must produce (it runs to its length), or 0
 	Cached        int     // prompt tokens found cached
 	Sent, First   float64 // seconds; First < 0 when unknown (no stream)
 	Done          float64
 	Chunks        []chunk
+	Finish        finishReason
 	Err           error
+}
+
+// finishReason is meta_info.finish_reason: SGLang's type (stop, length,
+// abort) and, for an abort, why.
+type finishReason struct {
+	Type    string `json:"type"`
+	Message string `json:"message"`
+}
+
+// problem says what is wrong with a request that got a reply: the server
+// aborted it (unless aborts are expected: a chaos run pausing with mode
+// abort), or it stopped short of the length it had to run to. Either is
+// a failure a 200 would otherwise hide: a step that fails aborts its
+// batch and answers each request with finish_reason abort.
+func (r requestResult) problem(abortsExpected bool) string {
+	switch {
+	case r.Finish.Type == "abort" && !abortsExpected:
+		return "aborted by the server: " + r.Finish.Message
+	case r.Finish.Type != "abort" && r.Want > 0 && r.Output != r.Want:
+		return fmt.Sprintf("%d of %d output tokens (finish_reason %q)", r.Output, r.Want, r.Finish.Type)
+	}
+	return ""
 }
 
 type chunk struct {
@@ -181,16 +211,25 @@ func Serving(cfg ServingConfig) (*ServingReport, error) {
 		}
 	}
 	before := readServerState(client, url, cfg.APIKey)
+	var chaos *chaosRun
+	if cfg.Chaos.on() {
+		chaos = startChaos(client, url, cfg.APIKey, cfg.Chaos)
+	}
 	var results []requestResult
 	if cfg.Duration > 0 {
 		results, reqs, err = soak(client, url, cfg, vocab, reqs)
-		if err != nil {
-			return nil, err
-		}
 	} else {
 		results = sendAll(client, url, cfg, reqs)
 	}
+	var chaosRep *ChaosReport
+	if chaos != nil {
+		chaosRep = chaos.stop()
+	}
+	if err != nil {
+		return nil, err
+	}
 	rep := summarizeServing(cfg, url, results)
+	rep.Chaos = chaosRep
 	rep.Samples = samples(reqs)
 	after := readServerState(client, url, cfg.APIKey)
 	rep.Retracted, rep.Recomputed = after.Retracted-before.Retracted, after.Recomputed-before.Recomputed
@@ -386,8 +425,12 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 	since := func() float64 { return time.Since(start).Seconds() }
 	n := max(r.N, 1)
 	res := make([]requestResult, n)
+	want := 0
+	if !cfg.StopAtEOS {
+		want = r.OutputLen
+	}
 	for i := range res {
-		res[i] = requestResult{Input: len(r.Prompt), Sent: since(), First: -1}
+		res[i] = requestResult{Input: len(r.Prompt), Want: want, Sent: since(), First: -1}
 	}
 	fail := func(err error) []requestResult {
 		for i := range res {
@@ -418,8 +461,9 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 	type reply struct {
 		Index    int `json:"index"`
 		MetaInfo struct {
-			CompletionTokens int `json:"completion_tokens"`
-			CachedTokens     int `json:"cached_tokens"`
+			CompletionTokens int           `json:"completion_tokens"`
+			CachedTokens     int           `json:"cached_tokens"`
+			FinishReason     *finishReason `json:"finish_reason"`
 		} `json:"meta_info"`
 		Error *struct {
 			Message string `json:"message"`
@@ -441,6 +485,9 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 		}
 		for i, out := range outs {
 			res[i].Output, res[i].Cached, res[i].Done = out.MetaInfo.CompletionTokens, out.MetaInfo.CachedTokens, since()
+			if out.MetaInfo.FinishReason != nil {
+				res[i].Finish = *out.MetaInfo.FinishReason
+			}
 		}
 		return res
 	}
@@ -467,6 +514,9 @@ func sendOne(client *http.Client, url string, cfg ServingConfig, r workRequest, 
 		}
 		now, one := since(), &res[out.Index]
 		one.Cached = out.MetaInfo.CachedTokens
+		if out.MetaInfo.FinishReason != nil {
+			one.Finish = *out.MetaInfo.FinishReason
+		}
 		if k := out.MetaInfo.CompletionTokens - one.Output; k > 0 {
 			if one.First < 0 {
 				one.First = now
@@ -515,12 +565,19 @@ func summarizeServing(cfg ServingConfig, url string, results []requestResult) *S
 	var ttft, itl, e2e []float64
 	first, last := math.Inf(1), 0.0
 	for _, r := range results {
+		why := r.problem(cfg.abortsExpected())
 		if r.Err != nil {
+			why = r.Err.Error()
+		}
+		if why != "" {
 			rep.Failed++
 			if rep.FirstError == "" {
-				rep.FirstError = r.Err.Error()
+				rep.FirstError = why
 			}
 			continue
+		}
+		if r.Finish.Type == "abort" {
+			rep.Aborted++
 		}
 		rep.Completed++
 		rep.InputTokens += r.Input

@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -443,6 +445,12 @@ func servingCmd() *cobra.Command {
 			f := cmd.Flags()
 			cfg.TopK, cfg.TopP, cfg.MinP = ifSet(f, "top-k", &topK), ifSet(f, "top-p", &topP), ifSet(f, "min-p", &minP)
 			cfg.StopAtEOS = !ignoreEOS
+			cfg.Chaos.Seed = cfg.Workload.Seed
+			for _, m := range cfg.Chaos.PauseModes {
+				if m != "abort" && m != "retract" && m != "in_place" {
+					return fmt.Errorf("--chaos-pause-modes: %q is not abort, retract or in_place", m)
+				}
+			}
 			if !asJSON {
 				cfg.Progress = os.Stderr
 			}
@@ -480,7 +488,9 @@ func servingCmd() *cobra.Command {
 	f.Float64Var(&minP, "min-p", 0, "min_p to send (unset: the model's default)")
 	f.BoolVar(&ignoreEOS, "ignore-eos", true, "run every request to its output length; false lets requests stop at EOS (and the scheduler cannot count on their lengths)")
 	f.DurationVar(&cfg.Duration, "duration", 0, "soak: keep sending new draws of the workload, --max-concurrency (default: the workload's size) in flight, for this long (e.g. 10m)")
-	f.BoolVar(&cfg.Check, "check", false, "fail on any failed request and, once the server is idle, on KV still held, a broken invariant or GPU memory grown")
+	f.BoolVar(&cfg.Check, "check", false, "fail on any failed request (an error, an abort, an output short of its length) or chaos action and, once the server is idle, on KV still held, a broken invariant or GPU memory grown")
+	f.DurationVar(&cfg.Chaos.Interval, "chaos", 0, "while the workload runs, send an RL control request about this often (pause/continue, release/resume, flush_cache, health_generate), each checked")
+	f.StringSliceVar(&cfg.Chaos.PauseModes, "chaos-pause-modes", []string{"retract", "in_place"}, "the pause_generation modes the chaos uses; with abort, aborted requests are counted, not failed")
 	f.BoolVar(&cfg.Stream, "stream", true, "stream the outputs (needed for TTFT and inter-token latency)")
 	f.StringVar(&cfg.APIKey, "server-api-key", "", "bearer token for a server started with --api-key")
 	f.BoolVar(&cfg.FlushCache, "flush-cache", false, "empty the server's radix cache first (a repeated workload otherwise finds its prompts cached)")
@@ -495,6 +505,19 @@ func printServing(r *bench.ServingReport) {
 		r.Completed+r.Failed, r.Failed, r.Temperature, r.Stream)
 	if r.FirstError != "" {
 		fmt.Printf("first error: %s\n", r.FirstError)
+	}
+	if r.Aborted > 0 {
+		fmt.Printf("%d completions were ended early by the chaos's pauses of mode abort\n", r.Aborted)
+	}
+	if c := r.Chaos; c != nil {
+		var acts []string
+		for _, name := range slices.Sorted(maps.Keys(c.Actions)) {
+			acts = append(acts, fmt.Sprintf("%s %d", name, c.Actions[name]))
+		}
+		fmt.Printf("chaos: %s; %d failed\n", strings.Join(acts, ", "), c.Failed)
+		if c.FirstError != "" {
+			fmt.Printf("chaos first error: %s\n", c.FirstError)
+		}
 	}
 	if r.Retracted > 0 || r.Recomputed > 0 {
 		fmt.Printf("the server retracted %d requests to make room in its KV cache and computed %d tokens again\n", r.Retracted, r.Recomputed)
