@@ -20,7 +20,10 @@
 # cache of 200k tokens, then through it prompts of 1 to 40,000 tokens, a
 # 2,000-token prompt's top logprobs (input_top_logprobs), KV demand 1.6x the cache from rollouts that may stop early (so some are
 # retracted), and a soak of GRPO-shaped rollouts (groups of 8, log-normal
-# lengths, the model's own top_k/top_p) for SOAK seconds; then the same
+# lengths, the model's own top_k/top_p) for SOAK seconds, and one for CHAOS
+# seconds while `bench serving --chaos` pauses (every mode), releases and
+# resumes every tag (the server keeps a CPU backup of its weights), flushes
+# and probes /health_generate, each checked; then the same
 # model served with --enable-deterministic-inference and checked by
 # tools/det_check.py --quick. Every serving
 # step runs `ebb bench serving --check`. Logs go to OUT_DIR; the summary
@@ -37,6 +40,7 @@ out=${1:-${OUT:-/tmp/ebb-gpu-check}}
 mkdir -p "$out"
 model=${MODEL:-/tmp/qwen3-0.6b}
 soak=${SOAK:-60}
+chaos=${CHAOS:-30}
 port=${PORT:-30111}
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=$(dirname "$(command -v ebb)")
@@ -87,7 +91,7 @@ ran() {
 # note picks the figure worth quoting from a step's log.
 note() {
 	case $1 in
-	serving-*) grep -hE '^throughput|^bandwidth floor|retracted|^checks' "$out/$1.log" | sed 's/^/  /' | tr '\n' ';' | sed 's/^/: /' ;;
+	serving-*) grep -hE '^throughput|^bandwidth floor|retracted|^chaos:|^checks' "$out/$1.log" | sed 's/^/  /' | tr '\n' ';' | sed 's/^/: /' ;;
 	kernels | goldens) grep -cE '^--- PASS' "$out/$1.log" | sed 's/^/: /; s/$/ tests passed/' ;;
 	deterministic) grep -hE '^decode vs prefill' "$out/$1.log" | sed 's/^/: /' ;;
 	input-top) tail -n 1 "$out/$1.log" | sed 's/^/: /' ;;
@@ -120,7 +124,7 @@ serve() {
 }
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 
-if ! serve serve.log --log-level info; then
+if ! serve serve.log --log-level info --enable-weights-cpu-backup; then
 	summary+=("FAIL serve: the server did not start: $(tail -n 3 "$out/serve.log" | tr '\n' ' ')")
 	status=1
 else
@@ -157,6 +161,9 @@ PY
 	bench grpo-soak --dataset random --min-input-len 256 --max-input-len 1024 --output-dist lognormal \
 		--min-output-len 512 --max-output-len 4096 --group-size 8 --num-prompts 16 --temperature 1 \
 		--duration "${soak}s"
+	bench chaos --dataset random --min-input-len 128 --max-input-len 1024 --output-dist lognormal \
+		--min-output-len 256 --max-output-len 2048 --group-size 4 --num-prompts 16 --temperature 1 \
+		--duration "${chaos}s" --chaos 500ms --chaos-pause-modes retract,in_place,abort
 	curl -s "http://127.0.0.1:$port/memory_stats" >"$out/memory-end.json"
 	step memory python3 - "$out/memory-start.json" "$out/memory-end.json" <<'PY'
 import json, sys
