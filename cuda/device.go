@@ -47,7 +47,6 @@ type Device struct {
 	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
 	noPartOne     bool           // deterministic products of one split keep a block a tile (EBB_DET_PART_ONE=0)
-	wgHalves      bool           // products on half the SMs take two batch tiles (EBB_MATMUL_WG_HALVES=1)
 	wgOneTile     bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)
 	wgBlock       int            // matmul_wg's threads a block (matMulWGBlock)
 	wgNo192       bool           // batches of 129-192 rows take the 256-row tile (EBB_MATMUL_WG_N192=0)

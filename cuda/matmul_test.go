@@ -522,61 +522,6 @@ func TestMatMulWGPartShape(t *testing.T) {
 	}
 }
 
-// TestMatMulWGHalvesShape: with EBB_MATMUL_WG_HALVES a product of at
-// most half the SMs' worth of blocks takes two batch tiles of about half
-// its rows; fuller grids, tiles already split and tiles of 32 rows keep
-// theirs.
-func TestMatMulWGHalvesShape(t *testing.T) {
-	for _, c := range []struct {
-		name   string
-		m      int
-		bn     int
-		grid   Dim3
-		wantBN int
-		wantY  uint32
-	}{
-		{"o_proj, batch 256", 256, 256, Dim3{8, 1, 8}, 128, 2},
-		{"o_proj, batch 200", 200, 256, Dim3{8, 1, 8}, 128, 2},
-		{"o_proj, batch 129", 129, 192, Dim3{8, 1, 8}, 96, 2},
-		{"o_proj, batch 128", 128, 128, Dim3{8, 1, 8}, 64, 2},
-		{"o_proj, batch 40", 40, 48, Dim3{8, 1, 8}, 32, 2},
-		{"o_proj, batch 32", 32, 32, Dim3{8, 1, 8}, 32, 1},
-		{"a full grid", 256, 256, Dim3{16, 1, 8}, 256, 1},
-		{"batch tiles already", 512, 256, Dim3{8, 2, 8}, 256, 2},
-	} {
-		d := &Device{ctx: &Context{SMs: 132}, wgHalves: true}
-		bn, grid := d.matMulWGHalves(c.bn, c.grid, c.m)
-		if bn != c.wantBN || grid.Y != c.wantY || grid.X != c.grid.X || grid.Z != c.grid.Z {
-			t.Errorf("%s: tile %d grid %v, want %d with %d batch tiles", c.name, bn, grid, c.wantBN, c.wantY)
-		}
-		d.wgHalves = false
-		if bn, grid := d.matMulWGHalves(c.bn, c.grid, c.m); bn != c.bn || grid != c.grid {
-			t.Errorf("%s, off: tile %d grid %v", c.name, bn, grid)
-		}
-	}
-}
-
-// TestMatMulWGHalvesSameBits: two batch tiles give a product the bits of
-// one, with deterministic inference's splits and without.
-func TestMatMulWGHalvesSameBits(t *testing.T) {
-	p := newPair(t)
-	if !p.gpu.wgmma {
-		t.Skipf("matmul_wg needs sm_90a kernels (these are %s)", p.gpu.mod.Arch)
-	}
-	for _, s := range []struct{ m, k, n int }{{256, 2048, 1024}, {200, 3072, 1024}, {129, 2048, 1024}, {128, 2048, 1024}, {40, 3072, 1024}} {
-		x := p.random(device.BF16, 1, s.m, s.k)
-		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
-		one, two := p.random(device.BF16, 1, s.m, s.n), p.random(device.BF16, 1, s.m, s.n)
-		p.gpu.matMulWG(one.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, normFold{})
-		p.gpu.wgHalves = true
-		p.gpu.matMulWG(two.g.Ptr, false, x.g.Ptr, w.g.Ptr, s.m, s.n, s.k, false, normFold{})
-		p.gpu.wgHalves = false
-		p.sameBits(fmt.Sprintf("two batch tiles %+v", s), two.g, one.g)
-		p.cpu.MatMul(two.c, x.c, w.c, device.Tensor{})
-		p.close(fmt.Sprintf("two batch tiles %+v", s), two, 2e-2, 2e-2)
-	}
-}
-
 // TestMatMulWGUsed: a block asks for the stages it fills and, with splits,
 // room for its sums; never more than the whole ring.
 func TestMatMulWGUsed(t *testing.T) {

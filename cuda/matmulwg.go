@@ -83,7 +83,6 @@ func (d *Device) initMatMulWG() error {
 	}
 	d.noPart = os.Getenv("EBB_MATMUL_WG_PART") == "0"
 	d.noPartOne = os.Getenv("EBB_DET_PART_ONE") == "0"
-	d.wgHalves = os.Getenv("EBB_MATMUL_WG_HALVES") == "1"
 	d.wgOneTile = os.Getenv("EBB_MATMUL_WG_PERSIST") == "0"
 	d.wgNo192 = os.Getenv("EBB_MATMUL_WG_N192") == "0"
 	for t := 1; t <= detFewMaxRows/8; t++ {
@@ -279,36 +278,9 @@ func (d *Device) matMulWG(out uintptr, outF32 bool, x, w uintptr, m, n, k int, g
 		return
 	}
 	name, bn, grid, kps, kpart := d.matMulWGShape(m, n, k)
-	if norm == (normFold{}) && kpart == 0 {
-		if half, g := d.matMulWGHalves(bn, grid, m); half != bn {
-			name, bn, grid = fmt.Sprintf("matmul_wg_n%d", half), half, g
-		}
-	}
 	d.launchWG(name, grid, d.wgBlock, d.matMulWGRing(bn, kps, kpart, int(grid.Z)), int(grid.Z), wgOperands{w: w, n: n, x: x, m: m, k: k, glu: glu, box: bn},
 		P(out), I(boolInt(outF32)), I(m), I(n), I(k), I(boolInt(glu)), I(kps),
 		P(norm.residual), P(norm.normW), P(d.rowSquares.Ptr), I(norm.parts), F(norm.eps), I(kpart))
-}
-
-// matMulWGHalves gives a product whose weight tiles and K splits fill at
-// most half the SMs (the 0.6B shape's o_proj and down_proj: 8 tiles x 8
-// splits, 64 blocks) two batch tiles of about half its rows, twice the
-// blocks each doing half the work, where EBB_MATMUL_WG_HALVES=1 (for A/B
-// runs: not yet measured). A row's sums do not depend on its tile's
-// height, so the bits are the same. It returns bn and grid unchanged
-// where it does not apply.
-func (d *Device) matMulWGHalves(bn int, grid Dim3, m int) (int, Dim3) {
-	if !d.wgHalves || grid.Y != 1 || 2*int(grid.X*grid.Z) > d.ctx.SMs {
-		return bn, grid
-	}
-	for _, b := range matMulWGRows {
-		if 2*b >= m && !(b == 192 && d.wgNo192) {
-			if b >= bn || b >= m {
-				break
-			}
-			return b, Dim3{grid.X, uint32((m + b - 1) / b), grid.Z}
-		}
-	}
-	return bn, grid
 }
 
 // matMulWGRing is the shared memory a matmul_wg launch of matMulWGShape's
