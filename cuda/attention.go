@@ -313,18 +313,41 @@ func (d *Device) leanDecode(g, pairs, maxKV int) bool {
 }
 
 // oneDecode says whether a decode step of g heads a kv head, its pairs
-// and its longest context of maxKV positions takes attn_decode_gqa_one
-// (EBB_DECODE_ONE=1, for A/B runs: not yet measured): fewer pairs than
-// the lean kernels take, every context within decodeWhole's one split.
-// There the two-chunk kernel launches a grid of splits whose blocks past
-// the first return at once, and its four warps take a 384-position
-// context in six chunks of 16 each, one round trip after another; the one
-// kernel launches a block a pair, of eight warps. Decode graphs are
-// captured for both sides of decodeWhole where it applies
-// (ShortDecodeContext).
+// and its longest context of maxKV positions takes attn_decode_gqa_one:
+// at most decodeOne pairs, fewer than the lean kernels take, every
+// context within decodeWhole's one split. There the two-chunk kernel
+// launches a grid of splits whose blocks past the first return at once,
+// and its four warps take a 384-position context in six chunks of 16
+// each, one round trip after another; the one kernel launches a block a
+// pair, of eight warps. Decode graphs are captured for both sides of
+// decodeWhole where it applies (ShortDecodeContext).
 func (d *Device) oneDecode(g, pairs, maxKV int) bool {
 	w := d.decodeWhole(g)
-	return d.decodeOne && pairs < gqaLeanMinPairs && maxKV > 0 && maxKV <= w
+	return pairs <= d.decodeOne && pairs < gqaLeanMinPairs && maxKV > 0 && maxKV <= w
+}
+
+// decodeOneSeqPairs is the most pairs that take attn_decode_gqa_one by
+// default: a step of one sequence of up to eight kv heads (two of the
+// 30B-A3B shape's four). H200, 128 in / 128 out at temperature 1, against
+// the two-chunk kernel, two machines: batch 1 of the 30B-A3B shape 2.765
+// -> 2.737 ms (-1.01 %) and 2.747 -> 2.744 (-0.09 %), the 8B 4.375 ->
+// 4.331 (-1.02 %) and 4.404 -> 4.359 (-1.02 %), the 0.6B 0.768 -> 0.756
+// (-1.50 %) and 0.748 -> 0.747; the 30B-A3B's batch 2 4.111 -> 4.054
+// (-1.38 %). All of batch 8's 32 pairs of the 30B-A3B gained 0.09 %, and
+// the 8B's and 0.6B's 64 take the lean kernels either way.
+const decodeOneSeqPairs = 8
+
+// decodeOneFromEnv is the most pairs EBB_DECODE_ONE's value v sends to
+// attn_decode_gqa_one: "0" none, "1" every step below the lean kernels'
+// pairs, otherwise decodeOneSeqPairs.
+func decodeOneFromEnv(v string) int {
+	switch v {
+	case "0":
+		return 0
+	case "1":
+		return gqaLeanMinPairs - 1
+	}
+	return decodeOneSeqPairs
 }
 
 // gqaOneWarps is attention_gqa.cu's DG_ONE_WARPS.

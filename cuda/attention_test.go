@@ -170,7 +170,7 @@ func TestPrepareDecode(t *testing.T) {
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
 			p.gpu.whole, p.gpu.wholeSet = wholeMode(tc.name)
-			p.gpu.decodeOne = strings.HasPrefix(tc.name, "one-")
+			p.gpu.decodeOne = oneMode(tc.name)
 			qlens := repeat(1, len(tc.kvlens))
 			out, _, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, qlens, tc.kvlens)
 			vals := make([]float32, len(qlens)*(tc.hq+2*tc.hk)*tc.d)
@@ -431,7 +431,7 @@ func TestAttention(t *testing.T) {
 			p.gpu.gqaFrom = decodeKernelMode(tc.name)
 			p.gpu.gqaLean, p.gpu.gqaHeads = leanMode(tc.name), leanHeads(tc.name)
 			p.gpu.whole, p.gpu.wholeSet = wholeMode(tc.name)
-			p.gpu.decodeOne = strings.HasPrefix(tc.name, "one-")
+			p.gpu.decodeOne = oneMode(tc.name)
 			out, qkv, kc, vc, meta := attnCase(p, tc.hq, tc.hk, tc.d, tc.qlens, tc.kvlens)
 			if strings.HasPrefix(tc.name, "sparse") {
 				for i := range meta {
@@ -609,27 +609,33 @@ func TestDecodeKernelChoice(t *testing.T) {
 	}
 	for _, c := range []struct {
 		mode, hq, hk, dim, batch, want int
-		one                            bool // EBB_DECODE_ONE=1
+		one                            int // EBB_DECODE_ONE's pairs
 	}{
-		{leanByContext, 32, 4, 128, 256, gqaLeanMaxKV, false},
-		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV, false},
-		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, 0, false},
-		{leanByContext, 16, 8, 128, 256, 0, false},
-		{leanByContext, 32, 8, 64, 256, 0, false},
-		{leanAlways, 32, 4, 128, 256, 0, false},
-		{leanNever, 32, 4, 128, 256, 0, false},
+		{leanByContext, 32, 4, 128, 256, gqaLeanMaxKV, 0},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV, 0},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, 0, 0},
+		{leanByContext, 16, 8, 128, 256, 0, 0},
+		{leanByContext, 32, 8, 64, 256, 0, 0},
+		{leanAlways, 32, 4, 128, 256, 0, 0},
+		{leanNever, 32, 4, 128, 256, 0, 0},
 		// The one-split kernels below the lean kernels' pairs.
-		{leanByContext, 32, 4, 128, 1, decodeWholeContextG8, true},
-		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, decodeWholeContextG8, true},
-		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV, true},
-		{leanByContext, 16, 8, 128, 1, decodeWholeContext, true},
-		{leanByContext, 32, 8, 128, 1, decodeWholeContext, true},
-		{leanByContext, 16, 8, 128, 256, 0, true},
-		{leanByContext, 32, 8, 64, 1, 0, true},
+		{leanByContext, 32, 4, 128, 1, decodeWholeContextG8, gqaLeanMinPairs - 1},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs/4 - 1, decodeWholeContextG8, gqaLeanMinPairs - 1},
+		{leanByContext, 32, 4, 128, gqaLeanMinPairs / 4, gqaLeanMaxKV, gqaLeanMinPairs - 1},
+		{leanByContext, 16, 8, 128, 1, decodeWholeContext, gqaLeanMinPairs - 1},
+		{leanByContext, 32, 8, 128, 1, decodeWholeContext, gqaLeanMinPairs - 1},
+		{leanByContext, 16, 8, 128, 256, 0, gqaLeanMinPairs - 1},
+		{leanByContext, 32, 8, 64, 1, 0, gqaLeanMinPairs - 1},
+		// The default: a step of one sequence.
+		{leanByContext, 32, 4, 128, 1, decodeWholeContextG8, decodeOneSeqPairs},
+		{leanByContext, 32, 4, 128, 2, decodeWholeContextG8, decodeOneSeqPairs},
+		{leanByContext, 32, 4, 128, 3, 0, decodeOneSeqPairs},
+		{leanByContext, 32, 8, 128, 1, decodeWholeContext, decodeOneSeqPairs},
+		{leanByContext, 32, 8, 128, 2, 0, decodeOneSeqPairs},
 	} {
 		d := &Device{ctx: &Context{SMs: 132}, gqaLean: c.mode, decodeOne: c.one}
 		if got := d.ShortDecodeContext(c.hq, c.hk, c.dim, c.batch); got != c.want {
-			t.Errorf("lean mode %d, one %v, %d/%d heads of %d, batch %d: ShortDecodeContext %d, want %d", c.mode, c.one, c.hq, c.hk, c.dim, c.batch, got, c.want)
+			t.Errorf("lean mode %d, one %d, %d/%d heads of %d, batch %d: ShortDecodeContext %d, want %d", c.mode, c.one, c.hq, c.hk, c.dim, c.batch, got, c.want)
 		}
 	}
 }
@@ -659,16 +665,32 @@ func TestDecodeOneKernel(t *testing.T) {
 		{8, 128, 4, 0, "attn_decode_gqa_d128"},
 		{2, 64, 8, 200, "attn_decode_vec_d64_g2"},
 	} {
-		d := &Device{ctx: &Context{SMs: 132}, decodeOne: true}
+		d := &Device{ctx: &Context{SMs: 132}, decodeOne: decodeOneFromEnv("1")}
 		name, raw, _ := d.splitDecodeKernel(c.g, c.dim, c.pairs, c.maxKV)
 		if name != c.want || raw == name || (strings.HasPrefix(name, "attn_decode_gqa") && (!loaded[name] || !loaded[raw])) {
 			t.Errorf("%d heads a kv head, %d dims, %d pairs, contexts to %d: %q / %q, want %q", c.g, c.dim, c.pairs, c.maxKV, name, raw, c.want)
 		}
-		d.decodeOne = false
+		d.decodeOne = decodeOneFromEnv("0")
 		if name, _, _ := d.splitDecodeKernel(c.g, c.dim, c.pairs, c.maxKV); strings.Contains(name, "_one") {
-			t.Errorf("%d heads, %d pairs, contexts to %d, EBB_DECODE_ONE unset: %q", c.g, c.pairs, c.maxKV, name)
+			t.Errorf("%d heads, %d pairs, contexts to %d, EBB_DECODE_ONE=0: %q", c.g, c.pairs, c.maxKV, name)
+		}
+		d.decodeOne = decodeOneFromEnv("")
+		one := strings.Contains(name, "gqa_") && c.pairs <= decodeOneSeqPairs && c.maxKV > 0 && c.maxKV <= d.decodeWhole(c.g)
+		if got, _, _ := d.splitDecodeKernel(c.g, c.dim, c.pairs, c.maxKV); strings.Contains(got, "_one") != one {
+			t.Errorf("%d heads, %d pairs, contexts to %d, EBB_DECODE_ONE unset: %q", c.g, c.pairs, c.maxKV, got)
 		}
 	}
+}
+
+// oneMode is the EBB_DECODE_ONE setting a case's name asks for: "one-"
+// every step below the lean kernels' pairs, otherwise none (the
+// two-chunk kernels, which the default keeps for steps of several
+// sequences).
+func oneMode(name string) int {
+	if strings.HasPrefix(name, "one-") {
+		return decodeOneFromEnv("1")
+	}
+	return decodeOneFromEnv("0")
 }
 
 // leanMode is the EBB_GQA_LEAN setting a case's name asks for: "lean-"

@@ -80,7 +80,7 @@ type Device struct {
 	decodeSplits  int            // attn_decode_vec's most splits where EBB_DECODE_SPLITS sets it (0: default)
 	whole         int            // the longest context a balanced decode kernel takes in one split where wholeSet
 	wholeSet      bool           // EBB_DECODE_WHOLE set whole
-	decodeOne     bool           // a few sequences of one-split contexts on attn_decode_gqa_one (EBB_DECODE_ONE=1)
+	decodeOne     int            // the most pairs whose one-split contexts take attn_decode_gqa_one (decodeOneFromEnv)
 	sampleWaves   int            // sample_scan's grid in blocks per SM (EBB_SAMPLE_WAVES; sampleScanWaves)
 	// det: deterministic inference (deterministic.go), with attn_det's
 	// decode partials.
@@ -293,7 +293,7 @@ func (d *Device) init() error {
 	}
 	d.few = fewFromEnv()
 	d.tcLarge = os.Getenv("EBB_MATMUL_TC") == "all"
-	d.decodeOne = os.Getenv("EBB_DECODE_ONE") == "1"
+	d.decodeOne = decodeOneFromEnv(os.Getenv("EBB_DECODE_ONE"))
 	if n, err := strconv.Atoi(os.Getenv("EBB_DECODE_WHOLE")); err == nil && n >= 0 {
 		d.whole, d.wholeSet = n, true
 	}
