@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net/http"
 	"slices"
@@ -191,28 +190,9 @@ func (c *chaosRun) mustSucceed(path string, body map[string]any) error {
 }
 
 // call makes one request (a JSON body where body is not nil) and returns
-// the status and the start of the reply.
-func (c *chaosRun) call(method, path string, body map[string]any) (int, []byte, error) {
+// the status and the reply.
+func (c *chaosRun) call(method, path string, body any) (int, []byte, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	var in io.Reader
-	if body != nil {
-		b, _ := json.Marshal(body)
-		in = strings.NewReader(string(b))
-	}
-	req, err := http.NewRequestWithContext(ctx, method, c.url+path, in)
-	if err != nil {
-		return 0, nil, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if c.key != "" {
-		req.Header.Set("Authorization", "Bearer "+c.key)
-	}
-	resp, err := c.client.Do(req)
-	if err != nil {
-		return 0, nil, err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 2048))
-	return resp.StatusCode, b, nil
+	return doJSON(ctx, c.client, method, c.url+path, c.key, body)
 }

@@ -302,13 +302,38 @@ func postJSON(client *http.Client, url, key string) error {
 // callJSON makes a request without parameters and decodes the JSON of a
 // 200 reply into v, where v is not nil.
 func callJSON(client *http.Client, method, url, key string, v any) error {
-	var body io.Reader
+	var body any
 	if method == "POST" {
-		body = strings.NewReader("{}")
+		body = map[string]any{}
 	}
-	req, err := http.NewRequest(method, url, body)
+	status, reply, err := doJSON(context.Background(), client, method, url, key, body)
 	if err != nil {
 		return err
+	}
+	if status != http.StatusOK {
+		return fmt.Errorf("%s %s: %d %s: %s", method, url, status, http.StatusText(status), strings.TrimSpace(string(reply)))
+	}
+	if v == nil {
+		return nil
+	}
+	return json.Unmarshal(reply, v)
+}
+
+// doJSON makes one request, with body as its JSON where body is not nil
+// and the bearer key where one is given, and returns the status and the
+// reply's body.
+func doJSON(ctx context.Context, client *http.Client, method, url, key string, body any) (int, []byte, error) {
+	var in io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return 0, nil, err
+		}
+		in = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, url, in)
+	if err != nil {
+		return 0, nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
 	if key != "" {
@@ -316,17 +341,11 @@ func callJSON(client *http.Client, method, url, key string, v any) error {
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return err
+		return 0, nil, err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("%s %s: %s: %s", method, url, resp.Status, strings.TrimSpace(string(b)))
-	}
-	if v == nil {
-		return nil
-	}
-	return json.NewDecoder(resp.Body).Decode(v)
+	reply, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, reply, err
 }
 
 // sendAll sends every request at its arrival time and waits for all.

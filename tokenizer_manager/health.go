@@ -38,8 +38,8 @@ func checkHealth(ctx context.Context, p healthProbe, poll time.Duration) error {
 	}
 	busy := map[int]float64{} // engine -> its step count at the first look
 	for _, in := range infos {
-		if why, _ := in["generation_blocked"].(string); why != "" {
-			return fmt.Errorf("generation is blocked: %s", why)
+		if err := blocked(in); err != nil {
+			return err
 		}
 		rank := infoInt(in, "dp_rank")
 		if infoInt(in, "num_running_reqs") > 0 {
@@ -66,8 +66,8 @@ func checkHealth(ctx context.Context, p healthProbe, poll time.Duration) error {
 			if !ok {
 				continue
 			}
-			if why, _ := in["generation_blocked"].(string); why != "" {
-				return fmt.Errorf("generation is blocked: %s", why)
+			if err := blocked(in); err != nil {
+				return err
 			}
 			if now, _ := toFloat(in["forward_ct"]); now > before {
 				delete(busy, rank)
@@ -81,6 +81,15 @@ func checkHealth(ctx context.Context, p healthProbe, poll time.Duration) error {
 				delete(busy, rank)
 			}
 		}
+	}
+	return nil
+}
+
+// blocked is why an engine's server_info says it cannot generate now, or
+// nil.
+func blocked(info map[string]any) error {
+	if why, _ := info["generation_blocked"].(string); why != "" {
+		return fmt.Errorf("generation is blocked: %s", why)
 	}
 	return nil
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: what CI cannot see, in one command on a GPU machine. Run it
 # before resolving anything that touches cuda/, runner/, model/ or
-# scheduler/. It takes about nine minutes on an H100 and fails (exit 1) on
+# scheduler/. It takes about nine minutes on an H100, more with its chaos step
+# (split it over calls with SKIP), and fails (exit 1) on
 # any failed test or request, KV still held when idle, a broken invariant,
 # or GPU memory that grows.
 #
