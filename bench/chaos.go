@@ -50,9 +50,12 @@ type chaosRun struct {
 	cfg    ChaosConfig
 	rng    *rand.Rand
 	tags   [][]string // the tag sets it releases and resumes
-	rep    ChaosReport
-	cancel context.CancelFunc
-	done   sync.WaitGroup
+	// modelPath is the checkpoint the server loaded ("" where its weights
+	// are dummy): updates from disk write the same weights again.
+	modelPath string
+	rep       ChaosReport
+	cancel    context.CancelFunc
+	done      sync.WaitGroup
 }
 
 // startChaos begins sending actions to the server at url. Weights are
@@ -60,12 +63,19 @@ type chaosRun struct {
 // SGLang's enable_weights_cpu_backup): without one they come back stale.
 func startChaos(client *http.Client, url, key string, cfg ChaosConfig) *chaosRun {
 	var info struct {
-		EbbBackup    bool `json:"cpu_backup"`
-		SGLangBackup bool `json:"enable_weights_cpu_backup"`
+		EbbBackup    bool   `json:"cpu_backup"`
+		SGLangBackup bool   `json:"enable_weights_cpu_backup"`
+		LoadFormat   string `json:"load_format"`
 	}
 	_ = getJSON(client, url+"/get_server_info", key, &info)
+	var model struct {
+		Path string `json:"model_path"`
+	}
+	if info.LoadFormat != "dummy" {
+		_ = getJSON(client, url+"/model_info", key, &model)
+	}
 	c := &chaosRun{client: client, url: url, key: key, cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0xc4a05)),
-		tags: [][]string{{"kv_cache"}, {"kv_cache", "cuda_graph"}}, rep: ChaosReport{Actions: map[string]int{}}}
+		tags: [][]string{{"kv_cache"}, {"kv_cache", "cuda_graph"}}, modelPath: model.Path, rep: ChaosReport{Actions: map[string]int{}}}
 	if info.EbbBackup || info.SGLangBackup {
 		c.tags = append(c.tags, []string{"weights"}, nil)
 	}
@@ -116,7 +126,11 @@ func (c *chaosRun) act() (string, error) {
 	if tags == nil {
 		tagName = "all"
 	}
-	switch c.rng.IntN(5) {
+	actions := 5
+	if c.modelPath != "" {
+		actions++
+	}
+	switch c.rng.IntN(actions) {
 	case 0:
 		mode := c.cfg.PauseModes[c.rng.IntN(len(c.cfg.PauseModes))]
 		return "pause " + mode, c.pauseAround(mode, hold)
@@ -143,12 +157,16 @@ func (c *chaosRun) act() (string, error) {
 			err = fmt.Errorf("%d: %s", status, body)
 		}
 		return "flush_cache", err
-	default:
+	case 4:
 		status, body, err := c.call("GET", "/health_generate", nil)
 		if err == nil && status != http.StatusOK {
 			err = fmt.Errorf("%d: %s", status, body)
 		}
 		return "health_generate", err
+	default:
+		// As SGLang's, it waits for the running requests, then writes.
+		return "update_weights_from_disk", c.mustSucceed("/update_weights_from_disk",
+			map[string]any{"model_path": c.modelPath, "weight_version": fmt.Sprintf("chaos-%d", c.rep.Actions["update_weights_from_disk"])})
 	}
 }
 
@@ -192,7 +210,8 @@ func (c *chaosRun) mustSucceed(path string, body map[string]any) error {
 // call makes one request (a JSON body where body is not nil) and returns
 // the status and the reply.
 func (c *chaosRun) call(method, path string, body any) (int, []byte, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	// An update waits for the running requests: long rollouts take minutes.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	return doJSON(ctx, c.client, method, c.url+path, c.key, body)
 }

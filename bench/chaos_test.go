@@ -81,6 +81,15 @@ func chaosServer(t *testing.T, bad string) (*httptest.Server, map[string]int) {
 		case "/get_server_info":
 			_ = json.NewEncoder(w).Encode(map[string]any{"cpu_backup": true})
 			return
+		case "/model_info":
+			_ = json.NewEncoder(w).Encode(map[string]any{"model_path": "/models/m"})
+			return
+		case "/update_weights_from_disk":
+			var in struct {
+				Path string `json:"model_path"`
+			}
+			_ = json.NewDecoder(r.Body).Decode(&in)
+			ok = in.Path == "/models/m" && !paused && !released
 		case "/generate":
 			var in struct {
 				SamplingParams map[string]any `json:"sampling_params"`
@@ -134,7 +143,7 @@ func TestChaosAgainstFakeServer(t *testing.T) {
 	if c == nil || c.Failed != 0 || len(c.Actions) < 5 {
 		t.Fatalf("chaos %+v", c)
 	}
-	for _, path := range []string{"/pause_generation", "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache", "/health_generate"} {
+	for _, path := range []string{"/pause_generation", "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache", "/health_generate", "/update_weights_from_disk"} {
 		if seen[path] == 0 {
 			t.Errorf("no %s", path)
 		}

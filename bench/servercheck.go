@@ -79,7 +79,9 @@ func checkAfterRun(client *http.Client, url, key string, rep *ServingReport, bef
 		failed = append(failed, "the server reports a broken invariant")
 	}
 	if before.HasMemory && after.HasMemory {
-		if after.ReservedBytes != before.ReservedBytes {
+		// Less is no leak: a continue_generation with torch_empty_cache
+		// hands the workspace back, and later steps may not need it all.
+		if after.ReservedBytes > before.ReservedBytes {
 			failed = append(failed, fmt.Sprintf("memory regions reserve %d bytes, %d before the run", after.ReservedBytes, before.ReservedBytes))
 		}
 		if grown := after.ProcessBytes - before.ProcessBytes; grown > memoryGrowthAllowed {

@@ -63,7 +63,10 @@ type Core struct {
 	last     StepInfo // the step launched by the last Step, if launched
 	launched bool
 	ratio    tokenRatio // admission's expectation of early stops (admission.go)
-	Stats    Stats
+	// holdWaiting: no queued request is admitted (a weight update waits
+	// for the running ones).
+	holdWaiting bool
+	Stats       Stats
 }
 
 // Stats are cumulative counters for metrics and logs.
@@ -119,6 +122,10 @@ func (c *Core) Options() Options { return c.opts }
 func (c *Core) Idle() bool {
 	return len(c.waiting) == 0 && len(c.running) == 0 && c.flight == nil && len(c.events) == 0
 }
+
+// HoldWaiting stops (true) or resumes admitting queued requests: the
+// running ones go on to their end.
+func (c *Core) HoldWaiting(hold bool) { c.holdWaiting = hold }
 
 // Counts reports queued and running requests.
 func (c *Core) Counts() (waiting, running int) { return len(c.waiting), len(c.running) }
@@ -190,7 +197,7 @@ func (c *Core) Step() ([]Event, error) {
 		if len(early) > 0 {
 			return early, nil
 		}
-		if len(c.waiting) > 0 && len(c.running) == 0 {
+		if len(c.waiting) > 0 && len(c.running) == 0 && !c.holdWaiting {
 			// Nothing runs and the head of the queue cannot be admitted: it
 			// can never fit, so fail it rather than wait forever.
 			r := c.waiting[0]
@@ -311,7 +318,7 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 		c.last.NewTokens += n
 	}
 	var plan []kvFuture
-	for budget > 0 && len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
+	for !c.holdWaiting && budget > 0 && len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
 		if plan == nil {
 			plan = c.kvPlan()
 		}

@@ -207,6 +207,9 @@ type Server struct {
 	tp          *tpLeader // rank 0 of a tensor-parallel engine
 	distTimeout time.Duration
 	groups      map[string]*weightGroup
+	// updates wait for the requests decoding with the current weights
+	// (waitForDecodes), in the order they came.
+	updates []heldUpdate
 }
 
 type reqFlags struct {
@@ -341,6 +344,7 @@ func (s *Server) Step() error {
 		// device error is sticky for this step only. Keep serving.
 		s.log.Error("step failed", zap.Error(err))
 	}
+	s.runHeldUpdates()
 	return nil
 }
 
@@ -427,24 +431,33 @@ func (s *Server) Handle(m ioschema.Message) {
 		s.emit(s.core.Abort(r.Rid, r.AbortAll, "aborted by request"))
 	default:
 		if c, ok := m.(interface{ GetRid() string }); ok {
-			s.settle()
-			if s.tp == nil {
-				s.reply(s.control(m, c.GetRid()))
-				return
+			if !s.waitForDecodes(m, c.GetRid()) {
+				s.carryOut(m, c.GetRid())
 			}
-			// Every rank carries it out on its shard; the reply says
-			// whether all did.
-			err := s.tp.control(m)
-			reply := s.control(m, c.GetRid())
-			var followers []ioschema.Message
-			if err == nil {
-				followers, err = s.tp.replies()
-			}
-			s.reply(mergeRankReplies(reply, followers, err))
+			s.runHeldUpdates()
 			return
 		}
 		s.fail("", m.TypeName(), fmt.Errorf("the scheduler does not handle %s", m.TypeName()))
 	}
+	s.runHeldUpdates()
+}
+
+// carryOut runs a control request with every request at rest and replies.
+func (s *Server) carryOut(m ioschema.Message, rid string) {
+	s.settle()
+	if s.tp == nil {
+		s.reply(s.control(m, rid))
+		return
+	}
+	// Every rank carries it out on its shard; the reply says whether all
+	// did.
+	err := s.tp.control(m)
+	reply := s.control(m, rid)
+	var followers []ioschema.Message
+	if err == nil {
+		followers, err = s.tp.replies()
+	}
+	s.reply(mergeRankReplies(reply, followers, err))
 }
 
 func (s *Server) addRequest(r *ioschema.TokenizedGenerateReqInput) {
@@ -491,8 +504,8 @@ func (s *Server) Info() map[string]any {
 		"new_token_ratio": s.core.ratio.value,
 		"eager_steps":     e.Runner.Stats.EagerSteps, "invariants_ok": s.InvariantErr == nil,
 		"generation_blocked": s.blockedReason(), "released_tags": s.releasedTags(),
-		"weights_stale": e.Dev.Memory().State(memory.Weights) == memory.Stale,
-		"scheduler_pid": os.Getpid(),
+		"weights_stale":          e.Dev.Memory().State(memory.Weights) == memory.Stale,
+		"weight_updates_waiting": len(s.updates), "scheduler_pid": os.Getpid(),
 	}
 }
 

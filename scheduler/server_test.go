@@ -285,9 +285,12 @@ func TestMisuseGetsErrorReplies(t *testing.T) {
 	if !slices.Equal(before.Parameter, after.Parameter) {
 		t.Fatal("a refused update changed the weights")
 	}
-	// An update while requests hold KV needs abort_all_requests.
+	// An update while paused in place, with requests holding KV, needs
+	// abort_all_requests (while generation runs it waits for them:
+	// TestWeightUpdateWaitsForRunningRequests).
 	h.generate("busy", prompt(5, 20), 50)
 	h.step(3)
+	h.mustSucceed(&ioschema.PauseGenerationReqInput{Mode: ioschema.PauseInPlace})
 	h.mustFail(&ioschema.UpdateWeightFromDiskReqInput{ModelPath: testModel(t)}, "requests hold KV")
 	// A wrong path or checkpoint aborts nothing, even with abort_all_requests.
 	h.mustFail(&ioschema.UpdateWeightFromDiskReqInput{ModelPath: "/nonexistent", AbortAllRequests: true}, "missing directory, abort all")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -470,4 +471,82 @@ func (s *Server) updateWeightVersion(r *ioschema.UpdateWeightVersionReqInput, re
 	s.weightVersion = r.NewVersion
 	out.Message = "weight version set to " + r.NewVersion
 	return out
+}
+
+// heldUpdate is a weight update waiting for the running requests.
+type heldUpdate struct {
+	msg   ioschema.Message
+	rid   string
+	since time.Time
+}
+
+// waitForDecodes holds a weight update that arrives while requests decode
+// with the current weights and generation runs, as SGLang's tokenizer
+// manager holds one until the requests in flight are done (its model
+// update lock): no queued request is admitted meanwhile, the running ones
+// finish, then the update is carried out (runHeldUpdates) and the queue,
+// prefilled with the new weights, goes on. abort_all_requests does not
+// wait, and an update behind held ones waits its turn. It reports whether
+// it held m.
+func (s *Server) waitForDecodes(m ioschema.Message, rid string) bool {
+	abortAll, ok := writesWeights(m)
+	if d, disk := m.(*ioschema.UpdateWeightFromDiskReqInput); !ok || disk && !isDir(d.ModelPath) {
+		return false // a path that is not there fails at once
+	}
+	if abortAll {
+		if len(s.updates) > 0 {
+			s.settle()
+			s.emit(s.core.Abort("", true, "aborted for a weight update"))
+			s.runHeldUpdates()
+		}
+		return false
+	}
+	if _, running := s.core.Counts(); len(s.updates) == 0 && (running == 0 || !s.canRun()) {
+		return false
+	}
+	s.updates = append(s.updates, heldUpdate{msg: m, rid: rid, since: time.Now()})
+	s.core.HoldWaiting(true)
+	waiting, running := s.core.Counts()
+	s.log.Info("weight update waits for the running requests", zap.String("request", m.TypeName()),
+		zap.Int("running", running), zap.Int("held_waiting", waiting), zap.Int("updates_held", len(s.updates)))
+	return true
+}
+
+// runHeldUpdates carries out the held updates once no request runs, or
+// at once when generation cannot run (a pause or a release came after
+// them: they then get what beginUpdate says of the requests left).
+func (s *Server) runHeldUpdates() {
+	if len(s.updates) == 0 {
+		return
+	}
+	if _, running := s.core.Counts(); running > 0 && s.canRun() {
+		return
+	}
+	held := s.updates
+	s.updates = nil
+	for _, u := range held {
+		s.log.Info("weight update carried out after the running requests", zap.String("request", u.msg.TypeName()),
+			zap.Duration("waited", time.Since(u.since)))
+		s.carryOut(u.msg, u.rid)
+	}
+	s.core.HoldWaiting(false)
+}
+
+// writesWeights reports whether m writes the weights, and its
+// abort_all_requests.
+func writesWeights(m ioschema.Message) (abortAll, ok bool) {
+	switch r := m.(type) {
+	case *ioschema.UpdateWeightFromDiskReqInput:
+		return r.AbortAllRequests, true
+	case *ioschema.UpdateWeightsFromTensorReqInput:
+		return r.AbortAllRequests, true
+	case *ioschema.UpdateWeightsFromDistributedReqInput:
+		return r.AbortAllRequests, true
+	}
+	return false, false
+}
+
+func isDir(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && st.IsDir()
 }

@@ -96,7 +96,8 @@ func mergeReplies(replies []ioschema.Message) ioschema.Message {
 var summedInfo = []string{"num_running_reqs", "num_waiting_reqs", "generated_tokens", "prompt_tokens",
 	"cached_prompt_tokens", "max_total_num_tokens", "kv_free_tokens", "kv_used_tokens", "kv_cached_tokens",
 	"kv_evictable_tokens", "graph_steps", "eager_steps", "num_used_tokens", "num_waiting_tokens", "gen_throughput",
-	"num_retracted_reqs", "retracted_input_tokens", "retracted_output_tokens", "recomputed_tokens", "forward_ct"}
+	"num_retracted_reqs", "retracted_input_tokens", "retracted_output_tokens", "recomputed_tokens", "forward_ct",
+	"weight_updates_waiting"}
 
 // mergeInfo is engine 0's server_info with the counts summed over every
 // engine, the reasons any engine cannot generate, and each engine's own.

@@ -23,7 +23,8 @@
 # retracted), and a soak of GRPO-shaped rollouts (groups of 8, log-normal
 # lengths, the model's own top_k/top_p) for SOAK seconds, and one for CHAOS
 # seconds while `bench serving --chaos` pauses (every mode), releases and
-# resumes every tag (the server keeps a CPU backup of its weights), flushes
+# resumes every tag (the server keeps a CPU backup of its weights), flushes,
+# updates the weights from disk (waiting for the running requests)
 # and probes /health_generate, each checked; then the same
 # model served with --enable-deterministic-inference and checked by
 # tools/det_check.py --quick. Every serving
