@@ -366,7 +366,7 @@ func (s *Server) checkIdle() {
 		return
 	}
 	s.lastCheck = time.Now()
-	err := errors.Join(s.core.CheckInvariants(), s.e.Dev.Memory().CheckInvariants())
+	err := errors.Join(s.core.CheckInvariants(), s.e.Dev.Memory().CheckInvariants(), s.checkHeldUpdates())
 	if err != nil && (s.InvariantErr == nil || err.Error() != s.InvariantErr.Error()) {
 		s.log.Error("invariant violated", zap.Error(err))
 	}

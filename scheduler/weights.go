@@ -532,6 +532,15 @@ func (s *Server) runHeldUpdates() {
 	s.core.HoldWaiting(false)
 }
 
+// checkHeldUpdates is the idle check of the held updates: with no request
+// left none waits and the queue is not held.
+func (s *Server) checkHeldUpdates() error {
+	if len(s.updates) > 0 || s.core.holdWaiting {
+		return fmt.Errorf("idle with %d weight updates held and the queue held %v", len(s.updates), s.core.holdWaiting)
+	}
+	return nil
+}
+
 // writesWeights reports whether m writes the weights, and its
 // abort_all_requests.
 func writesWeights(m ioschema.Message) (abortAll, ok bool) {

@@ -52,6 +52,9 @@ func TestWeightUpdateWaitsForRunningRequests(t *testing.T) {
 		if len(h.tokens["late"]) != 5 || h.s.weightVersion != "v2" {
 			t.Fatalf("late: %d tokens, version %s", len(h.tokens["late"]), h.s.weightVersion)
 		}
+		if err := h.s.checkHeldUpdates(); err != nil {
+			t.Fatal(err)
+		}
 	})
 	t.Run("a pause answers it", func(t *testing.T) {
 		h := start(t)
