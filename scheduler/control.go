@@ -262,7 +262,7 @@ func (s *Server) updateFromDisk(r *ioschema.UpdateWeightFromDiskReqInput, res io
 	if err := s.e.Model.CheckCheckpoint(set); err != nil {
 		return fail(fmt.Errorf("%s does not match the model (weights unchanged): %w", r.ModelPath, err))
 	}
-	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+	if err := s.beginUpdate(r.AbortAllRequests, r.FlushCache); err != nil {
 		return fail(err)
 	}
 	if err := s.e.Model.LoadCheckpoint(set); err != nil {

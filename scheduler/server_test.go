@@ -285,7 +285,7 @@ func TestMisuseGetsErrorReplies(t *testing.T) {
 	if !slices.Equal(before.Parameter, after.Parameter) {
 		t.Fatal("a refused update changed the weights")
 	}
-	// An update while paused in place, with requests holding KV, needs
+	// An update that would flush the KV requests paused in place hold needs
 	// abort_all_requests (while generation runs it waits for them:
 	// TestWeightUpdateWaitsForRunningRequests).
 	h.generate("busy", prompt(5, 20), 50)

@@ -24,13 +24,20 @@ import (
 // write the weights are resident, the prefix cache flushed when asked and
 // the version recorded.
 
-// beginUpdate checks that weights may be written now.
-func (s *Server) beginUpdate(abortAll bool) error {
+// beginUpdate checks that weights may be written now. Requests paused in
+// place may keep the KV of the old weights where the caller asks for no
+// flush, as SGLang lets them (an asynchronous RL loop's interrupted
+// rollouts go on under the new policy).
+func (s *Server) beginUpdate(abortAll bool, flush *bool) error {
 	if s.e.Dev.Memory().State(memory.Weights) == memory.Released {
 		return errors.New("the weights are released: resume the weights tag first")
 	}
 	if _, running := s.core.Counts(); running > 0 && !abortAll {
-		return fmt.Errorf("%d requests hold KV computed with the current weights: pause generation or set abort_all_requests", running)
+		if s.paused && flush != nil && !*flush {
+			s.log.Info("requests paused in place keep the KV of the old weights (flush_cache false)", zap.Int("running", running))
+			return nil
+		}
+		return fmt.Errorf("%d requests hold KV computed with the current weights: pause generation (retract), set abort_all_requests, or set flush_cache false to keep their KV", running)
 	}
 	if abortAll {
 		s.emit(s.core.Abort("", true, "aborted for a weight update"))
@@ -163,7 +170,7 @@ func (s *Server) updateFromTensor(r *ioschema.UpdateWeightsFromTensorReqInput, r
 	if err := errors.Join(errs...); err != nil {
 		return fail(fmt.Errorf("weights unchanged: %w", err))
 	}
-	if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+	if err := s.beginUpdate(r.AbortAllRequests, r.FlushCache); err != nil {
 		return fail(err)
 	}
 	placer := s.newPlacer()
@@ -317,7 +324,7 @@ func (s *Server) updateFromDistributed(r *ioschema.UpdateWeightsFromDistributedR
 	}
 	refused := errors.Join(errs...)
 	if refused == nil {
-		if err := s.beginUpdate(r.AbortAllRequests); err != nil {
+		if err := s.beginUpdate(r.AbortAllRequests, r.FlushCache); err != nil {
 			refused = err
 		}
 	}

@@ -9,8 +9,9 @@ import (
 // TestWeightUpdateWaitsForRunningRequests checks that a weight update
 // arriving while requests decode waits for them, as SGLang's does (its
 // model update lock), with nothing queued admitted meanwhile; that a pause
-// coming after it answers it at once; and that abort_all_requests ends the
-// wait.
+// coming after it answers it at once; that requests paused in place keep
+// their KV through an update without a flush (SGLang's flush_cache false);
+// and that abort_all_requests ends the wait.
 func TestWeightUpdateWaitsForRunningRequests(t *testing.T) {
 	const maxNew = 30
 	want := reference(t, map[string][]int32{"busy": prompt(5, 20)}, maxNew)
@@ -71,6 +72,19 @@ func TestWeightUpdateWaitsForRunningRequests(t *testing.T) {
 		if len(h.tokens["busy"]) != maxNew || len(h.tokens["late"]) != 5 {
 			t.Fatalf("busy %d, late %d tokens", len(h.tokens["busy"]), len(h.tokens["late"]))
 		}
+	})
+	t.Run("paused in place, kept without a flush", func(t *testing.T) {
+		h := newHarness(t, false, 4096)
+		h.generate("busy", prompt(5, 20), maxNew)
+		h.step(3)
+		h.mustSucceed(&ioschema.PauseGenerationReqInput{Mode: ioschema.PauseInPlace})
+		h.mustFail(update(false), "requests hold KV, flush")
+		keep := false
+		h.mustSucceed(&ioschema.UpdateWeightFromDiskReqInput{ModelPath: testModel(t), FlushCache: &keep})
+		h.mustSucceed(&ioschema.ContinueGenerationReqInput{})
+		h.runToIdle()
+		// The same checkpoint: the tokens are those of a run left alone.
+		sameOutputs(t, map[string][]int32{"busy": h.tokens["busy"]}, want)
 	})
 	t.Run("abort_all_requests ends the wait", func(t *testing.T) {
 		h := start(t)
