@@ -173,7 +173,9 @@ a, b = (json.load(open(p)) for p in sys.argv[1:3])
 grown = b["nvml_process_bytes"] - a["nvml_process_bytes"]
 reserved = lambda s: sum(t["reserved_bytes"] for t in s["tags"])
 print(f"process {a['nvml_process_bytes'] >> 20} -> {b['nvml_process_bytes'] >> 20} MiB, regions {reserved(a) >> 20} -> {reserved(b) >> 20} MiB")
-sys.exit(1 if grown > 32 << 20 or reserved(a) != reserved(b) else 0)
+# Less is no leak: the chaos's last torch_empty_cache, or a release of every
+# tag, may leave the workspace empty where no later step needed it.
+sys.exit(1 if grown > 32 << 20 or reserved(b) > reserved(a) else 0)
 PY
 	[[ " $skip " == *" memory "* ]] || summary[-1]+=": $(tail -n 1 "$out/memory.log")"
 	if grep -q "invariant violated" "$out/serve.log"; then
