@@ -123,6 +123,53 @@ func TestRLCallOrdersCPU(t *testing.T) {
 				t.Fatalf("the in-flight request finished with %q", fr)
 			}
 		}},
+		{"an update while a request runs", func(t *testing.T) {
+			finished := make(chan string, 1)
+			go func() {
+				res, _, _ := streamGenerate(context.Background(), s.url, map[string]any{"input_ids": []int{5, 6, 7},
+					"sampling_params": map[string]any{"max_new_tokens": tinyContext - 3, "ignore_eos": true}}, 0)
+				finished <- res.MetaInfo.FinishReason.Type
+			}()
+			waitFor(t, func() bool { return s.info(t)["num_running_reqs"].(float64) == 1 })
+			// One whose caller gives up while it waits is never carried out.
+			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			b, _ := json.Marshal(map[string]any{"model_path": modelDir, "weight_version": "given-up"})
+			req, _ := http.NewRequestWithContext(ctx, "POST", s.url+"/update_weights_from_disk", strings.NewReader(string(b)))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+				t.Fatalf("an update while a request runs answered at once: %d", resp.StatusCode)
+			}
+			waitFor(t, func() bool { return s.info(t)["weight_updates_waiting"].(float64) == 0 })
+			if info := s.info(t); info["num_running_reqs"].(float64) != 1 || info["weight_version"] == "given-up" {
+				t.Fatalf("after the caller gave up: %v running, version %v", info["num_running_reqs"], info["weight_version"])
+			}
+			// One that waits is carried out once no request runs (here once
+			// the running one is aborted, rather than run to its end).
+			updated := make(chan map[string]any, 1)
+			go func() {
+				out := map[string]any{}
+				b, _ := json.Marshal(map[string]any{"model_path": modelDir, "weight_version": "after-run"})
+				if resp, err := http.Post(s.url+"/update_weights_from_disk", "application/json", strings.NewReader(string(b))); err != nil {
+					out["error"] = err.Error()
+				} else {
+					_ = json.NewDecoder(resp.Body).Decode(&out)
+					resp.Body.Close()
+				}
+				updated <- out
+			}()
+			waitFor(t, func() bool { return s.info(t)["weight_updates_waiting"].(float64) == 1 })
+			s.mustPost(t, "/abort_request", map[string]any{"abort_all": true})
+			if out := <-updated; out["success"] != true {
+				t.Fatalf("the update that waited: %v", out)
+			}
+			if fr := <-finished; fr != "abort" {
+				t.Fatalf("the running request finished with %q", fr)
+			}
+			if v := s.info(t)["weight_version"]; v != "after-run" {
+				t.Fatalf("weight_version %v", v)
+			}
+		}},
 		{"release all, resume with no tags", func(t *testing.T) {
 			s.mustPost(t, "/release_memory_occupation", map[string]any{})
 			s.mustPost(t, "/resume_memory_occupation", map[string]any{})

@@ -429,6 +429,7 @@ func (s *Server) Handle(m ioschema.Message) {
 	case *ioschema.AbortReq:
 		s.settle()
 		s.emit(s.core.Abort(r.Rid, r.AbortAll, "aborted by request"))
+		s.dropHeldUpdate(r.Rid)
 	default:
 		if c, ok := m.(interface{ GetRid() string }); ok {
 			if !s.waitForDecodes(m, c.GetRid()) {

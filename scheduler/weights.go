@@ -539,6 +539,27 @@ func (s *Server) runHeldUpdates() {
 	s.core.HoldWaiting(false)
 }
 
+// dropHeldUpdate forgets the held update whose caller went away (the
+// tokenizer manager aborts its rid): a trainer that gave up on an update
+// from tensor may free the tensors its handles name. It is never carried
+// out, and no reply is sent.
+func (s *Server) dropHeldUpdate(rid string) {
+	if rid == "" {
+		return
+	}
+	for i, u := range s.updates {
+		if u.rid == rid {
+			s.log.Info("held weight update dropped: its caller went away", zap.String("request", u.msg.TypeName()),
+				zap.Duration("held", time.Since(u.since)))
+			s.updates = slices.Delete(s.updates, i, i+1)
+			break
+		}
+	}
+	if len(s.updates) == 0 {
+		s.core.HoldWaiting(false)
+	}
+}
+
 // checkHeldUpdates is the idle check of the held updates: with no request
 // left none waits and the queue is not held.
 func (s *Server) checkHeldUpdates() error {

@@ -11,12 +11,14 @@ import (
 // model update lock), with nothing queued admitted meanwhile; that a pause
 // coming after it answers it at once; that requests paused in place keep
 // their KV through an update without a flush (SGLang's flush_cache false);
-// and that abort_all_requests ends the wait.
+// that one whose caller went away is dropped; and that abort_all_requests
+// ends the wait.
 func TestWeightUpdateWaitsForRunningRequests(t *testing.T) {
 	const maxNew = 30
 	want := reference(t, map[string][]int32{"busy": prompt(5, 20)}, maxNew)
 	update := func(abortAll bool) ioschema.Message {
-		return &ioschema.UpdateWeightFromDiskReqInput{ModelPath: testModel(t), WeightVersion: ptr("v2"), AbortAllRequests: abortAll}
+		return &ioschema.UpdateWeightFromDiskReqInput{Control: ioschema.Control{Rid: "ctl-1"}, ModelPath: testModel(t),
+			WeightVersion: ptr("v2"), AbortAllRequests: abortAll}
 	}
 	start := func(t *testing.T) *harness {
 		h := newHarness(t, false, 4096)
@@ -71,6 +73,15 @@ func TestWeightUpdateWaitsForRunningRequests(t *testing.T) {
 		h.runToIdle()
 		if len(h.tokens["busy"]) != maxNew || len(h.tokens["late"]) != 5 {
 			t.Fatalf("busy %d, late %d tokens", len(h.tokens["busy"]), len(h.tokens["late"]))
+		}
+	})
+	t.Run("dropped when its caller goes away", func(t *testing.T) {
+		h := start(t)
+		h.s.Handle(&ioschema.AbortReq{Rid: "ctl-1"}) // what the tokenizer manager sends
+		h.runToIdle()
+		if len(h.replies) != 0 || h.s.weightVersion != "default" || len(h.tokens["busy"]) != maxNew || len(h.tokens["late"]) != 5 {
+			t.Fatalf("%d replies, version %s, busy %d and late %d tokens", len(h.replies), h.s.weightVersion,
+				len(h.tokens["busy"]), len(h.tokens["late"]))
 		}
 	})
 	t.Run("paused in place, kept without a flush", func(t *testing.T) {
