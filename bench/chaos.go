@@ -164,9 +164,18 @@ func (c *chaosRun) act() (string, error) {
 		}
 		return "health_generate", err
 	default:
-		// As SGLang's, it waits for the running requests, then writes.
-		return "update_weights_from_disk", c.mustSucceed("/update_weights_from_disk",
-			map[string]any{"model_path": c.modelPath, "weight_version": fmt.Sprintf("chaos-%d", c.rep.Actions["update_weights_from_disk"])})
+		update := map[string]any{"model_path": c.modelPath, "weight_version": fmt.Sprintf("chaos-%d", c.rep.Actions["update_weights_from_disk"])}
+		if c.rng.IntN(2) == 0 {
+			// As SGLang's, it waits for the running requests, then writes.
+			return "update_weights_from_disk", c.mustSucceed("/update_weights_from_disk", update)
+		}
+		// An asynchronous loop's: the requests paused in place keep their KV.
+		update["flush_cache"] = false
+		var err error
+		if e := c.pauseAround("in_place", func() { err = c.mustSucceed("/update_weights_from_disk", update) }); err == nil {
+			err = e
+		}
+		return "pause in_place, update_weights_from_disk", err
 	}
 }
 

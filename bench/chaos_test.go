@@ -89,7 +89,7 @@ func chaosServer(t *testing.T, bad string) (*httptest.Server, map[string]int) {
 				Path string `json:"model_path"`
 			}
 			_ = json.NewDecoder(r.Body).Decode(&in)
-			ok = in.Path == "/models/m" && !paused && !released
+			ok = in.Path == "/models/m" && !released
 		case "/generate":
 			var in struct {
 				SamplingParams map[string]any `json:"sampling_params"`

@@ -489,7 +489,7 @@ func servingCmd() *cobra.Command {
 	f.BoolVar(&ignoreEOS, "ignore-eos", true, "run every request to its output length; false lets requests stop at EOS (and the scheduler cannot count on their lengths)")
 	f.DurationVar(&cfg.Duration, "duration", 0, "soak: keep sending new draws of the workload, --max-concurrency (default: the workload's size) in flight, for this long (e.g. 10m)")
 	f.BoolVar(&cfg.Check, "check", false, "fail on any failed request (an error, an abort, an output short of its length) or chaos action and, once the server is idle, on KV still held, a broken invariant or GPU memory grown")
-	f.DurationVar(&cfg.Chaos.Interval, "chaos", 0, "while the workload runs, send an RL control request about this often (pause/continue, release/resume, flush_cache, health_generate, and update_weights_from_disk where the server loaded a checkpoint), each checked")
+	f.DurationVar(&cfg.Chaos.Interval, "chaos", 0, "while the workload runs, send an RL control request about this often (pause/continue, release/resume, flush_cache, health_generate, and update_weights_from_disk, waiting for the running requests or paused in place without a flush, where the server loaded a checkpoint), each checked")
 	f.StringSliceVar(&cfg.Chaos.PauseModes, "chaos-pause-modes", []string{"retract", "in_place"}, "the pause_generation modes the chaos uses; with abort, aborted requests are counted, not failed")
 	f.BoolVar(&cfg.Stream, "stream", true, "stream the outputs (needed for TTFT and inter-token latency)")
 	f.StringVar(&cfg.APIKey, "server-api-key", "", "bearer token for a server started with --api-key")
