@@ -53,6 +53,7 @@ type chaosRun struct {
 	// modelPath is the checkpoint the server loaded ("" where its weights
 	// are dummy): updates from disk write the same weights again.
 	modelPath string
+	updates   int // updates sent, for their weight versions
 	rep       ChaosReport
 	cancel    context.CancelFunc
 	done      sync.WaitGroup
@@ -164,7 +165,8 @@ func (c *chaosRun) act() (string, error) {
 		}
 		return "health_generate", err
 	default:
-		update := map[string]any{"model_path": c.modelPath, "weight_version": fmt.Sprintf("chaos-%d", c.rep.Actions["update_weights_from_disk"])}
+		c.updates++
+		update := map[string]any{"model_path": c.modelPath, "weight_version": fmt.Sprintf("chaos-%d", c.updates)}
 		if c.rng.IntN(2) == 0 {
 			// As SGLang's, it waits for the running requests, then writes.
 			return "update_weights_from_disk", c.mustSucceed("/update_weights_from_disk", update)

@@ -236,3 +236,20 @@ func TestJSONBodies(t *testing.T) {
 		t.Fatalf("bad text accepted: %v", err)
 	}
 }
+
+func TestWeightWrite(t *testing.T) {
+	for _, tc := range []struct {
+		m               Message
+		abortAll, write bool
+	}{
+		{&UpdateWeightFromDiskReqInput{AbortAllRequests: true}, true, true},
+		{&UpdateWeightsFromTensorReqInput{}, false, true},
+		{&UpdateWeightsFromDistributedReqInput{AbortAllRequests: true}, true, true},
+		{&UpdateWeightVersionReqInput{AbortAllRequests: true}, false, false},
+		{&FlushCacheReqInput{}, false, false},
+	} {
+		if abortAll, ok := WeightWrite(tc.m); abortAll != tc.abortAll || ok != tc.write {
+			t.Errorf("%s: %v, %v", tc.m.TypeName(), abortAll, ok)
+		}
+	}
+}

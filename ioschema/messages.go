@@ -607,3 +607,17 @@ type GetServerInfoReqOutput struct {
 
 // TypeName implements Message.
 func (*GetServerInfoReqOutput) TypeName() string { return "GetServerInfoReqOutput" }
+
+// WeightWrite reports whether m writes the weights (an update from disk,
+// tensor or a distributed group), and its abort_all_requests.
+func WeightWrite(m Message) (abortAll, ok bool) {
+	switch r := m.(type) {
+	case *UpdateWeightFromDiskReqInput:
+		return r.AbortAllRequests, true
+	case *UpdateWeightsFromTensorReqInput:
+		return r.AbortAllRequests, true
+	case *UpdateWeightsFromDistributedReqInput:
+		return r.AbortAllRequests, true
+	}
+	return false, false
+}

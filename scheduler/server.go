@@ -431,14 +431,12 @@ func (s *Server) Handle(m ioschema.Message) {
 		s.emit(s.core.Abort(r.Rid, r.AbortAll, "aborted by request"))
 		s.dropHeldUpdate(r.Rid)
 	default:
-		if c, ok := m.(interface{ GetRid() string }); ok {
-			if !s.waitForDecodes(m, c.GetRid()) {
-				s.carryOut(m, c.GetRid())
-			}
-			s.runHeldUpdates()
-			return
+		c, ok := m.(interface{ GetRid() string })
+		if !ok {
+			s.fail("", m.TypeName(), fmt.Errorf("the scheduler does not handle %s", m.TypeName()))
+		} else if !s.waitForDecodes(m, c.GetRid()) {
+			s.carryOut(m, c.GetRid())
 		}
-		s.fail("", m.TypeName(), fmt.Errorf("the scheduler does not handle %s", m.TypeName()))
 	}
 	s.runHeldUpdates()
 }

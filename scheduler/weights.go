@@ -496,7 +496,7 @@ type heldUpdate struct {
 // wait, and an update behind held ones waits its turn. It reports whether
 // it held m.
 func (s *Server) waitForDecodes(m ioschema.Message, rid string) bool {
-	abortAll, ok := writesWeights(m)
+	abortAll, ok := ioschema.WeightWrite(m)
 	if d, disk := m.(*ioschema.UpdateWeightFromDiskReqInput); !ok || disk && !isDir(d.ModelPath) {
 		return false // a path that is not there fails at once
 	}
@@ -511,8 +511,7 @@ func (s *Server) waitForDecodes(m ioschema.Message, rid string) bool {
 	if _, running := s.core.Counts(); len(s.updates) == 0 && (running == 0 || !s.canRun()) {
 		return false
 	}
-	s.updates = append(s.updates, heldUpdate{msg: m, rid: rid, since: time.Now()})
-	s.core.HoldWaiting(true)
+	s.setHeld(append(s.updates, heldUpdate{msg: m, rid: rid, since: time.Now()}))
 	waiting, running := s.core.Counts()
 	s.log.Info("weight update waits for the running requests", zap.String("request", m.TypeName()),
 		zap.Int("running", running), zap.Int("held_waiting", waiting), zap.Int("updates_held", len(s.updates)))
@@ -530,13 +529,12 @@ func (s *Server) runHeldUpdates() {
 		return
 	}
 	held := s.updates
-	s.updates = nil
+	s.setHeld(nil)
 	for _, u := range held {
 		s.log.Info("weight update carried out after the running requests", zap.String("request", u.msg.TypeName()),
 			zap.Duration("waited", time.Since(u.since)))
 		s.carryOut(u.msg, u.rid)
 	}
-	s.core.HoldWaiting(false)
 }
 
 // dropHeldUpdate forgets the held update whose caller went away (the
@@ -551,13 +549,16 @@ func (s *Server) dropHeldUpdate(rid string) {
 		if u.rid == rid {
 			s.log.Info("held weight update dropped: its caller went away", zap.String("request", u.msg.TypeName()),
 				zap.Duration("held", time.Since(u.since)))
-			s.updates = slices.Delete(s.updates, i, i+1)
-			break
+			s.setHeld(slices.Delete(s.updates, i, i+1))
+			return
 		}
 	}
-	if len(s.updates) == 0 {
-		s.core.HoldWaiting(false)
-	}
+}
+
+// setHeld sets the held updates: the queue is held while any is.
+func (s *Server) setHeld(updates []heldUpdate) {
+	s.updates = updates
+	s.core.HoldWaiting(len(updates) > 0)
 }
 
 // checkHeldUpdates is the idle check of the held updates: with no request
@@ -567,20 +568,6 @@ func (s *Server) checkHeldUpdates() error {
 		return fmt.Errorf("idle with %d weight updates held and the queue held %v", len(s.updates), s.core.holdWaiting)
 	}
 	return nil
-}
-
-// writesWeights reports whether m writes the weights, and its
-// abort_all_requests.
-func writesWeights(m ioschema.Message) (abortAll, ok bool) {
-	switch r := m.(type) {
-	case *ioschema.UpdateWeightFromDiskReqInput:
-		return r.AbortAllRequests, true
-	case *ioschema.UpdateWeightsFromTensorReqInput:
-		return r.AbortAllRequests, true
-	case *ioschema.UpdateWeightsFromDistributedReqInput:
-		return r.AbortAllRequests, true
-	}
-	return false, false
 }
 
 func isDir(path string) bool {

@@ -366,29 +366,18 @@ func (m *Manager) Control(ctx context.Context, msg ioschema.Message) (ioschema.M
 		}
 		return reply, nil
 	case <-ctx.Done():
-		if writesWeights(msg) {
+		if _, ok := ioschema.WeightWrite(msg); ok {
 			// An engine may hold it until its running requests end:
 			// one the caller gave up on must not be carried out later.
 			m.Abort(internal, false)
 		}
 		return nil, ctx.Err()
 	case <-timer.C:
-		if writesWeights(msg) {
+		if _, ok := ioschema.WeightWrite(msg); ok {
 			m.Abort(internal, false)
 		}
 		return nil, fmt.Errorf("no reply to %s within %v", msg.TypeName(), m.cfg.ControlTimeout)
 	}
-}
-
-// writesWeights reports whether a control request writes the weights (and
-// so may wait in the engines for their running requests).
-func writesWeights(msg ioschema.Message) bool {
-	switch msg.(type) {
-	case *ioschema.UpdateWeightFromDiskReqInput, *ioschema.UpdateWeightsFromTensorReqInput,
-		*ioschema.UpdateWeightsFromDistributedReqInput:
-		return true
-	}
-	return false
 }
 
 // mayEmptyRadixCaches reports whether a control request can drop what the
