@@ -35,6 +35,10 @@ func (m *Manager) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/completions", capped(m.maxBody, m.completions))
 	mux.HandleFunc("POST /v1/chat/completions", capped(m.maxBody, m.chatCompletions))
 	mux.HandleFunc("POST /abort_request", capped(controlBodyLimit, m.abortRequest))
+	for _, prefix := range []string{"", "/v1"} {
+		mux.HandleFunc("POST "+prefix+"/tokenize", capped(m.maxBody, m.tokenize))
+		mux.HandleFunc("POST "+prefix+"/detokenize", capped(m.maxBody, m.detokenize))
+	}
 	for path, newMsg := range map[string]func() ioschema.Message{
 		"/flush_cache":                     func() ioschema.Message { return &ioschema.FlushCacheReqInput{} },
 		"/pause_generation":                func() ioschema.Message { return &ioschema.PauseGenerationReqInput{} },
