@@ -169,6 +169,12 @@ func TestRLCallOrdersCPU(t *testing.T) {
 			if v := s.info(t)["weight_version"]; v != "after-run" {
 				t.Fatalf("weight_version %v", v)
 			}
+			// SGLang's own endpoints for it agree.
+			for _, path := range []string{"/get_weight_version", "/get_model_info"} {
+				if code, out := s.get(t, path); code != 200 || out["weight_version"] != "after-run" {
+					t.Fatalf("%s: %d %v", path, code, out)
+				}
+			}
 		}},
 		{"release all, resume with no tags", func(t *testing.T) {
 			s.mustPost(t, "/release_memory_occupation", map[string]any{})

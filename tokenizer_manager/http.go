@@ -28,6 +28,7 @@ func (m *Manager) Handler() http.Handler {
 	mux.HandleFunc("GET /get_model_info", m.modelInfo)
 	mux.HandleFunc("GET /server_info", m.serverInfo)
 	mux.HandleFunc("GET /get_server_info", m.serverInfo)
+	mux.HandleFunc("GET /get_weight_version", m.weightVersion)
 	mux.HandleFunc("GET /v1/models", m.models)
 	mux.HandleFunc("GET /v1/loads", m.loads)
 	mux.HandleFunc("GET /get_load", m.getLoad)
@@ -182,35 +183,60 @@ func (m *Manager) modelName() string {
 	return filepath.Base(filepath.Clean(m.cfg.ModelDir))
 }
 
-func (m *Manager) modelInfo(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{
+func (m *Manager) modelInfo(w http.ResponseWriter, r *http.Request) {
+	info := map[string]any{
 		"model_path": m.cfg.ModelDir, "tokenizer_path": m.cfg.ModelDir, "is_generation": true,
 		"architecture": string(m.ModelCfg.Arch), "served_model_name": m.modelName(),
 		"has_tokenizer": m.Tokenizer != nil, "has_chat_template": m.chat != nil,
-	})
+	}
+	// SGLang's has the weight version too; the rest answers without the
+	// engines.
+	if engines, err := m.engineInfo(r.Context()); err == nil {
+		info["weight_version"] = engines["weight_version"]
+	}
+	writeJSON(w, http.StatusOK, info)
 }
 
-func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
-	reply, err := m.Control(r.Context(), &ioschema.GetServerInfoReqInput{})
+// weightVersion serves SGLang's /get_weight_version: the version the
+// engines' weights carry (default until an update names one).
+func (m *Manager) weightVersion(w http.ResponseWriter, r *http.Request) {
+	info, err := m.engineInfo(r.Context())
 	if err != nil {
 		writeError(w, err)
 		return
 	}
+	writeJSON(w, http.StatusOK, map[string]any{"weight_version": info["weight_version"]})
+}
+
+// engineInfo is the engines' server_info, merged over DP engines.
+func (m *Manager) engineInfo(ctx context.Context) (map[string]any, error) {
+	reply, err := m.Control(ctx, &ioschema.GetServerInfoReqInput{})
+	if err != nil {
+		return nil, err
+	}
 	info, ok := reply.(*ioschema.GetServerInfoReqOutput)
 	if !ok {
-		writeError(w, fmt.Errorf("unexpected reply %s", reply.TypeName()))
+		return nil, fmt.Errorf("unexpected reply %s", reply.TypeName())
+	}
+	return info.Info, nil
+}
+
+func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
+	info, err := m.engineInfo(r.Context())
+	if err != nil {
+		writeError(w, err)
 		return
 	}
-	info.Info["model_path"] = m.cfg.ModelDir
-	info.Info["served_model_name"] = m.modelName()
-	info.Info["dp_size"] = m.engines
-	info.Info["load_balance_method"] = m.cfg.LoadBalanceMethod
-	info.Info["allow_auto_truncate"] = m.cfg.AllowAutoTruncate
-	info.Info["max_request_body_bytes"] = m.maxBody
+	info["model_path"] = m.cfg.ModelDir
+	info["served_model_name"] = m.modelName()
+	info["dp_size"] = m.engines
+	info["load_balance_method"] = m.cfg.LoadBalanceMethod
+	info["allow_auto_truncate"] = m.cfg.AllowAutoTruncate
+	info["max_request_body_bytes"] = m.maxBody
 	if m.cfg.ZMQEndpoint != "" {
-		info.Info["zmq_endpoint"] = m.cfg.ZMQEndpoint
+		info["zmq_endpoint"] = m.cfg.ZMQEndpoint
 	}
-	writeJSON(w, http.StatusOK, info.Info)
+	writeJSON(w, http.StatusOK, info)
 }
 
 func (m *Manager) models(w http.ResponseWriter, _ *http.Request) {
