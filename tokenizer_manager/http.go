@@ -33,6 +33,7 @@ func (m *Manager) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/loads", m.loads)
 	mux.HandleFunc("GET /get_load", m.getLoad)
 	mux.HandleFunc("POST /generate", capped(m.maxBody, m.generate))
+	mux.HandleFunc("PUT /generate", capped(m.maxBody, m.generate)) // SGLang takes both
 	mux.HandleFunc("POST /v1/completions", capped(m.maxBody, m.completions))
 	mux.HandleFunc("POST /v1/chat/completions", capped(m.maxBody, m.chatCompletions))
 	mux.HandleFunc("POST /abort_request", capped(controlBodyLimit, m.abortRequest))
