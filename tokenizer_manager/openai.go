@@ -42,6 +42,24 @@ type openAISampling struct {
 	// ReturnRoutedExperts: SGLang's extension; the response's sglext
 	// carries the first choice's routed experts.
 	ReturnRoutedExperts bool `json:"return_routed_experts"`
+	// ReturnTokenIDs: SGLang's extension; each choice carries the prompt's
+	// token ids and the output's, so that a trainer scores the very tokens
+	// the rollout produced rather than a re-tokenization of its text.
+	ReturnTokenIDs bool `json:"return_token_ids"`
+}
+
+// withTokenIDs adds return_token_ids' fields to a choice where the request
+// asked for them: prompt_token_ids where prompt is set (a stream sends them
+// once) and token_ids.
+func (o *openAISampling) withTokenIDs(c map[string]any, prompt, out []int32) map[string]any {
+	if !o.ReturnTokenIDs {
+		return c
+	}
+	if prompt != nil {
+		c["prompt_token_ids"] = prompt
+	}
+	c["token_ids"] = append([]int32{}, out...)
+	return c
 }
 
 func (o *openAISampling) params(defaultMax *int) ioschema.SamplingParams {
@@ -186,6 +204,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 		sse := newSSE(w)
 		sent := make([]int, len(prompts))
 		echoed := make([]bool, len(prompts)) // a chunk went out: the prompt, where echo asks for it, with it
+		sentIDs := make([]int, len(prompts))
 		final := make([]snapshot, len(prompts))
 		m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
 			final[i] = s
@@ -201,8 +220,13 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 			if delta == "" && !s.Done {
 				return true
 			}
+			var promptIDs []int32
+			if !echoed[i] {
+				promptIDs = prompts[i].tokenized.InputIDs
+			}
 			echoed[i] = true
-			c := choice(i, s, delta)
+			c := req.withTokenIDs(choice(i, s, delta), promptIDs, s.OutputIDs[sentIDs[i]:])
+			sentIDs[i] = len(s.OutputIDs)
 			if !s.Done {
 				c["finish_reason"] = nil
 			}
@@ -222,7 +246,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 		if req.Echo && m.Tokenizer != nil {
 			text = m.Tokenizer.Decode(prompts[i].tokenized.InputIDs, true) + text
 		}
-		choices[i] = choice(i, s, text)
+		choices[i] = req.withTokenIDs(choice(i, s, text), prompts[i].tokenized.InputIDs, s.OutputIDs)
 	}
 	writeJSON(w, http.StatusOK, reply.complete(choices, snaps))
 }
@@ -446,7 +470,10 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 				}
 			}
 			if s.Done {
-				return chunk(map[string]any{"index": i, "delta": map[string]any{}, "finish_reason": chatFinish(s.Finish, calls[i])})
+				// A stream's token ids come whole with its finish: its text
+				// chunks follow the tool-call parser, not the tokens.
+				return chunk(req.withTokenIDs(map[string]any{"index": i, "delta": map[string]any{},
+					"finish_reason": chatFinish(s.Finish, calls[i])}, prompts[i].tokenized.InputIDs, s.OutputIDs))
 			}
 			return true
 		})
@@ -480,7 +507,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		if req.Logprobs {
 			c["logprobs"] = m.chatLogprobs(s)
 		}
-		choices[i] = c
+		choices[i] = req.withTokenIDs(c, prompts[i].tokenized.InputIDs, s.OutputIDs)
 	}
 	writeJSON(w, http.StatusOK, reply.complete(choices, snaps))
 }

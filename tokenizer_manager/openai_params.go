@@ -25,6 +25,7 @@ var (
 		"routed_dp_rank": nil, "data_parallel_rank": nil, // checked against the engines where the request starts
 		"user":                  nil, // an end-user id, for the caller's own accounting
 		"return_routed_experts": nil, // SGLang's routing replay
+		"return_token_ids":      nil, // SGLang's: the prompt's and the output's token ids
 		"logit_bias":            onlyValue("{}", "logit biases are not supported"),
 	}
 	completionParams = with(samplingParams, map[string]paramRule{
