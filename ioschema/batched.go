@@ -187,6 +187,10 @@ func (s *SamplingBatch) DecodeMsgpack(dec *msgpack.Decoder) error {
 		*s = SamplingBatch{}
 		return dec.DecodeNil()
 	}
+	// A key SGLang's SamplingParams does not take is an error there (its
+	// constructor's), and here: a misspelt parameter is never ignored.
+	dec.DisallowUnknownFields(true)
+	defer dec.DisallowUnknownFields(false)
 	if isArrayCode(code) {
 		var items []SamplingParams
 		if err := dec.Decode(&items); err != nil {
@@ -219,17 +223,25 @@ func (s SamplingBatch) EncodeMsgpack(enc *msgpack.Encoder) error {
 // UnmarshalJSON implements json.Unmarshaler.
 func (s *SamplingBatch) UnmarshalJSON(b []byte) error {
 	b = bytes.TrimSpace(b)
+	strict := func(v any) error {
+		dec := json.NewDecoder(bytes.NewReader(b))
+		dec.DisallowUnknownFields() // as DecodeMsgpack
+		if err := dec.Decode(v); err != nil {
+			return fmt.Errorf("sampling_params: %w", err)
+		}
+		return nil
+	}
 	if len(b) > 0 && b[0] == '[' {
 		var items []SamplingParams
-		if err := json.Unmarshal(b, &items); err != nil {
-			return fmt.Errorf("sampling_params: %w", err)
+		if err := strict(&items); err != nil {
+			return err
 		}
 		*s = SamplingBatch{Items: items, Batch: true}
 		return nil
 	}
 	var one SamplingParams
-	if err := json.Unmarshal(b, &one); err != nil {
-		return fmt.Errorf("sampling_params: %w", err)
+	if err := strict(&one); err != nil {
+		return err
 	}
 	*s = SamplingBatch{Items: []SamplingParams{one}}
 	return nil

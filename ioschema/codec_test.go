@@ -253,3 +253,71 @@ func TestWeightWrite(t *testing.T) {
 		}
 	}
 }
+
+// TestUnsupportedIsRefusedByName: SGLang parameters ebb does not carry out
+// are refused by name, over JSON and msgpack alike, where set; unset (null,
+// false, empty) they pass, and a sampling key SGLang does not know is an
+// error as in SGLang.
+func TestUnsupportedIsRefusedByName(t *testing.T) {
+	for _, c := range []struct {
+		name, body, want string // want "": accepted
+	}{
+		{"plain", `{"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "stream_interval": 4}}`, ""},
+		{"unset", `{"input_ids": [1], "return_hidden_states": false, "lora_path": null, "image_data": [null, null], "token_ids_logprob": []}`, ""},
+		{"hidden states", `{"input_ids": [1], "return_hidden_states": true}`, "return_hidden_states: not supported"},
+		{"two", `{"input_ids": [1], "lora_path": "a", "image_data": ["x"]}`, "image_data, lora_path: not supported"},
+		{"token ids logprob", `{"input_ids": [1], "token_ids_logprob": [3, 4]}`, "token_ids_logprob: not supported"},
+		{"misspelt sampling key", `{"input_ids": [1], "sampling_params": {"max_tokens": 2}}`, `unknown field "max_tokens"`},
+		{"one of a batch", `{"input_ids": [[1], [2]], "sampling_params": [{}, {"temprature": 1}]}`, `unknown field "temprature"`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var fields map[string]any
+			if err := jsonUnmarshal(c.body, &fields); err != nil {
+				t.Fatal(err)
+			}
+			fields["type"] = "GenerateReqInput"
+			packed, _ := msgpack.Marshal(integral(fields)) // as Python's msgpack packs ints
+			viaMsgpack, merr := Decode(packed)
+			var viaJSON GenerateReqInput
+			jerr := jsonUnmarshal(c.body, &viaJSON)
+			for transport, err := range map[string]error{"json": jerr, "msgpack": merr} {
+				if err == nil {
+					if transport == "json" {
+						err = viaJSON.Unsupported()
+					} else {
+						err = viaMsgpack.(*GenerateReqInput).Unsupported()
+					}
+				}
+				if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+					t.Errorf("%s: %v, want %q", transport, err, c.want)
+				}
+			}
+		})
+	}
+	refused := []SamplingParams{{StopRegex: StringList{"a+"}}, {StructuralTag: ptr("{}")},
+		{CustomParams: map[string]any{"k": 1}}, {LogitBias: map[string]float64{"5": 1}}, {StreamInterval: ptr(0)}}
+	for _, p := range refused {
+		if _, err := p.Resolve(nil); err == nil {
+			t.Errorf("accepted %+v", p)
+		}
+	}
+}
+
+// integral is v (decoded JSON) with its whole numbers as int64.
+func integral(v any) any {
+	switch x := v.(type) {
+	case float64:
+		if x == float64(int64(x)) {
+			return int64(x)
+		}
+	case []any:
+		for i := range x {
+			x[i] = integral(x[i])
+		}
+	case map[string]any:
+		for k := range x {
+			x[k] = integral(x[k])
+		}
+	}
+	return v
+}

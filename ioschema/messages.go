@@ -2,6 +2,9 @@ package ioschema
 
 import (
 	"encoding/json"
+	"fmt"
+	"reflect"
+	"strings"
 
 	"ebb/memory"
 )
@@ -72,6 +75,71 @@ type GenerateReqInput struct {
 	// which sgl-model-gateway's dp-aware mode still sends; RoutedDPRank wins.
 	RoutedDPRank     *int `msgpack:"routed_dp_rank" json:"routed_dp_rank"`
 	DataParallelRank *int `msgpack:"data_parallel_rank" json:"data_parallel_rank"`
+	UnsupportedGenerateFields
+}
+
+// UnsupportedGenerateFields are SGLang's GenerateReqInput fields that ebb
+// does not carry out: parsed only so that a request setting one is refused
+// by name (Unsupported) rather than served without it.
+type UnsupportedGenerateFields struct {
+	InputEmbeds          any `msgpack:"input_embeds" json:"input_embeds"`
+	ImageData            any `msgpack:"image_data" json:"image_data"`
+	VideoData            any `msgpack:"video_data" json:"video_data"`
+	AudioData            any `msgpack:"audio_data" json:"audio_data"`
+	TokenIDsLogprob      any `msgpack:"token_ids_logprob" json:"token_ids_logprob"`
+	ReturnHiddenStates   any `msgpack:"return_hidden_states" json:"return_hidden_states"`
+	ReturnEntropy        any `msgpack:"return_entropy" json:"return_entropy"`
+	SessionParams        any `msgpack:"session_params" json:"session_params"`
+	LoraPath             any `msgpack:"lora_path" json:"lora_path"`
+	LoraID               any `msgpack:"lora_id" json:"lora_id"`
+	CustomLogitProcessor any `msgpack:"custom_logit_processor" json:"custom_logit_processor"`
+	BootstrapHost        any `msgpack:"bootstrap_host" json:"bootstrap_host"`
+	BootstrapPort        any `msgpack:"bootstrap_port" json:"bootstrap_port"`
+	BootstrapRoom        any `msgpack:"bootstrap_room" json:"bootstrap_room"`
+}
+
+// Unsupported is an error naming the fields of u a request sets (to other
+// than null, false, zero or empty), or nil.
+func (u *UnsupportedGenerateFields) Unsupported() error {
+	var set []string
+	for _, f := range []struct {
+		name string
+		v    any
+	}{{"input_embeds", u.InputEmbeds}, {"image_data", u.ImageData}, {"video_data", u.VideoData},
+		{"audio_data", u.AudioData}, {"token_ids_logprob", u.TokenIDsLogprob},
+		{"return_hidden_states", u.ReturnHiddenStates}, {"return_entropy", u.ReturnEntropy},
+		{"session_params", u.SessionParams}, {"lora_path", u.LoraPath}, {"lora_id", u.LoraID},
+		{"custom_logit_processor", u.CustomLogitProcessor}, {"bootstrap_host", u.BootstrapHost},
+		{"bootstrap_port", u.BootstrapPort}, {"bootstrap_room", u.BootstrapRoom}} {
+		if isSet(f.v) {
+			set = append(set, f.name)
+		}
+	}
+	if len(set) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%s: not supported by ebb (text or input_ids in, tokens and logprobs out, one base model)",
+		strings.Join(set, ", "))
+}
+
+// isSet says whether a decoded JSON or msgpack value is other than null,
+// false, zero, "" or an empty list or map (a batch of nulls is unset too).
+func isSet(v any) bool {
+	rv := reflect.ValueOf(v)
+	switch {
+	case v == nil:
+		return false
+	case rv.Kind() == reflect.Slice:
+		for i := 0; i < rv.Len(); i++ {
+			if isSet(rv.Index(i).Interface()) {
+				return true
+			}
+		}
+		return false
+	case rv.Kind() == reflect.Map:
+		return rv.Len() > 0
+	}
+	return !rv.IsZero()
 }
 
 // TypeName implements Message.

@@ -29,6 +29,14 @@ type SamplingParams struct {
 	JSONSchema                 *string    `msgpack:"json_schema" json:"json_schema,omitempty"`
 	Regex                      *string    `msgpack:"regex" json:"regex,omitempty"`
 	EBNF                       *string    `msgpack:"ebnf" json:"ebnf,omitempty"`
+	// SGLang's parameters that ebb parses only to refuse them by name where
+	// set (StreamInterval is taken: ebb streams every token, which any
+	// interval's client reads alike).
+	StopRegex      StringList         `msgpack:"stop_regex" json:"stop_regex,omitempty"`
+	StructuralTag  *string            `msgpack:"structural_tag" json:"structural_tag,omitempty"`
+	CustomParams   map[string]any     `msgpack:"custom_params" json:"custom_params,omitempty"`
+	LogitBias      map[string]float64 `msgpack:"logit_bias" json:"logit_bias,omitempty"`
+	StreamInterval *int               `msgpack:"stream_interval" json:"stream_interval,omitempty"`
 }
 
 // GenerationDefaults are a model's sampling defaults (generation_config.json).
@@ -128,10 +136,22 @@ func (p *SamplingParams) Resolve(d *GenerationDefaults) (Resolved, error) {
 	for _, c := range []struct {
 		name string
 		v    *string
-	}{{"json_schema", p.JSONSchema}, {"regex", p.Regex}, {"ebnf", p.EBNF}} {
+	}{{"json_schema", p.JSONSchema}, {"regex", p.Regex}, {"ebnf", p.EBNF}, {"structural_tag", p.StructuralTag}} {
 		if c.v != nil {
 			errs = append(errs, fmt.Errorf("%s: constrained decoding is not supported", c.name))
 		}
+	}
+	if len(p.StopRegex) > 0 {
+		errs = append(errs, errors.New("stop_regex is not supported (stop strings and stop_token_ids are)"))
+	}
+	if len(p.CustomParams) > 0 {
+		errs = append(errs, errors.New("custom_params is not supported: ebb runs no custom logit processors"))
+	}
+	if len(p.LogitBias) > 0 {
+		errs = append(errs, errors.New("logit_bias is not supported"))
+	}
+	if p.StreamInterval != nil && *p.StreamInterval < 1 {
+		errs = append(errs, fmt.Errorf("stream_interval must be at least 1, got %d", *p.StreamInterval))
 	}
 	if len(errs) > 0 {
 		return Resolved{}, errors.Join(errs...)

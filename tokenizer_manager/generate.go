@@ -232,6 +232,9 @@ func LeastLoaded[E any](engines []E, work func(E) int64) int {
 
 // start expands a request and submits its prompts.
 func (m *Manager) start(ctx context.Context, in *ioschema.GenerateReqInput) ([]*prompt, bool, error) {
+	if err := in.Unsupported(); err != nil {
+		return nil, false, badRequest{err}
+	}
 	engine, err := m.routedEngine(in)
 	if err != nil {
 		return nil, false, err
