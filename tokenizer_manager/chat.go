@@ -122,6 +122,23 @@ func (c *chatTemplate) render(messages []ChatMessage, tools []any, kwargs map[st
 	return out, nil
 }
 
+// renderContinuing is render, but with continue_final_message and an
+// assistant message last that message is continued rather than closed: the
+// others are rendered with the generation prompt and its text follows, as
+// SGLang does (an RL agent's partial turn, or a forced prefix).
+func (c *chatTemplate) renderContinuing(messages []ChatMessage, tools []any, kwargs map[string]any, continueFinal bool) (string, error) {
+	n := len(messages)
+	if !continueFinal || n < 2 || !strings.EqualFold(messages[n-1].Role, "assistant") {
+		return c.render(messages, tools, kwargs)
+	}
+	prefix, err := messages[n-1].text()
+	if err != nil {
+		return "", fmt.Errorf("message %d: %w", n-1, err)
+	}
+	text, err := c.render(messages[:n-1], tools, kwargs)
+	return text + prefix, err
+}
+
 // templateToolCalls gives templates the arguments of earlier calls as
 // objects: OpenAI sends them as JSON text, and templates (Llama 3's) write
 // them with tojson, which would quote the text again. SGLang does the same.

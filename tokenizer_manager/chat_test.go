@@ -74,3 +74,39 @@ func embeddedTemplate(t *testing.T, family string) *chatTemplate {
 	}
 	return tpl
 }
+
+// TestContinueFinalMessage: with continue_final_message a last assistant
+// message is continued (the rest rendered with the generation prompt, its
+// text after it); without it, or with a user message last, the prompt is
+// render's.
+func TestContinueFinalMessage(t *testing.T) {
+	tpl := embeddedTemplate(t, "qwen3")
+	user := ChatMessage{Role: "user", Content: "2+2?"}
+	partial := ChatMessage{Role: "assistant", Content: []any{map[string]any{"type": "text", "text": "The answer is"}}}
+	head, err := tpl.render([]ChatMessage{user}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	whole, err := tpl.render([]ChatMessage{user, partial}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		msgs []ChatMessage
+		cont bool
+		want string
+	}{
+		{"continued", []ChatMessage{user, partial}, true, head + "The answer is"},
+		{"closed without it", []ChatMessage{user, partial}, false, whole},
+		{"a user message last", []ChatMessage{user}, true, head},
+	} {
+		got, err := tpl.renderContinuing(c.msgs, nil, nil, c.cont)
+		if err != nil || got != c.want {
+			t.Errorf("%s: %q, %v; want %q", c.name, got, err, c.want)
+		}
+	}
+	if !strings.HasSuffix(head, "<|im_start|>assistant\n") {
+		t.Errorf("qwen3's generation prompt: %q", head)
+	}
+}

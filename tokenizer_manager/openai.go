@@ -323,6 +323,9 @@ type chatRequest struct {
 	ToolChoice          *string        `json:"tool_choice"`
 	ParallelToolCalls   *bool          `json:"parallel_tool_calls"`
 	ChatTemplateKwargs  map[string]any `json:"chat_template_kwargs"`
+	// ContinueFinalMessage: SGLang's; a last assistant message is continued
+	// (renderContinuing).
+	ContinueFinalMessage bool `json:"continue_final_message"`
 }
 
 // chatTool is an OpenAI tool: a function the model may call.
@@ -400,7 +403,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		keep := false
 		req.SkipSpecialTokens = &keep
 	}
-	text, err := m.chat.render(req.Messages, tools, req.ChatTemplateKwargs)
+	text, err := m.chat.renderContinuing(req.Messages, tools, req.ChatTemplateKwargs, req.ContinueFinalMessage)
 	if err != nil {
 		writeError(w, badRequest{err})
 		return
