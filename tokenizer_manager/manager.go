@@ -54,6 +54,9 @@ type Config struct {
 	// MaxRequestBodyBytes caps the body of a generate request (0: 1 KiB a
 	// token of context, at least 16 MiB).
 	MaxRequestBodyBytes int64
+	// ReasoningParser is --reasoning-parser (reasoningParsers; "": none):
+	// the chat endpoint's replies carry their reasoning apart.
+	ReasoningParser string
 }
 
 // Manager routes requests and outputs. One goroutine (loop) owns the
@@ -65,6 +68,7 @@ type Manager struct {
 	TokConfig *tokenizer.Config
 	ModelCfg  *model.Config
 	chat      *chatTemplate
+	reasoning *reasoningParser // nil without --reasoning-parser
 	metrics   *metrics
 	ctxLen    int   // the most tokens a sequence holds
 	maxBody   int64 // the cap on a generate request's body
@@ -110,6 +114,9 @@ func New(cfg Config, log *zap.Logger) (*Manager, error) {
 	m.engines = len(cfg.SchedulerEndpoints)
 	var err error
 	if m.cfg.LoadBalanceMethod, err = ParseLoadBalanceMethod(cfg.LoadBalanceMethod); err != nil {
+		return nil, err
+	}
+	if m.reasoning, err = parseReasoningParser(cfg.ReasoningParser); err != nil {
 		return nil, err
 	}
 	if m.cfg.ControlTimeout <= 0 {

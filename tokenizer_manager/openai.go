@@ -326,6 +326,20 @@ type chatRequest struct {
 	// ContinueFinalMessage: SGLang's; a last assistant message is continued
 	// (renderContinuing).
 	ContinueFinalMessage bool `json:"continue_final_message"`
+	// SeparateReasoning and StreamReasoning are SGLang's (both default
+	// true): with --reasoning-parser, whether a reply's reasoning goes to
+	// reasoning_content, and whether a stream sends it as it comes.
+	SeparateReasoning *bool `json:"separate_reasoning"`
+	StreamReasoning   *bool `json:"stream_reasoning"`
+}
+
+// reasoningParser is the server's reasoning parser where the request
+// wants its reasoning apart, or nil.
+func (req *chatRequest) reasoningParser(p *reasoningParser) *reasoningParser {
+	if req.SeparateReasoning != nil && !*req.SeparateReasoning {
+		return nil
+	}
+	return p
 }
 
 // chatTool is an OpenAI tool: a function the model may call.
@@ -436,6 +450,8 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	if req.Stream {
 		sse := newSSE(w)
 		streams := make([]*toolStream, len(prompts))
+		thoughts := make([]*reasoningStream, len(prompts))
+		parser := req.reasoningParser(m.reasoning)
 		calls := make([]int, len(prompts))
 		started := make([]bool, len(prompts))
 		final := make([]snapshot, len(prompts))
@@ -450,13 +466,24 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 			if !started[i] {
 				started[i] = true
 				streams[i] = newToolStream(format)
+				if parser != nil {
+					thoughts[i] = &reasoningStream{p: parser, streamReasoning: req.StreamReasoning == nil || *req.StreamReasoning}
+				}
 				if !chunk(map[string]any{"index": i, "delta": map[string]any{"role": "assistant", "content": ""}, "finish_reason": nil}) {
 					return false
 				}
 			}
-			content, newCalls := streams[i].Feed(s.Text)
+			answer := s.Text
+			if thoughts[i] != nil {
+				var thought string
+				thought, answer = thoughts[i].feed(s.Text, s.Done)
+				if thought != "" && !chunk(map[string]any{"index": i, "delta": map[string]any{"reasoning_content": thought}, "finish_reason": nil}) {
+					return false
+				}
+			}
+			content, newCalls := streams[i].Feed(answer)
 			if s.Done {
-				rest, last := streams[i].Finish(s.Text)
+				rest, last := streams[i].Finish(answer)
 				content, newCalls = content+rest, append(newCalls, last...)
 			}
 			if content != "" && !chunk(map[string]any{"index": i, "delta": map[string]any{"content": content}, "finish_reason": nil}) {
@@ -489,11 +516,19 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	choices := make([]any, len(snaps))
+	parser := req.reasoningParser(m.reasoning)
 	for i, s := range snaps {
-		msg := map[string]any{"role": "assistant", "content": s.Text}
+		answer := s.Text
+		msg := map[string]any{"role": "assistant"}
+		if parser != nil {
+			var thought string
+			thought, answer = parser.split(s.Text)
+			msg["reasoning_content"] = nilIfEmpty(thought)
+		}
+		msg["content"] = answer
 		ncalls := 0
 		if format != 0 {
-			content, calls := newToolStream(format).Finish(s.Text)
+			content, calls := newToolStream(format).Finish(answer)
 			if len(calls) > 0 {
 				if !parallel {
 					calls = calls[:1]

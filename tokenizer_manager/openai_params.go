@@ -36,6 +36,7 @@ var (
 	chatParams = with(samplingParams, map[string]paramRule{
 		"messages": nil, "max_completion_tokens": nil, "logprobs": nil, "top_logprobs": nil, "tools": nil,
 		"chat_template_kwargs": nil, "parallel_tool_calls": nil, "continue_final_message": nil,
+		"separate_reasoning": nil, "stream_reasoning": nil,
 		"tool_choice":     oneOf(`"none"`, `"auto"`),
 		"response_format": responseFormat,
 		"store":           onlyValue("false", "stored completions are not supported"),

@@ -58,6 +58,9 @@ func scriptedScheduler(t *testing.T, ctx context.Context, m *Manager, in, out st
 			if strings.Contains(m.Tokenizer.Decode(req.InputIDs, false), "<tools>") {
 				text = "Let me check. " + scriptedCall
 			}
+			if strings.Contains(m.Tokenizer.Decode(req.InputIDs, false), "Think first") {
+				text = scriptedThought
+			}
 			pieces := splitEvery(text, 7)
 			for i, p := range pieces {
 				o := &ioschema.BatchStrOutput{OutputStrs: []string{p}}
@@ -85,11 +88,19 @@ func splitEvery(s string, n int) []string {
 	return append(out, s)
 }
 
-func scriptedServer(t *testing.T) *httptest.Server {
+// scriptedThought is the scripted reply to a prompt that asks to think.
+const scriptedThought = "<think>\nThe user greets me.\n</think>\n\nHello there!"
+
+// scriptedServer serves the scripted scheduler's replies; opts change the
+// manager's Config.
+func scriptedServer(t *testing.T, opts ...func(*Config)) *httptest.Server {
 	t.Helper()
 	dir := t.TempDir()
 	cfg := Config{ModelDir: "../assets/default-model", SchedulerEndpoints: []string{"ipc://" + filepath.Join(dir, "s")},
 		InputEndpoint: "ipc://" + filepath.Join(dir, "t")}
+	for _, o := range opts {
+		o(&cfg)
+	}
 	m, err := New(cfg, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)

@@ -112,10 +112,12 @@ func addServerFlags(f *pflag.FlagSet, s *serverFlags) {
 		"clip a prompt longer than the context (keeping its start) and max_new_tokens to what is left, instead of answering 400")
 	f.Int64Var(&s.maxRequestBodyMB, "max-request-body-mb", 0,
 		"refuse generate requests whose body is larger (413); default: 1 KiB a token of context, at least 16")
+	f.StringVar(&s.reasoningParser, "reasoning-parser", "",
+		"qwen3, qwen3-thinking or deepseek-r1: chat replies carry their <think> reasoning in reasoning_content")
 }
 
 type serverFlags struct {
-	apiKey                                                                     string
+	apiKey, reasoningParser                                                    string
 	skipWarmup, enableMetrics, memorySaver, trustRemoteCode, allowAutoTruncate bool
 	maxRequestBodyMB                                                           int64
 }
