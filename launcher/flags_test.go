@@ -13,7 +13,7 @@ import (
 func TestSGLangLaunchFlagsAndAPIKey(t *testing.T) {
 	s := startServer(t, "--model-path", modelDir, "--tp-size", "1", "--dp-size", "1", "--enable-memory-saver",
 		"--skip-server-warmup", "--trust-remote-code", "--random-seed", "1", "--api-key", "k", "--dtype", "bfloat16",
-		"--disable-radix-cache", "--enable-metrics", "--served-model-name", "ebb-test", "--reasoning-parser", "qwen3")
+		"--disable-radix-cache", "--enable-metrics", "--served-model-name", "ebb-test", "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25")
 	call := func(method, path, key, body string) int {
 		req, _ := http.NewRequest(method, s.url+path, strings.NewReader(body))
 		if key != "" {
@@ -93,6 +93,7 @@ func TestUnsupportedLaunchFlagsAreErrors(t *testing.T) {
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--tp-size", "3"}, "do not split over 3 ranks"},
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--dp-size", "2", "--load-balance-method", "follow_bootstrap_room"}, "prefill/decode disaggregation"},
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--load-balance-method", "shortest_queue"}, "round_robin"},
+		{[]string{"--model-path", modelDir, "--device", "cpu", "--tool-call-parser", "pythonic"}, `--tool-call-parser "pythonic": ebb takes hermes, llama3, qwen, qwen25`},
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--reasoning-parser", "kimi"}, `--reasoning-parser "kimi": ebb takes deepseek-r1, qwen3, qwen3-thinking`},
 	} {
 		out, err := exec.Command(ebbBin, append([]string{"serve", "--port", "0"}, c.args...)...).CombinedOutput()

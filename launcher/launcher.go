@@ -49,8 +49,9 @@ type Config struct {
 	// MaxRequestBodyBytes caps a generate request's body (0: sized from
 	// the context length).
 	MaxRequestBodyBytes int64
-	// ReasoningParser is --reasoning-parser ("": none).
-	ReasoningParser string
+	// ReasoningParser and ToolCallParser are --reasoning-parser and
+	// --tool-call-parser ("": none, the chat template's syntax).
+	ReasoningParser, ToolCallParser string
 	// Executable is the ebb binary the children run (default: this one).
 	Executable string
 	// Ready, if set, is called with the HTTP address once serving.
@@ -152,7 +153,8 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		SchedulerEndpoints: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
 		DisableRadixCache: cfg.Engine.DisableRadixCache, LoadBalanceMethod: cfg.LoadBalanceMethod,
 		ContextLength: cfg.Engine.ContextLength, AllowAutoTruncate: cfg.AllowAutoTruncate,
-		MaxRequestBodyBytes: cfg.MaxRequestBodyBytes, ReasoningParser: cfg.ReasoningParser}, log.Named("tokenizer_manager"))
+		MaxRequestBodyBytes: cfg.MaxRequestBodyBytes, ReasoningParser: cfg.ReasoningParser,
+		ToolCallParser: cfg.ToolCallParser}, log.Named("tokenizer_manager"))
 	if err != nil {
 		return err
 	}

@@ -234,6 +234,7 @@ func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
 	info["load_balance_method"] = m.cfg.LoadBalanceMethod
 	info["allow_auto_truncate"] = m.cfg.AllowAutoTruncate
 	info["reasoning_parser"] = nilIfEmpty(m.cfg.ReasoningParser)
+	info["tool_call_parser"] = nilIfEmpty(m.cfg.ToolCallParser)
 	info["max_request_body_bytes"] = m.maxBody
 	if m.cfg.ZMQEndpoint != "" {
 		info["zmq_endpoint"] = m.cfg.ZMQEndpoint

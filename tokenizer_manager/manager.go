@@ -57,6 +57,9 @@ type Config struct {
 	// ReasoningParser is --reasoning-parser (reasoningParsers; "": none):
 	// the chat endpoint's replies carry their reasoning apart.
 	ReasoningParser string
+	// ToolCallParser is --tool-call-parser (toolCallParsers; "": the chat
+	// template's own syntax).
+	ToolCallParser string
 }
 
 // Manager routes requests and outputs. One goroutine (loop) owns the
@@ -69,6 +72,7 @@ type Manager struct {
 	ModelCfg  *model.Config
 	chat      *chatTemplate
 	reasoning *reasoningParser // nil without --reasoning-parser
+	toolCalls toolFormat       // --tool-call-parser's format (0: the template's)
 	metrics   *metrics
 	ctxLen    int   // the most tokens a sequence holds
 	maxBody   int64 // the cap on a generate request's body
@@ -117,6 +121,9 @@ func New(cfg Config, log *zap.Logger) (*Manager, error) {
 		return nil, err
 	}
 	if m.reasoning, err = parseReasoningParser(cfg.ReasoningParser); err != nil {
+		return nil, err
+	}
+	if m.toolCalls, err = parseToolCallParser(cfg.ToolCallParser); err != nil {
 		return nil, err
 	}
 	if m.cfg.ControlTimeout <= 0 {

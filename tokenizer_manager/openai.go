@@ -409,7 +409,10 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	}
 	var format toolFormat
 	if tools != nil {
-		if format = toolFormatFor(m.TokConfig.ChatTemplate); format == 0 {
+		if format = m.toolCalls; format == 0 {
+			format = toolFormatFor(m.TokConfig.ChatTemplate)
+		}
+		if format == 0 {
 			writeError(w, badf("the model's chat template has no tool-call syntax ebb can parse (Qwen's <tool_call> or Llama 3's JSON)"))
 			return
 		}

@@ -347,3 +347,26 @@ func sseData(t *testing.T, resp *http.Response) []string {
 	}
 	return lines
 }
+
+// TestToolCallParserFlag: --tool-call-parser names the syntax tool calls
+// are read in, whatever the chat template's: with llama3's JSON a reply of
+// <tool_call> blocks is text; with qwen25 it is the call, as the template
+// would have it.
+func TestToolCallParserFlag(t *testing.T) {
+	msgs := []any{map[string]any{"role": "user", "content": "What is the weather in Paris?"}}
+	for _, c := range []struct {
+		parser string
+		calls  int
+	}{{"qwen25", 1}, {"llama3", 0}} {
+		srv := scriptedServer(t, func(cfg *Config) { cfg.ToolCallParser = c.parser })
+		code, out := postJSON(t, srv.URL+"/v1/chat/completions", map[string]any{"model": "m", "messages": msgs, "tools": weatherTools})
+		msg := out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)
+		calls, _ := msg["tool_calls"].([]any)
+		if code != 200 || len(calls) != c.calls {
+			t.Errorf("%s: %d, %v", c.parser, code, msg)
+		}
+	}
+	if _, err := parseToolCallParser("mistral"); err == nil || !strings.Contains(err.Error(), "hermes, llama3, qwen, qwen25") {
+		t.Errorf("an unknown parser: %v", err)
+	}
+}

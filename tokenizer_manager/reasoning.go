@@ -2,7 +2,8 @@ package tokenizermanager
 
 import (
 	"fmt"
-	"sort"
+	"maps"
+	"slices"
 	"strings"
 )
 
@@ -32,12 +33,7 @@ func parseReasoningParser(name string) (*reasoningParser, error) {
 	}
 	p, ok := reasoningParsers[name]
 	if !ok {
-		names := make([]string, 0, len(reasoningParsers))
-		for n := range reasoningParsers {
-			names = append(names, n)
-		}
-		sort.Strings(names)
-		return nil, fmt.Errorf("--reasoning-parser %q: ebb takes %s", name, strings.Join(names, ", "))
+		return nil, fmt.Errorf("--reasoning-parser %q: ebb takes %s", name, strings.Join(slices.Sorted(maps.Keys(reasoningParsers)), ", "))
 	}
 	return &p, nil
 }

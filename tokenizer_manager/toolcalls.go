@@ -5,6 +5,9 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
+	"maps"
+	"slices"
 	"strings"
 )
 
@@ -43,6 +46,23 @@ func toolFormatFor(template string) toolFormat {
 		return toolsJSON
 	}
 	return 0
+}
+
+// toolCallParsers are the --tool-call-parser values ebb takes (SGLang's
+// names) and the format each reads; without the flag the chat template
+// decides (toolFormatFor).
+var toolCallParsers = map[string]toolFormat{"qwen25": toolsTagged, "qwen": toolsTagged, "hermes": toolsTagged, "llama3": toolsJSON}
+
+// parseToolCallParser is the format --tool-call-parser names (0: none given).
+func parseToolCallParser(name string) (toolFormat, error) {
+	if name == "" {
+		return 0, nil
+	}
+	f, ok := toolCallParsers[name]
+	if !ok {
+		return 0, fmt.Errorf("--tool-call-parser %q: ebb takes %s", name, strings.Join(slices.Sorted(maps.Keys(toolCallParsers)), ", "))
+	}
+	return f, nil
 }
 
 const (

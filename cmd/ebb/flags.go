@@ -114,10 +114,12 @@ func addServerFlags(f *pflag.FlagSet, s *serverFlags) {
 		"refuse generate requests whose body is larger (413); default: 1 KiB a token of context, at least 16")
 	f.StringVar(&s.reasoningParser, "reasoning-parser", "",
 		"qwen3, qwen3-thinking or deepseek-r1: chat replies carry their <think> reasoning in reasoning_content")
+	f.StringVar(&s.toolCallParser, "tool-call-parser", "",
+		"qwen25, qwen, hermes (<tool_call> blocks) or llama3 (JSON): how chat replies' tool calls are read (default: from the chat template)")
 }
 
 type serverFlags struct {
-	apiKey, reasoningParser                                                    string
+	apiKey, reasoningParser, toolCallParser                                    string
 	skipWarmup, enableMetrics, memorySaver, trustRemoteCode, allowAutoTruncate bool
 	maxRequestBodyMB                                                           int64
 }
