@@ -122,21 +122,26 @@ func (c *chatTemplate) render(messages []ChatMessage, tools []any, kwargs map[st
 	return out, nil
 }
 
-// renderContinuing is render, but with continue_final_message and an
-// assistant message last that message is continued rather than closed: the
-// others are rendered with the generation prompt and its text follows, as
-// SGLang does (an RL agent's partial turn, or a forced prefix).
-func (c *chatTemplate) renderContinuing(messages []ChatMessage, tools []any, kwargs map[string]any, continueFinal bool) (string, error) {
+// renderContinuing is render with a last assistant message of text taken
+// as SGLang's chat endpoint takes it (_handle_last_assistant_message): with
+// continue_final_message it is not rendered but returned as prefix, to be
+// tokenized apart and appended to the prompt, so that the reply continues
+// it (an RL agent's partial turn, or a forced opening); without, it is
+// rendered as a user message, so that the prompt ends on a user's turn.
+func (c *chatTemplate) renderContinuing(messages []ChatMessage, tools []any, kwargs map[string]any, continueFinal bool) (text, prefix string, err error) {
 	n := len(messages)
-	if !continueFinal || n < 2 || !strings.EqualFold(messages[n-1].Role, "assistant") {
-		return c.render(messages, tools, kwargs)
+	if n > 0 && strings.EqualFold(messages[n-1].Role, "assistant") {
+		if last, ok := messages[n-1].Content.(string); ok {
+			messages = slices.Clone(messages)
+			if continueFinal {
+				messages, prefix = messages[:n-1], last
+			} else {
+				messages[n-1] = ChatMessage{Role: "user", Content: last}
+			}
+		}
 	}
-	prefix, err := messages[n-1].text()
-	if err != nil {
-		return "", fmt.Errorf("message %d: %w", n-1, err)
-	}
-	text, err := c.render(messages[:n-1], tools, kwargs)
-	return text + prefix, err
+	text, err = c.render(messages, tools, kwargs)
+	return text, prefix, err
 }
 
 // templateToolCalls gives templates the arguments of earlier calls as

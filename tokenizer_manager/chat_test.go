@@ -75,38 +75,39 @@ func embeddedTemplate(t *testing.T, family string) *chatTemplate {
 	return tpl
 }
 
-// TestContinueFinalMessage: with continue_final_message a last assistant
-// message is continued (the rest rendered with the generation prompt, its
-// text after it); without it, or with a user message last, the prompt is
-// render's.
+// TestContinueFinalMessage: a last assistant message of text is the
+// prompt's prefix to continue with continue_final_message and a user's turn
+// without it, as in SGLang; one of content parts is rendered as it is.
 func TestContinueFinalMessage(t *testing.T) {
 	tpl := embeddedTemplate(t, "qwen3")
 	user := ChatMessage{Role: "user", Content: "2+2?"}
-	partial := ChatMessage{Role: "assistant", Content: []any{map[string]any{"type": "text", "text": "The answer is"}}}
-	head, err := tpl.render([]ChatMessage{user}, nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	whole, err := tpl.render([]ChatMessage{user, partial}, nil, nil)
-	if err != nil {
-		t.Fatal(err)
+	partial := ChatMessage{Role: "assistant", Content: "The answer is"}
+	parts := ChatMessage{Role: "assistant", Content: []any{map[string]any{"type": "text", "text": "The answer is"}}}
+	asked := []ChatMessage{user, partial}
+	render := func(msgs ...ChatMessage) string {
+		out, err := tpl.render(msgs, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
 	}
 	for _, c := range []struct {
-		name string
-		msgs []ChatMessage
-		cont bool
-		want string
+		name         string
+		msgs         []ChatMessage
+		cont         bool
+		text, prefix string
 	}{
-		{"continued", []ChatMessage{user, partial}, true, head + "The answer is"},
-		{"closed without it", []ChatMessage{user, partial}, false, whole},
-		{"a user message last", []ChatMessage{user}, true, head},
+		{"continued", []ChatMessage{user, partial}, true, render(user), "The answer is"},
+		{"a user's turn without it", asked, false, render(user, ChatMessage{Role: "user", Content: "The answer is"}), ""},
+		{"content parts", []ChatMessage{user, parts}, true, render(user, parts), ""},
+		{"a user message last", []ChatMessage{user}, true, render(user), ""},
 	} {
-		got, err := tpl.renderContinuing(c.msgs, nil, nil, c.cont)
-		if err != nil || got != c.want {
-			t.Errorf("%s: %q, %v; want %q", c.name, got, err, c.want)
+		text, prefix, err := tpl.renderContinuing(c.msgs, nil, nil, c.cont)
+		if err != nil || text != c.text || prefix != c.prefix {
+			t.Errorf("%s: %q, %q, %v; want %q, %q", c.name, text, prefix, err, c.text, c.prefix)
 		}
 	}
-	if !strings.HasSuffix(head, "<|im_start|>assistant\n") {
-		t.Errorf("qwen3's generation prompt: %q", head)
+	if asked[1].Role != "assistant" {
+		t.Errorf("renderContinuing changed its caller's messages: %v", asked)
 	}
 }

@@ -420,7 +420,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		keep := false
 		req.SkipSpecialTokens = &keep
 	}
-	text, err := m.chat.renderContinuing(req.Messages, tools, req.ChatTemplateKwargs, req.ContinueFinalMessage)
+	text, prefix, err := m.chat.renderContinuing(req.Messages, tools, req.ChatTemplateKwargs, req.ContinueFinalMessage)
 	if err != nil {
 		writeError(w, badRequest{err})
 		return
@@ -433,6 +433,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
+	ids = append(ids, m.Tokenizer.Encode(prefix, false)...)
 	in := &ioschema.GenerateReqInput{Stream: req.Stream, RoutedDPRank: req.RoutedDPRank, DataParallelRank: req.DataParallelRank,
 		InputIDs:       ioschema.InputIDBatch{Items: [][]int32{ids}},
 		SamplingParams: ioschema.SamplingBatch{Items: []ioschema.SamplingParams{req.params(nil)}}}
