@@ -102,17 +102,10 @@ type UnsupportedGenerateFields struct {
 // than null, false, zero or empty), or nil.
 func (u *UnsupportedGenerateFields) Unsupported() error {
 	var set []string
-	for _, f := range []struct {
-		name string
-		v    any
-	}{{"input_embeds", u.InputEmbeds}, {"image_data", u.ImageData}, {"video_data", u.VideoData},
-		{"audio_data", u.AudioData}, {"token_ids_logprob", u.TokenIDsLogprob},
-		{"return_hidden_states", u.ReturnHiddenStates}, {"return_entropy", u.ReturnEntropy},
-		{"session_params", u.SessionParams}, {"lora_path", u.LoraPath}, {"lora_id", u.LoraID},
-		{"custom_logit_processor", u.CustomLogitProcessor}, {"bootstrap_host", u.BootstrapHost},
-		{"bootstrap_port", u.BootstrapPort}, {"bootstrap_room", u.BootstrapRoom}} {
-		if isSet(f.v) {
-			set = append(set, f.name)
+	v := reflect.ValueOf(u).Elem()
+	for i := range v.NumField() {
+		if isSet(v.Field(i).Interface()) {
+			set = append(set, v.Type().Field(i).Tag.Get("json"))
 		}
 	}
 	if len(set) == 0 {

@@ -67,7 +67,7 @@ func (m *Manager) detokenize(w http.ResponseWriter, r *http.Request) {
 	for i, ids := range req.Tokens.Items {
 		for _, id := range ids {
 			if id < 0 || int(id) >= vocab {
-				writeError(w, badf("token id %d is outside the vocabulary (0 to %d)", id, vocab-1))
+				writeError(w, badf("token id %d is outside the vocabulary (size %d)", id, vocab))
 				return
 			}
 		}
