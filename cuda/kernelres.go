@@ -15,6 +15,7 @@ type KernelResource struct {
 	Name      string
 	Registers int
 	Frame     int // bytes of local memory a thread (spills and local arrays)
+	Shared    int // bytes of static shared memory a block
 }
 
 // .nv.info attributes (EIATTR_*) that carry a kernel's resources.
@@ -27,7 +28,8 @@ const (
 // KernelResources reads each kernel's registers and frame from a CUBIN's
 // .nv.info section (what `cuobjdump -res-usage` prints), so that a
 // kernel's occupancy can be checked where there is no CUDA toolkit, only
-// NVRTC. Kernels come sorted by name.
+// NVRTC; its static shared memory is the size of its .nv.shared section.
+// Kernels come sorted by name.
 func KernelResources(cubin []byte) ([]KernelResource, error) {
 	if len(cubin) < 0x18 {
 		return nil, fmt.Errorf("cubin: %d bytes", len(cubin))
@@ -89,6 +91,9 @@ func KernelResources(cubin []byte) ([]KernelResource, error) {
 	for _, s := range syms {
 		if elf.ST_TYPE(s.Info) != elf.STT_FUNC || byName[s.Name] == nil || byName[s.Name].Registers == 0 {
 			continue
+		}
+		if sec := f.Section(".nv.shared." + s.Name); sec != nil {
+			byName[s.Name].Shared = int(sec.Size)
 		}
 		out = append(out, *byName[s.Name])
 		delete(byName, s.Name)

@@ -62,10 +62,10 @@ tools/ab.sh compiles its settings' kernels side by side this way.`,
 			}
 			major, minor, _ := cuda.NVRTCVersion()
 			fmt.Printf("NVRTC %d.%d, %s\n", major, minor, target)
-			fmt.Printf("%-44s %9s %11s\n", "kernel", "registers", "local bytes")
+			fmt.Printf("%-44s %9s %11s %12s\n", "kernel", "registers", "local bytes", "shared bytes")
 			for _, r := range res {
 				if strings.Contains(r.Name, match) {
-					fmt.Printf("%-44s %9d %11d\n", r.Name, r.Registers, r.Frame)
+					fmt.Printf("%-44s %9d %11d %12d\n", r.Name, r.Registers, r.Frame, r.Shared)
 				}
 			}
 			return nil
