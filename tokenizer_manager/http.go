@@ -30,6 +30,7 @@ func (m *Manager) Handler() http.Handler {
 	mux.HandleFunc("GET /get_server_info", m.serverInfo)
 	mux.HandleFunc("GET /get_weight_version", m.weightVersion)
 	mux.HandleFunc("GET /v1/models", m.models)
+	mux.HandleFunc("GET /v1/models/{model...}", m.model)
 	mux.HandleFunc("GET /v1/loads", m.loads)
 	mux.HandleFunc("GET /get_load", m.getLoad)
 	mux.HandleFunc("POST /generate", capped(m.maxBody, m.generate))
@@ -243,10 +244,25 @@ func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
 }
 
 func (m *Manager) models(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []any{map[string]any{
-		"id": m.modelName(), "object": "model", "created": time.Now().Unix(), "owned_by": "ebb", "root": m.modelName(),
-		"max_model_len": m.ctxLen,
-	}}})
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []any{m.modelCard()}})
+}
+
+// modelCard is the served model as the OpenAI model endpoints list it.
+func (m *Manager) modelCard() map[string]any {
+	return map[string]any{"id": m.modelName(), "object": "model", "created": time.Now().Unix(), "owned_by": "ebb",
+		"root": m.modelName(), "max_model_len": m.ctxLen}
+}
+
+// model is SGLang's retrieve_model: the served model's card by its name
+// (which may hold slashes), a 404 in OpenAI's error form for another.
+func (m *Manager) model(w http.ResponseWriter, r *http.Request) {
+	if name := r.PathValue("model"); name != m.modelName() {
+		writeJSON(w, http.StatusNotFound, map[string]any{"error": map[string]any{
+			"message": fmt.Sprintf("The model '%s' does not exist", name), "type": "invalid_request_error",
+			"param": "model", "code": "model_not_found"}})
+		return
+	}
+	writeJSON(w, http.StatusOK, m.modelCard())
 }
 
 func (m *Manager) generate(w http.ResponseWriter, r *http.Request) {
