@@ -55,6 +55,8 @@ type Resolved struct {
 	MinNewTokens      int
 	Stop              []string
 	StopTokenIDs      []int32
+	StopRegex         []StopRegex
+	StopRegexLen      int // the most characters a stop_regex match spans; -1: unbounded
 	Temperature       float32
 	TopP              float32
 	TopK              int
@@ -142,7 +144,10 @@ func (p *SamplingParams) Resolve(d *GenerationDefaults) (Resolved, error) {
 		}
 	}
 	if len(p.StopRegex) > 0 {
-		errs = append(errs, errors.New("stop_regex is not supported (stop strings and stop_token_ids are)"))
+		var err error
+		if r.StopRegex, r.StopRegexLen, err = compileStopRegexes(p.StopRegex); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if len(p.CustomParams) > 0 {
 		errs = append(errs, errors.New("custom_params is not supported: ebb runs no custom logit processors"))

@@ -178,6 +178,9 @@ func (r *request) checkFinish(eos []int32, tok *tokenizer.Tokenizer) *ioschema.F
 		if s := r.matchStopString(tok); s != "" {
 			return ioschema.FinishStopString(s)
 		}
+		if s := r.matchStopRegex(tok); s != "" {
+			return ioschema.FinishStopString(s)
+		}
 	}
 	if len(r.output) >= p.MaxNewTokens {
 		return ioschema.FinishLength(p.MaxNewTokens)
@@ -203,6 +206,28 @@ func (r *request) matchStopString(tok *tokenizer.Tokenizer) string {
 		// Only a match that the newest token completed counts.
 		if s != "" && strings.Contains(text, s) && !strings.Contains(prev, s) {
 			return s
+		}
+	}
+	return ""
+}
+
+// matchStopRegex searches the text of the newest tokens for a stop_regex
+// match, as SGLang's check_finished does: the last StopRegexLen + 1 tokens
+// (a character at most a token), or the whole output where a pattern's
+// matches are unbounded. The finish reason names the pattern.
+func (r *request) matchStopRegex(tok *tokenizer.Tokenizer) string {
+	p := r.Params
+	if len(p.StopRegex) == 0 || tok == nil {
+		return ""
+	}
+	tail := r.output
+	if p.StopRegexLen >= 0 {
+		tail = r.output[max(0, len(r.output)-p.StopRegexLen-1):]
+	}
+	text := tok.Decode(tail, p.SkipSpecialTokens)
+	for _, re := range p.StopRegex {
+		if re.MatchString(text) {
+			return re.Pattern
 		}
 	}
 	return ""
