@@ -295,7 +295,7 @@ func TestUnsupportedIsRefusedByName(t *testing.T) {
 		})
 	}
 	refused := []SamplingParams{{StopRegex: StringList{"(?<=a)b"}}, {StructuralTag: ptr("{}")},
-		{CustomParams: map[string]any{"k": 1}}, {LogitBias: map[string]float64{"5": 1}}, {StreamInterval: ptr(0)}}
+		{CustomParams: map[string]any{"k": 1}}, {LogitBias: map[string]float64{"5x": 1}}, {StreamInterval: ptr(0)}}
 	for _, p := range refused {
 		if _, err := p.Resolve(nil); err == nil {
 			t.Errorf("accepted %+v", p)

@@ -1,8 +1,12 @@
 package ioschema
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"math"
+	"slices"
+	"strconv"
 )
 
 // SamplingParams mirrors SGLang's SamplingParams. Pointer fields are unset
@@ -56,6 +60,7 @@ type Resolved struct {
 	Stop              []string
 	StopTokenIDs      []int32
 	StopRegex         []StopRegex
+	LogitBias         []TokenBias // by token id; the scheduler checks the ids against the vocabulary
 	StopRegexLen      int // the most characters a stop_regex match spans; -1: unbounded
 	Temperature       float32
 	TopP              float32
@@ -153,7 +158,10 @@ func (p *SamplingParams) Resolve(d *GenerationDefaults) (Resolved, error) {
 		errs = append(errs, errors.New("custom_params is not supported: ebb runs no custom logit processors"))
 	}
 	if len(p.LogitBias) > 0 {
-		errs = append(errs, errors.New("logit_bias is not supported"))
+		var err error
+		if r.LogitBias, err = logitBias(p.LogitBias); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if p.StreamInterval != nil && *p.StreamInterval < 1 {
 		errs = append(errs, fmt.Errorf("stream_interval must be at least 1, got %d", *p.StreamInterval))
@@ -175,4 +183,29 @@ func pick[T any](v, model *T, def T) T {
 		return *model
 	}
 	return def
+}
+
+// TokenBias is one logit_bias entry: added to the token's logit after the
+// penalties and before the temperature, as SGLang's apply_logits_bias.
+type TokenBias struct {
+	Token int32
+	Bias  float32
+}
+
+// logitBias reads SGLang's and OpenAI's logit_bias, token ids as strings,
+// into entries by token id.
+func logitBias(m map[string]float64) ([]TokenBias, error) {
+	out := make([]TokenBias, 0, len(m))
+	for k, v := range m {
+		id, err := strconv.ParseInt(k, 10, 32)
+		if err != nil || id < 0 {
+			return nil, fmt.Errorf("logit_bias: key %q is not a token id", k)
+		}
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return nil, fmt.Errorf("logit_bias: token %d has bias %v", id, v)
+		}
+		out = append(out, TokenBias{Token: int32(id), Bias: float32(v)})
+	}
+	slices.SortFunc(out, func(a, b TokenBias) int { return cmp.Compare(a.Token, b.Token) })
+	return out, nil
 }

@@ -3,7 +3,9 @@ package launcher
 import (
 	"bufio"
 	"encoding/json"
+	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -126,6 +128,43 @@ func TestOpenAICompletions(t *testing.T) {
 	last := objs[len(objs)-1]
 	if len(last["choices"].([]any)) != 0 || last["usage"].(map[string]any)["completion_tokens"].(float64) != maxTokens {
 		t.Fatalf("usage chunk %v", last)
+	}
+
+	// logit_bias reaches the sampler from the OpenAI endpoint: a large
+	// bias makes greedy decoding pick its token throughout.
+	forced := gen.OutputIDs[len(gen.OutputIDs)-1] + 1
+	var biased struct {
+		Choices []struct {
+			TokenIDs []int32 `json:"token_ids"`
+		} `json:"choices"`
+	}
+	s.post(t, "/v1/completions", req(map[string]any{"logit_bias": map[string]any{fmt.Sprint(forced): 100}, "return_token_ids": true}), &biased)
+	if len(biased.Choices) != 1 || len(biased.Choices[0].TokenIDs) != maxTokens || slices.ContainsFunc(biased.Choices[0].TokenIDs, func(id int32) bool { return id != forced }) {
+		t.Fatalf("logit_bias {%d: 100}: %+v", forced, biased)
+	}
+	if code := s.post(t, "/v1/completions", req(map[string]any{"logit_bias": map[string]any{"999999999": 1}}), nil); code != 400 {
+		t.Fatalf("logit_bias past the vocabulary: status %d", code)
+	}
+
+	// stop_regex on /generate ends on the token that completes a match;
+	// finish_reason.matched names the pattern.
+	var stopped struct {
+		Text     string `json:"text"`
+		MetaInfo struct {
+			FinishReason struct {
+				Type    string `json:"type"`
+				Matched string `json:"matched"`
+			} `json:"finish_reason"`
+		} `json:"meta_info"`
+	}
+	const pattern = `\S\s+\S`
+	s.post(t, "/generate", map[string]any{"text": prompt, "sampling_params": map[string]any{"max_new_tokens": maxTokens, "temperature": 0,
+		"stop_regex": pattern}}, &stopped)
+	if fr := stopped.MetaInfo.FinishReason; fr.Type != "stop" || fr.Matched != pattern || !strings.HasPrefix(gen.Text, stopped.Text) || len(stopped.Text) >= len(gen.Text) {
+		t.Fatalf("stop_regex %q: %+v, want a stop on %q within %q", pattern, stopped, pattern, gen.Text)
+	}
+	if code := s.post(t, "/generate", map[string]any{"text": prompt, "sampling_params": map[string]any{"stop_regex": "(?<=a)b"}}, nil); code != 400 {
+		t.Fatalf("a lookbehind stop_regex: status %d", code)
 	}
 }
 

@@ -158,6 +158,11 @@ func (c *Core) Add(req Request) error {
 			return fmt.Errorf("stop_token_ids: %d is outside the vocabulary (size %d)", t, c.vocab)
 		}
 	}
+	for _, b := range req.Params.LogitBias {
+		if int(b.Token) >= c.vocab {
+			return fmt.Errorf("logit_bias: token id %d is outside the vocabulary (size %d)", b.Token, c.vocab)
+		}
+	}
 	if req.ReturnRoutedExperts && !c.run.RoutedExpertsEnabled() {
 		return errors.New("return_routed_experts needs a mixture-of-experts model served with --enable-return-routed-experts")
 	}

@@ -70,6 +70,22 @@ func TestFinishRules(t *testing.T) {
 				}
 				return nil
 			}},
+		{"logit_bias bans the greedy token", ioschema.SamplingParams{MaxNewTokens: ptr(1), Temperature: &zero, IgnoreEOS: true,
+			LogitBias: map[string]float64{fmt.Sprint(probe[0]): -100}},
+			func(toks []int32, fr *ioschema.FinishReason) error {
+				if len(toks) != 1 || toks[0] == probe[0] {
+					return fmt.Errorf("%v %+v, want a first token other than %d", toks, fr, probe[0])
+				}
+				return nil
+			}},
+		{"logit_bias forces a token, beside a repetition penalty", ioschema.SamplingParams{MaxNewTokens: ptr(4), Temperature: &zero,
+			IgnoreEOS: true, RepetitionPenalty: ptr(1.5), LogitBias: map[string]float64{"7": 100}},
+			func(toks []int32, fr *ioschema.FinishReason) error {
+				if !slices.Equal(toks, []int32{7, 7, 7, 7}) {
+					return fmt.Errorf("%v %+v, want token 7 throughout", toks, fr)
+				}
+				return nil
+			}},
 		{"length", ioschema.SamplingParams{MaxNewTokens: ptr(3), Temperature: &zero, IgnoreEOS: true},
 			func(toks []int32, fr *ioschema.FinishReason) error {
 				if len(toks) != 3 || fr.Type != "length" || fr.Length != 3 {
@@ -113,9 +129,12 @@ func TestAbortByPrefixAndBadRequests(t *testing.T) {
 	h.generate("too-long", long, 1)
 	h.generate("bad-id", []int32{1, 99999}, 1)
 	h.s.Handle(&ioschema.TokenizedGenerateReqInput{Rid: "bad-params", InputIDs: prompt(1, 3), SamplingParams: ioschema.SamplingParams{TopP: ptr(2.0)}})
+	for rid, bias := range map[string]map[string]float64{"bias-past-vocab": {"99999": 1}, "bias-not-an-id": {"x": 1}} {
+		h.s.Handle(&ioschema.TokenizedGenerateReqInput{Rid: rid, InputIDs: prompt(1, 3), SamplingParams: ioschema.SamplingParams{LogitBias: bias}})
+	}
 	h.drain()
-	if len(h.replies) != 3 {
-		t.Fatalf("%d error replies for 3 bad requests", len(h.replies))
+	if len(h.replies) != 5 {
+		t.Fatalf("%d error replies for 5 bad requests", len(h.replies))
 	}
 	for _, r := range h.replies {
 		if _, isErr := r.(*ioschema.ErrorOutput); !isErr {

@@ -123,7 +123,7 @@ func (c *Core) follow() *flight {
 		next.epochs = append(next.epochs, r.epoch)
 		next.steps = append(next.steps, runner.SeqStep{
 			Tokens: []int32{0}, Start: len(r.slots) - 1, Slots: r.slots, Sample: true,
-			Params: r.sampleParams(), Draw: len(r.output) + r.ahead, Follows: i + 1,
+			Params: r.sampleParams(), Draw: len(r.output) + r.ahead, Follows: i + 1, Adjust: r.biases(),
 		})
 	}
 	graphs := c.run.Stats.GraphSteps
@@ -145,6 +145,17 @@ func (c *Core) follow() *flight {
 	}
 	next.pending = p
 	return next
+}
+
+// biases are r's logit_bias entries alone: what adjust gives a request
+// that blindFollowable allows (no penalties, past min_new_tokens), whose
+// counts then change nothing.
+func (r *request) biases() []runner.LogitAdjust {
+	var out []runner.LogitAdjust
+	for _, b := range r.Params.LogitBias {
+		out = append(out, runner.LogitAdjust{Token: b.Token, Bias: b.Bias})
+	}
+	return out
 }
 
 // blindFollowable reports whether r's next step needs no knowledge of the

@@ -17,8 +17,9 @@ type overlapCase struct {
 }
 
 // overlapWorkload mixes what a blind follow-up step can and cannot carry:
-// seeded sampling, penalties, min_new_tokens with a stop token, top
-// logprobs, one- and two-token outputs, more requests than may run at once.
+// seeded sampling, penalties, logit_bias, min_new_tokens with a stop
+// token, top logprobs, one- and two-token outputs, more requests than may
+// run at once.
 func overlapWorkload(stop int32) []overlapCase {
 	f := func(v float64) *float64 { return &v }
 	seed := func(v uint64) *uint64 { return &v }
@@ -33,6 +34,9 @@ func overlapWorkload(stop int32) []overlapCase {
 		{"two", prompt(8, 9), ioschema.SamplingParams{MaxNewTokens: ptr(2), Temperature: f(1), SamplingSeed: seed(2)}, 0},
 		{"logprobs", prompt(9, 16), ioschema.SamplingParams{MaxNewTokens: ptr(12), Temperature: f(0), IgnoreEOS: true}, 3},
 		{"late", prompt(10, 60), ioschema.SamplingParams{MaxNewTokens: ptr(22), Temperature: f(1), SamplingSeed: seed(11), IgnoreEOS: true}, 0},
+		// logit_bias rides on the blind follow-up steps too.
+		{"bias", prompt(11, 20), ioschema.SamplingParams{MaxNewTokens: ptr(16), Temperature: f(1), SamplingSeed: seed(13), IgnoreEOS: true,
+			LogitBias: map[string]float64{"5": 8, "6": 8, "7": -100}}, 0},
 	}
 	return cases
 }
@@ -109,5 +113,22 @@ func TestOverlapMatchesSequential(t *testing.T) {
 				t.Error("no retraction with a short KV cache")
 			}
 		})
+	}
+}
+
+// TestOverlapKeepsLogitBias: a request whose steps are all blind follow-ups
+// samples with its logit_bias on each, as step-by-step scheduling does.
+func TestOverlapKeepsLogitBias(t *testing.T) {
+	seed := uint64(13)
+	temp := 1.0
+	cases := []overlapCase{{"bias", prompt(11, 20), ioschema.SamplingParams{MaxNewTokens: ptr(16), Temperature: &temp,
+		SamplingSeed: &seed, IgnoreEOS: true, LogitBias: map[string]float64{"5": 30, "7": -100}}, 0}}
+	h, over := runOverlapCase(t, true, 4096, cases, 0, "")
+	if h.s.core.Stats.Overlapped == 0 {
+		t.Fatal("no step was a blind follow-up")
+	}
+	_, seq := runOverlapCase(t, false, 4096, cases, 0, "")
+	if !slices.Equal(over["bias"], seq["bias"]) || slices.ContainsFunc(seq["bias"], func(id int32) bool { return id != 5 }) {
+		t.Fatalf("overlapped %v, step by step %v: want token 5 throughout", over["bias"], seq["bias"])
 	}
 }

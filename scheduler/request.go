@@ -124,35 +124,47 @@ func (r *request) topLogprobs() int {
 	return r.TopLogprobsNum
 }
 
-// adjust builds the logit adjustments for the next sample: penalties and,
-// before min_new_tokens, bans on the tokens that would end the request.
+// adjust builds the logit adjustments for the next sample: penalties,
+// logit_bias and, before min_new_tokens, bans on the tokens that would end
+// the request. A token has one entry, whatever applies to it: the kernel
+// takes a row's entries in parallel, so two for one token would race, and
+// each would apply the penalties again.
 func (r *request) adjust(eos []int32) []runner.LogitAdjust {
 	p := r.Params
 	rep := p.RepetitionPenalty != 1
 	var out []runner.LogitAdjust
+	at := map[int32]int{}
+	entry := func(t int32) *runner.LogitAdjust {
+		i, ok := at[t]
+		if !ok {
+			i = len(out)
+			at[t] = i
+			out = append(out, runner.LogitAdjust{Token: t, Count: r.counts[t]})
+		}
+		return &out[i]
+	}
 	if rep || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
-		seen := map[int32]bool{}
 		if rep {
 			for _, t := range r.InputIDs {
-				if !seen[t] && r.counts[t] == 0 {
-					seen[t] = true
-					out = append(out, runner.LogitAdjust{Token: t})
-				}
+				entry(t)
 			}
 		}
-		for t, c := range r.counts {
-			out = append(out, runner.LogitAdjust{Token: t, Count: c})
+		for t := range r.counts {
+			entry(t)
 		}
+	}
+	for _, b := range p.LogitBias {
+		entry(b.Token).Bias += b.Bias
 	}
 	if len(r.output) < p.MinNewTokens {
 		ban := float32(math.Inf(-1))
 		if !p.IgnoreEOS {
 			for _, t := range eos {
-				out = append(out, runner.LogitAdjust{Token: t, Count: r.counts[t], Bias: ban})
+				entry(t).Bias = ban
 			}
 		}
 		for _, t := range p.StopTokenIDs {
-			out = append(out, runner.LogitAdjust{Token: t, Count: r.counts[t], Bias: ban})
+			entry(t).Bias = ban
 		}
 	}
 	return out

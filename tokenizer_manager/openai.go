@@ -36,6 +36,7 @@ type openAISampling struct {
 	SkipSpecialTokens *bool               `json:"skip_special_tokens"`
 	NoStopTrim        bool                `json:"no_stop_trim"`
 	MinTokens         int                 `json:"min_tokens"`
+	LogitBias         map[string]float64  `json:"logit_bias"`
 	Rid               string              `json:"rid"`
 	RoutedDPRank      *int                `json:"routed_dp_rank"`
 	DataParallelRank  *int                `json:"data_parallel_rank"` // SGLang's deprecated spelling
@@ -70,7 +71,8 @@ func (o *openAISampling) params(defaultMax *int) ioschema.SamplingParams {
 	return ioschema.SamplingParams{MaxNewTokens: max, Temperature: o.Temperature, TopP: o.TopP, TopK: o.TopK, MinP: o.MinP,
 		Stop: o.Stop, StopTokenIDs: o.StopTokenIDs, SamplingSeed: o.Seed, PresencePenalty: o.PresencePenalty,
 		FrequencyPenalty: o.FrequencyPenalty, RepetitionPenalty: o.RepetitionPenalty, IgnoreEOS: o.IgnoreEOS,
-		SkipSpecialTokens: o.SkipSpecialTokens, NoStopTrim: o.NoStopTrim, MinNewTokens: o.MinTokens, N: o.N}
+		SkipSpecialTokens: o.SkipSpecialTokens, NoStopTrim: o.NoStopTrim, MinNewTokens: o.MinTokens, N: o.N,
+		LogitBias: o.LogitBias}
 }
 
 func finishString(fr *ioschema.FinishReason) any {

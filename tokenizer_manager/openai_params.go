@@ -26,7 +26,7 @@ var (
 		"user":                  nil, // an end-user id, for the caller's own accounting
 		"return_routed_experts": nil, // SGLang's routing replay
 		"return_token_ids":      nil, // SGLang's: the prompt's and the output's token ids
-		"logit_bias":            onlyValue("{}", "logit biases are not supported"),
+		"logit_bias":            nil, // token ids (as strings) to biases, checked where the request starts
 	}
 	completionParams = with(samplingParams, map[string]paramRule{
 		"prompt": nil, "logprobs": nil, "echo": nil,

@@ -205,7 +205,6 @@ func TestOpenAIRefusesWhatItCannotHonour(t *testing.T) {
 	}{
 		{"/v1/chat/completions", map[string]any{"response_format": map[string]any{"type": "json_schema", "json_schema": map[string]any{"name": "x"}}}, "response_format"},
 		{"/v1/chat/completions", map[string]any{"response_format": map[string]any{"type": "json_object"}}, "response_format"},
-		{"/v1/chat/completions", map[string]any{"logit_bias": map[string]any{"15": 5}}, "logit_bias"},
 		{"/v1/chat/completions", map[string]any{"tool_choice": "required", "tools": weatherTools}, "tool_choice"},
 		{"/v1/chat/completions", map[string]any{"frobnicate": true}, "frobnicate"},
 		{"/v1/chat/completions", map[string]any{"n": 0}, "n must be at least 1"},

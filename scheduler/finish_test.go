@@ -1,10 +1,13 @@
 package scheduler
 
 import (
+	"maps"
+	"math"
 	"strings"
 	"testing"
 
 	"ebb/ioschema"
+	"ebb/runner"
 	"ebb/tokenizer"
 )
 
@@ -58,5 +61,36 @@ func TestStopRegex(t *testing.T) {
 				t.Fatalf("stopped at %q, want it to end %q", got, c.endsWith)
 			}
 		})
+	}
+}
+
+// TestAdjustOneEntryAToken: penalties, logit_bias and the bans before
+// min_new_tokens meet in one entry a token (the penalty kernel takes a
+// row's entries in parallel: two for a token raced, and a ban could be
+// overwritten by the penalty of the same token).
+func TestAdjustOneEntryAToken(t *testing.T) {
+	const eos = 9
+	sp := ioschema.SamplingParams{RepetitionPenalty: ptr(1.3), PresencePenalty: 0.5, MinNewTokens: 5,
+		StopTokenIDs: []int32{4}, LogitBias: map[string]float64{"3": 2, "9": 7, "11": -1}}
+	params, err := sp.Resolve(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &request{Request: Request{Params: params, InputIDs: []int32{eos, 3, 3, 5}},
+		output: []int32{3, 4}, counts: map[int32]int32{3: 1, 4: 1}}
+	got := map[int32]runner.LogitAdjust{}
+	for _, a := range r.adjust([]int32{eos}) {
+		if _, dup := got[a.Token]; dup {
+			t.Fatalf("token %d has two entries", a.Token)
+		}
+		got[a.Token] = a
+	}
+	inf := float32(math.Inf(-1))
+	want := map[int32]runner.LogitAdjust{
+		3: {Token: 3, Count: 1, Bias: 2}, 4: {Token: 4, Count: 1, Bias: inf}, 5: {Token: 5},
+		eos: {Token: eos, Bias: inf}, 11: {Token: 11, Bias: -1},
+	}
+	if !maps.Equal(got, want) {
+		t.Fatalf("adjust: %v, want %v", got, want)
 	}
 }
