@@ -61,7 +61,7 @@ type Resolved struct {
 	StopTokenIDs      []int32
 	StopRegex         []StopRegex
 	LogitBias         []TokenBias // by token id; the scheduler checks the ids against the vocabulary
-	StopRegexLen      int // the most characters a stop_regex match spans; -1: unbounded
+	StopRegexLen      int         // the most characters a stop_regex match spans; -1: unbounded
 	Temperature       float32
 	TopP              float32
 	TopK              int
