@@ -60,8 +60,8 @@ type Resolved struct {
 	Stop              []string
 	StopTokenIDs      []int32
 	StopRegex         []StopRegex
-	LogitBias         []TokenBias // by token id; the scheduler checks the ids against the vocabulary
 	StopRegexLen      int         // the most characters a stop_regex match spans; -1: unbounded
+	LogitBias         []TokenBias // by token id; the scheduler checks the ids against the vocabulary
 	Temperature       float32
 	TopP              float32
 	TopK              int
