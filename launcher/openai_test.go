@@ -166,6 +166,11 @@ func TestOpenAICompletions(t *testing.T) {
 	if code := s.post(t, "/generate", map[string]any{"text": prompt, "sampling_params": map[string]any{"stop_regex": "(?<=a)b"}}, nil); code != 400 {
 		t.Fatalf("a lookbehind stop_regex: status %d", code)
 	}
+	var regexStop completionResponse
+	s.post(t, "/v1/completions", req(map[string]any{"stop_regex": []string{pattern}}), &regexStop)
+	if len(regexStop.Choices) != 1 || regexStop.Choices[0].FinishReason != "stop" || regexStop.Choices[0].Text != stopped.Text {
+		t.Fatalf("stop_regex on /v1/completions: %+v, want %q", regexStop, stopped.Text)
+	}
 }
 
 // TestOpenAIChat: streamed chat deltas add up to the non-streamed message,

@@ -28,6 +28,7 @@ type openAISampling struct {
 	} `json:"stream_options"`
 	Stop              ioschema.StringList `json:"stop"`
 	StopTokenIDs      []int32             `json:"stop_token_ids"`
+	StopRegex         ioschema.StringList `json:"stop_regex"` // SGLang's extension
 	Seed              *uint64             `json:"seed"`
 	PresencePenalty   float64             `json:"presence_penalty"`
 	FrequencyPenalty  float64             `json:"frequency_penalty"`
@@ -72,7 +73,7 @@ func (o *openAISampling) params(defaultMax *int) ioschema.SamplingParams {
 		Stop: o.Stop, StopTokenIDs: o.StopTokenIDs, SamplingSeed: o.Seed, PresencePenalty: o.PresencePenalty,
 		FrequencyPenalty: o.FrequencyPenalty, RepetitionPenalty: o.RepetitionPenalty, IgnoreEOS: o.IgnoreEOS,
 		SkipSpecialTokens: o.SkipSpecialTokens, NoStopTrim: o.NoStopTrim, MinNewTokens: o.MinTokens, N: o.N,
-		LogitBias: o.LogitBias}
+		LogitBias: o.LogitBias, StopRegex: o.StopRegex}
 }
 
 func finishString(fr *ioschema.FinishReason) any {

@@ -19,7 +19,7 @@ type paramRule func(v json.RawMessage) error
 var (
 	samplingParams = map[string]paramRule{
 		"model": nil, "max_tokens": nil, "temperature": nil, "top_p": nil, "top_k": nil, "min_p": nil, "n": nil,
-		"stream": nil, "stream_options": nil, "stop": nil, "stop_token_ids": nil, "seed": nil,
+		"stream": nil, "stream_options": nil, "stop": nil, "stop_token_ids": nil, "stop_regex": nil, "seed": nil,
 		"presence_penalty": nil, "frequency_penalty": nil, "repetition_penalty": nil, "ignore_eos": nil,
 		"skip_special_tokens": nil, "no_stop_trim": nil, "min_tokens": nil, "rid": nil,
 		"routed_dp_rank": nil, "data_parallel_rank": nil, // checked against the engines where the request starts
