@@ -133,10 +133,13 @@ func (r *request) adjust(eos []int32) []runner.LogitAdjust {
 	p := r.Params
 	rep := p.RepetitionPenalty != 1
 	var out []runner.LogitAdjust
-	at := map[int32]int{}
+	var at map[int32]int // made on the first entry: most steps of most requests have none
 	entry := func(t int32) *runner.LogitAdjust {
 		i, ok := at[t]
 		if !ok {
+			if at == nil {
+				at = map[int32]int{}
+			}
 			i = len(out)
 			at[t] = i
 			out = append(out, runner.LogitAdjust{Token: t, Count: r.counts[t]})
