@@ -37,6 +37,8 @@ type Device struct {
 	samplePart    device.Tensor  // per-slice row reductions for sampling
 	rowSquares    device.Tensor  // MatMulAdd's per-block sums of squares, for RMSNormMatMul
 	pendingNorm   pendingNorm    // what the last MatMulAdd left in rowSquares
+	routeSort     device.Tensor  // moe_add_norm_route's grouping of the pairs by expert and its counts, zero between launches (routeSortLayout)
+	routeSorted   routeSorted    // what the last moe_add_norm_route grouped there, for the experts after it
 	pinned        []*pinned      // host staging buffers handed out by AllocPinned
 	savedStack    int64          // stack limit to restore on resume (0: not shrunk)
 	prefillShared int            // dynamic shared memory the prefill kernel is allowed
@@ -70,6 +72,7 @@ type Device struct {
 	moeWG         bool           // moe_wg takes the grouped products where it can (EBB_MOE_WG=0: moe_gemm)
 	moeSortedFrom int            // moe_wg's smallest row tile whose gate and up read x's rows sorted first (EBB_MOE_SORTED_FROM)
 	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
+	noRouteSort   bool           // moe_add_norm_route leaves the grouping by expert to moe_sort (EBB_MOE_ROUTE_SORT=0)
 	moeFirstTiles int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
 	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
 	normRouteRows int            // the most tokens moe_add_norm_route takes (EBB_MOE_NORM_ROUTE_ROWS)
@@ -223,6 +226,10 @@ func (d *Device) init() error {
 		return err
 	}
 	d.fail(d.ctx.MemsetD32(d.counters.Ptr, 0, 1<<16))
+	if d.routeSort, err = d.Alloc(memory.CUDAGraph, device.I32, routeSortInts); err != nil {
+		return err
+	}
+	d.fail(d.ctx.MemsetD32(d.routeSort.Ptr, 0, routeSortInts))
 	if d.samplePart, err = d.Alloc(memory.CUDAGraph, device.F32, 1<<18); err != nil {
 		return err
 	}
@@ -256,6 +263,7 @@ func (d *Device) init() error {
 	}
 	d.moeGemvTokens = moeGemvTokens
 	d.noMoEFold = os.Getenv("EBB_MOE_FOLD") == "0"
+	d.noRouteSort = os.Getenv("EBB_MOE_ROUTE_SORT") == "0"
 	d.moeFirstTiles = moeFirstTilesFrom
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_FIRST_TILES")); err == nil {
 		d.moeFirstTiles = n
@@ -631,8 +639,8 @@ func (d *Device) AfterRelease(tags []memory.Tag) error {
 }
 
 // AfterResume implements device.ResumeHook: the stack reservation comes
-// back, and the split-KV merge counters (mapped again with undefined
-// contents) start at zero.
+// back, and the split-KV merge counters and moe_add_norm_route's counts
+// (mapped again with undefined contents) start at zero.
 func (d *Device) AfterResume(tags []memory.Tag) error {
 	if !slices.Contains(tags, memory.CUDAGraph) {
 		return nil
@@ -647,6 +655,9 @@ func (d *Device) AfterResume(tags []memory.Tag) error {
 		if err := d.peers.resume(); err != nil {
 			return fmt.Errorf("tensor-parallel all-reduce memory: %w", err)
 		}
+	}
+	if err := d.ctx.MemsetD32(d.routeSort.Ptr, 0, int64(d.routeSort.Numel())); err != nil {
+		return err
 	}
 	return d.ctx.MemsetD32(d.counters.Ptr, 0, int64(d.counters.Numel()))
 }

@@ -34,6 +34,7 @@ const (
 // MoERoute implements device.MoE.
 func (d *Device) MoERoute(ids, weights, logits device.Tensor, norm bool) {
 	t, e, k := logits.Dim(0), logits.Dim(-1), ids.Dim(-1)
+	d.routeSorted = routeSorted{} // ids are routed again
 	if d.err != nil {
 		return
 	}
@@ -92,29 +93,71 @@ func (d *Device) MoEExperts(out, x, ids, weights, gateUp, down, work device.Tens
 		d.moeExpertsGemv(out.Ptr, out.DType == device.F32, 0, x, ids, weights, gateUp, down, w)
 		return
 	}
-	d.moeProducts(x, ids, gateUp, down, w)
+	w = d.moeProducts(x, ids, gateUp, down, w)
 	d.launch("moe_combine", D1(t), D1(256), 0, P(out.Ptr), I(boolInt(out.DType == device.F32)), P(w.y), P(w.inv),
 		P(ids.Ptr), P(weights.Ptr), I(k), I(h))
 }
 
-// moeProducts groups the pairs by expert (moe_sort) and runs the grouped
-// gate_up and down products into w.y, in sorted order, for a combine.
-func (d *Device) moeProducts(x, ids, gateUp, down device.Tensor, w moeWork) {
+// moeProducts groups the pairs by expert and runs the grouped gate_up and
+// down products into w.y, in sorted order, for a combine. It returns w
+// with the grouping it used (sortPairs).
+func (d *Device) moeProducts(x, ids, gateUp, down device.Tensor, w moeWork) moeWork {
 	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
 	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
 	p := t * k
 	if bn := d.moeWGTile(p, e, inter, h); bn > 0 {
+		w = d.sortPairs(w, ids, e, bn)
 		d.moeExpertsWG(x, ids, gateUp, down, w, bn)
-		return
+		return w
 	}
 	gemm, bm := d.moeTiles(p, e)
-	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bm))
+	w = d.sortPairs(w, ids, e, bm)
 	// Row tiles: at most one partial tile per expert that has rows.
 	rowTiles := (p+bm-1)/bm + min(e, p)
 	d.launch(gemm, Dim3{X: uint32((inter + moeBN/2 - 1) / (moeBN / 2)), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
 		P(w.act), P(x.Ptr), P(w.order), I(k), P(gateUp.Ptr), P(w.offsets), P(w.tiles), I(e), I(2*inter), I(h), I(1))
 	d.launch(gemm, Dim3{X: uint32((h + moeBN - 1) / moeBN), Y: uint32(rowTiles), Z: 1}, D1(128), 0,
 		P(w.y), P(w.act), P(0), I(k), P(down.Ptr), P(w.offsets), P(w.tiles), I(e), I(h), I(inter), I(0))
+	return w
+}
+
+// sortPairs groups the pairs of ids by expert for row tiles of bm: where
+// the moe_add_norm_route before it grouped these ids for bm, w takes that
+// grouping (routeSort's), else moe_sort writes w's. Either way the
+// grouping is used once.
+func (d *Device) sortPairs(w moeWork, ids device.Tensor, e, bm int) moeWork {
+	p, s := ids.Numel(), d.routeSorted
+	d.routeSorted = routeSorted{}
+	if s.ids == ids.Ptr && s.pairs == p && s.experts == e && s.rows == bm {
+		l := routeSortAt(d.routeSort.Ptr)
+		w.order, w.inv, w.offsets, w.tiles = l.order, l.inv, l.offsets, l.tiles
+		return w
+	}
+	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bm))
+	return w
+}
+
+// routeSorted is what a moe_add_norm_route grouped in routeSort: the pairs
+// of ids (pairs of them over experts) for row tiles of rows.
+type routeSorted struct {
+	ids                  uintptr
+	pairs, experts, rows int
+}
+
+// routeSort's int32s: the experts' counts and the clusters' ticket
+// (MOE_MAX_EXPERTS + 1), offsets and tiles (each experts + 1), then order
+// and inv for the most pairs moe_add_norm_route takes.
+const (
+	routeSortMaxPairs = moeNormRouteMaxRows * moeMaxTopK
+	routeSortInts     = 3*512 + 2*routeSortMaxPairs
+)
+
+// routeSortAt lays routeSort out from base.
+func routeSortAt(base uintptr) (l struct{ counts, offsets, tiles, order, inv uintptr }) {
+	l.counts, l.offsets, l.tiles = base, base+4*512, base+4*1024
+	l.order = base + 4*1536
+	l.inv = l.order + 4*routeSortMaxPairs
+	return l
 }
 
 // moeCombineNormMaxHidden is the widest row moe_combine_add_rmsnorm takes:
@@ -135,7 +178,7 @@ func (d *Device) MoEExpertsAddRMSNorm(residual, x, normW, ids, weights, gateUp, 
 		return false
 	}
 	w, _ := moeLayout(work.Ptr, t, k, e, inter, h)
-	d.moeProducts(x, ids, gateUp, down, w)
+	w = d.moeProducts(x, ids, gateUp, down, w)
 	d.launch("moe_combine_add_rmsnorm", D1(t), D1(normThreads(h)), 0, P(residual.Ptr), P(x.Ptr), P(normW.Ptr), F(eps),
 		P(w.y), P(w.inv), P(ids.Ptr), P(weights.Ptr), I(k), I(h))
 	return true
@@ -220,6 +263,7 @@ const (
 // ncu a layer: o_proj 14.5 -> 8.6 us, router and routing 3.2 + 4.6 ->
 // 7.5 us, add_rmsnorm's 3.2 us gone. More tokens: moeAddNormRoute.
 func (d *Device) MatMulAddMoERoute(in, w, residual, x, normW, router, ids, weights device.Tensor, eps float32, norm bool) bool {
+	d.routeSorted = routeSorted{} // ids are routed again
 	t, h, e, k := residual.Dim(0), residual.Dim(-1), router.Dim(0), ids.Dim(-1)
 	if d.det || d.noMoEFold || d.ctx.CCMajor < 9 || h%8 != 0 || h > moeRouteMaxHidden || router.Dim(-1) != h ||
 		e > moeMaxExperts || k > moeMaxTopK || k > e || ids.Numel() != t*k || weights.Numel() != t*k ||
@@ -308,11 +352,36 @@ func (d *Device) moeAddNormRoute(in, w, residual, x, normW, router, ids, weights
 	d.MatMul(x, in, w, device.Tensor{})
 	d.pendingNorm = pendingNorm{}
 	tok, name := moeNormRouteTokens(t, d.routeEights)
+	l, sorted := routeSortAt(d.routeSort.Ptr), d.routeSortFor(t, k, e)
+	if sorted.rows == 0 {
+		l.counts = 0
+	}
 	d.launchCluster(name, Dim3{X: uint32((t + tok - 1) / tok), Y: 1, Z: moeNormRouteRanks},
 		D1(32*moeNormRouteWarps), moeNormRouteShared(tok, h), moeNormRouteRanks, nil,
 		P(ids.Ptr), P(weights.Ptr), P(x.Ptr), P(residual.Ptr), P(normW.Ptr), F(eps), P(router.Ptr), I(t), I(e), I(h), I(k),
-		I(boolInt(norm)))
+		I(boolInt(norm)), P(l.order), P(l.inv), P(l.offsets), P(l.tiles), P(l.counts), I(sorted.rows))
+	if sorted.rows > 0 {
+		sorted.ids = ids.Ptr
+		d.routeSorted = sorted
+	}
 	return true
+}
+
+// routeSortFor is how moe_add_norm_route groups the pairs of t tokens, k
+// each, over e experts (rows 0: it does not, and moe_sort will): for the
+// row tiles of the grouped products after it, unless the pair gemv takes
+// them (it reads ids itself) or EBB_MOE_ROUTE_SORT=0. It takes the place of
+// moe_sort's launch, one block on one SM with its own chain of round trips
+// between the routing and the experts.
+func (d *Device) routeSortFor(t, k, e int) routeSorted {
+	if d.noRouteSort || t <= d.moeGemvTokens || t*k > routeSortMaxPairs || e > moeMaxExperts {
+		return routeSorted{}
+	}
+	rows := moeWGRowTile(t*k, e)
+	if !d.wgmma || !d.moeWG {
+		_, rows = d.moeTiles(t*k, e)
+	}
+	return routeSorted{pairs: t * k, experts: e, rows: rows}
 }
 
 // MoEExpertsAdd implements device.MoEFused for one token: the pair gemv,
@@ -395,6 +464,12 @@ func (d *Device) moeWGTile(p, e, inter, hidden int) int {
 	if !d.wgmma || !d.moeWG || d.det || inter%matMulWGBK != 0 || hidden%matMulWGBK != 0 {
 		return 0
 	}
+	return moeWGRowTile(p, e)
+}
+
+// moeWGRowTile is moe_wg's row tile for p pairs over e experts where it
+// takes them.
+func moeWGRowTile(p, e int) int {
 	avg := (p + min(p, e) - 1) / min(p, e)
 	for _, bn := range moeWGRows {
 		if avg <= bn {
@@ -426,12 +501,12 @@ const moeSortedFrom = 64
 // below 0 never.
 const moeFirstTilesFrom = 4
 
-// moeExpertsWG is moeProducts on moe_wg with row tiles of bn.
+// moeExpertsWG is moeProducts on moe_wg with row tiles of bn, the pairs
+// grouped in w.
 func (d *Device) moeExpertsWG(x, ids, gateUp, down device.Tensor, w moeWork, bn int) {
 	t, h, k := x.Dim(0), x.Dim(-1), ids.Dim(-1)
 	e, inter := gateUp.Dim(0), gateUp.Dim(1)/2
 	p := t * k
-	d.launch("moe_sort", D1(1), D1(1024), 0, P(w.order), P(w.inv), P(w.offsets), P(w.tiles), P(ids.Ptr), I(p), I(e), I(bn))
 	rowTiles := (p+bn-1)/bn + min(e, p) // at most one partial tile per expert that has rows
 	name, shared := fmt.Sprintf("moe_wg_n%d", bn), d.moeWGShared(bn)
 	wgrid := func(n int) Dim3 {

@@ -645,3 +645,108 @@ func TestMoEExpertsAddRMSNormSameBits(t *testing.T) {
 		t.Fatal("two tokens: taken")
 	}
 }
+
+// TestRouteSortedExperts: moe_add_norm_route's grouping of the pairs by
+// expert (its last cluster's, in place of moe_sort) is a grouping of the
+// ids it wrote, with moe_sort's offsets and tiles, its counts back at zero,
+// and the experts after it give the same bits as with moe_sort
+// (EBB_MOE_ROUTE_SORT=0). The pair gemv's few tokens are not grouped.
+func TestRouteSortedExperts(t *testing.T) {
+	p := newPair(t)
+	if p.gpu.ctx.CCMajor < 9 {
+		t.Skip("moe_add_norm_route needs thread block clusters (sm_90)")
+	}
+	defer func(n int, off bool) { p.gpu.normRouteRows, p.gpu.noRouteSort = n, off }(p.gpu.normRouteRows, p.gpu.noRouteSort)
+	p.gpu.normRouteRows = moeNormRouteMaxRows
+	for _, c := range []struct{ rows, hidden, experts, k, inter int }{
+		{256, 1024, 128, 8, 256}, {512, 1024, 128, 8, 128}, {19, 1024, 256, 16, 128}, {33, 512, 130, 8, 64},
+		{5, 256, 16, 2, 64}, {moeGemvTokens, 512, 128, 8, 64},
+	} {
+		name := fmt.Sprintf("%d tokens, %d experts, top %d", c.rows, c.experts, c.k)
+		in := p.random(device.BF16, 1, c.rows, 256)
+		wo := p.random(device.BF16, 1/16., c.hidden, 256)
+		res := p.random(device.BF16, 2, c.rows, c.hidden)
+		normW := p.random(device.BF16, 0.5, c.hidden)
+		router := p.random(device.BF16, float32(4/math.Sqrt(float64(c.hidden))), c.experts, c.hidden)
+		gateUp := p.random(device.BF16, float32(1/math.Sqrt(float64(c.hidden))), c.experts, 2*c.inter, c.hidden)
+		down := p.random(device.BF16, float32(1/math.Sqrt(float64(c.inter))), c.experts, c.hidden, c.inter)
+		work, err := p.gpu.Alloc(memory.Workspace, device.I32, int(p.gpu.MoEWorkBytes(c.rows, c.k, c.experts, c.inter, c.hidden)/4)+1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var outs [2][2][]uint16
+		for i, off := range []bool{true, false} {
+			p.gpu.noRouteSort = off
+			r, x := p.clone(device.BF16, res), p.random(device.BF16, 0, c.rows, c.hidden)
+			ids := p.ints(make([]int32, c.rows*c.k), c.rows, c.k)
+			w := p.random(device.F32, 0, c.rows, c.k)
+			if !p.gpu.MatMulAddMoERoute(in.g, wo.g, r.g, x.g, normW.g, router.g, ids.g, w.g, 1e-6, true) {
+				t.Fatalf("%s: routing not taken", name)
+			}
+			sorted := p.gpu.routeSorted
+			if want := !off && c.rows > moeGemvTokens; (sorted.rows > 0) != want {
+				t.Fatalf("%s, route sort %v: grouped %+v", name, !off, sorted)
+			}
+			if sorted.rows > 0 {
+				p.checkRouteSorted(name, ids.g, c.experts, sorted.rows)
+			}
+			if !p.gpu.MoEExpertsAddRMSNorm(r.g, x.g, normW.g, ids.g, w.g, gateUp.g, down.g, work, 1e-6) &&
+				c.rows > moeGemvTokens {
+				t.Fatalf("%s: experts not taken", name)
+			}
+			if p.gpu.routeSorted != (routeSorted{}) {
+				t.Fatalf("%s: the grouping outlived the experts that used it", name)
+			}
+			outs[i] = [2][]uint16{p.bits(r.g), p.bits(x.g)}
+			p.free(r, x, ids, w)
+		}
+		if !slices.Equal(outs[0][0], outs[1][0]) || !slices.Equal(outs[0][1], outs[1][1]) {
+			t.Fatalf("%s: other bits with the routing's grouping than with moe_sort's", name)
+		}
+		p.gpu.Free(memory.Workspace, work)
+		p.free(in, wo, res, normW, router, gateUp, down)
+	}
+}
+
+// checkRouteSorted checks routeSort against the ids it grouped for row
+// tiles of bm: offsets and tiles as moe_sort forms them, order and inv
+// inverse permutations that put each pair among its expert's, and the
+// counts and ticket zero again.
+func (p *pair) checkRouteSorted(name string, ids device.Tensor, experts, bm int) {
+	p.t.Helper()
+	p.sync()
+	n := ids.Numel()
+	got, idv := make([]int32, p.gpu.routeSort.Numel()), make([]int32, n)
+	if err := errors.Join(p.gpu.DownloadI32(p.gpu.routeSort, got), p.gpu.DownloadI32(ids, idv)); err != nil {
+		p.t.Fatal(err)
+	}
+	l := routeSortAt(0)
+	at := func(ptr uintptr, i int) int32 { return got[int(ptr)/4+i] }
+	rows := make([]int32, experts)
+	for _, e := range idv {
+		rows[e]++
+	}
+	var off, tile int32
+	for e := 0; e <= experts; e++ {
+		if at(l.offsets, e) != off || at(l.tiles, e) != tile {
+			p.t.Fatalf("%s: expert %d: offset %d, tile %d, want %d, %d", name, e, at(l.offsets, e), at(l.tiles, e), off, tile)
+		}
+		if e < experts {
+			off, tile = off+rows[e], tile+(rows[e]+int32(bm)-1)/int32(bm)
+		}
+	}
+	for i := range n {
+		pr := at(l.order, i)
+		if pr < 0 || int(pr) >= n || at(l.inv, int(pr)) != int32(i) {
+			p.t.Fatalf("%s: order[%d] = %d is not inv's inverse", name, i, pr)
+		}
+		if e := idv[pr]; int32(i) < at(l.offsets, int(e)) || int32(i) >= at(l.offsets, int(e)+1) {
+			p.t.Fatalf("%s: pair %d of expert %d at %d, outside its rows", name, pr, e, i)
+		}
+	}
+	for i := 0; i <= moeMaxExperts; i++ {
+		if at(l.counts, i) != 0 {
+			p.t.Fatalf("%s: count %d left at %d", name, i, at(l.counts, i))
+		}
+	}
+}

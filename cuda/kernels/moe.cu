@@ -4,7 +4,9 @@
 // moe_route picks each token's experts; moe_sort lists the (token, choice)
 // pairs grouped by expert, in pair order within an expert, so that every
 // run, whatever else is in the batch, puts a pair through the same
-// operations; moe_gemm runs each expert's products over its rows only
+// operations (outside deterministic inference, decode steps of 5 to 512
+// tokens are grouped by moe_add_norm_route instead, in no fixed order
+// within an expert, which moe_wg's products do not see); moe_gemm runs each expert's products over its rows only
 // (the gate and up products with silu in one pass, then down), and
 // moe_combine adds each token's k results in ascending expert order,
 // rounded as transformers' index_add_ rounds them.
@@ -28,7 +30,12 @@
 // picks in a row: a decode step of the 30B-A3B shape, H200, batch 1 2.893
 // -> 2.880 ms (-0.45 %), batch 256 18.921 -> 18.838 (-0.44 %), the same
 // tokens.
-__device__ __forceinline__ void moe_route_row(float v[8], int *ids, float *weights, int E, int k, int norm) {
+//
+// With counts set, lane j < k also takes pair j's place among its expert's
+// pairs (an atomic on counts[expert]) into ranks[j], all k at once: the
+// grouping moe_add_norm_route's last cluster completes (moe_route_sorted).
+__device__ __forceinline__ void moe_route_row(float v[8], int *ids, float *weights, int E, int k, int norm,
+                                              int *counts = nullptr, int *ranks = nullptr) {
 	const int lane = threadIdx.x & 31;
 	float m = -EBB_INF;
 #pragma unroll
@@ -86,6 +93,46 @@ __device__ __forceinline__ void moe_route_row(float v[8], int *ids, float *weigh
 			weights[j] = rbf(norm ? picked[j] / sum : picked[j]);
 		}
 	}
+	if (counts) {
+		int mine = 0;
+		for (int j = 0; j < k; j++)
+			if (lane == j) mine = chosen[j];
+		if (lane < k) ranks[lane] = atomicAdd(counts + mine, 1);
+	}
+}
+
+// moe_expert_starts: thread e < E of the block (blockDim.x >= E, whole
+// warps) holds expert e's rows; it writes offsets[e] (its first sorted
+// position), tiles[e] (its first bm-row tile) and base[e] (shared), and
+// offsets[E], tiles[E] the totals, by an exclusive scan over the threads,
+// warp by warp. Every thread calls it; base is complete on return.
+__device__ __forceinline__ void moe_expert_starts(int rows, int E, int bm, int *offsets, int *tiles, int *base) {
+	__shared__ int scan_rows[32], scan_tiles[32];
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	int r = rows, t = (rows + bm - 1) / bm;
+	for (int o = 1; o < 32; o <<= 1) {
+		const int ar = __shfl_up_sync(0xffffffffu, r, o), at = __shfl_up_sync(0xffffffffu, t, o);
+		if (lane >= o) r += ar, t += at;
+	}
+	if (lane == 31) scan_rows[warp] = r, scan_tiles[warp] = t;
+	__syncthreads();
+	if (warp == 0) {
+		const bool in = lane < (int)(blockDim.x >> 5);
+		int wr = in ? scan_rows[lane] : 0, wt = in ? scan_tiles[lane] : 0;
+		for (int o = 1; o < 32; o <<= 1) {
+			const int ar = __shfl_up_sync(0xffffffffu, wr, o), at = __shfl_up_sync(0xffffffffu, wt, o);
+			if (lane >= o) wr += ar, wt += at;
+		}
+		if (in) scan_rows[lane] = wr, scan_tiles[lane] = wt;
+	}
+	__syncthreads();
+	if (warp > 0) r += scan_rows[warp - 1], t += scan_tiles[warp - 1];
+	if (threadIdx.x < E) {
+		const int first = r - rows;
+		base[threadIdx.x] = first, offsets[threadIdx.x] = first, tiles[threadIdx.x] = t - (rows + bm - 1) / bm;
+		if (threadIdx.x == E - 1) offsets[E] = r, tiles[E] = t;
+	}
+	__syncthreads();
 }
 
 // moe_route: one warp a row of router logits [T, E] (E <= 256), picked by
@@ -246,10 +293,47 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
 #define MOE_NR_CHUNKS 2  // moeNormRouteHidden / 8 / 256: a thread's chunks of a row
 #define MOE_NR_TILES ((MOE_MAX_EXPERTS / 16 + MOE_NR_RANKS - 1) / MOE_NR_RANKS)
 
+// MoeRouteSort: where moe_add_norm_route also groups the step's pairs by
+// expert (counts null: it does not), as moe_sort would for row tiles of
+// bm: order, inv, offsets and tiles as moe_sort's, counts the experts'
+// running counts and, at MOE_MAX_EXPERTS, the clusters done, zero between
+// launches (the last cluster resets them).
+struct MoeRouteSort {
+	int *order, *inv, *offsets, *tiles, *counts;
+	int bm;
+};
+
+// moe_route_sorted: block 0 of each cluster, once its tokens' pairs have
+// their ranks within their experts (in inv), counts itself done; the last
+// turns the counts into offsets and tiles and places every pair: order[at]
+// = p, inv[p] = at, at = its expert's offset + its rank. A pair's rank is
+// the order its atomic came in, so within an expert the pairs are in no
+// fixed order, unlike moe_sort's; no product depends on it (a row of
+// moe_wg's tile is its own column of the MMA, and moe_combine finds a
+// token's k results through inv in choice order), so the bits do not.
+// In place of moe_sort's launch, one block on one SM with its own chain of
+// round trips, after the routing.
+__device__ __forceinline__ void moe_route_sorted(const MoeRouteSort &srt, const int *ids, int P, int E) {
+	__shared__ int last, base[MOE_MAX_EXPERTS];
+	__threadfence(); // this block's ranks and ids before its ticket
+	__syncthreads();
+	if (threadIdx.x == 0) last = atomicAdd(srt.counts + MOE_MAX_EXPERTS, 1) == (int)gridDim.x - 1;
+	__syncthreads();
+	if (!last) return;
+	__threadfence(); // every other cluster's, after their tickets
+	const int rows = threadIdx.x < E ? atomicExch(srt.counts + threadIdx.x, 0) : 0;
+	if (threadIdx.x == 0) srt.counts[MOE_MAX_EXPERTS] = 0;
+	moe_expert_starts(rows, E, srt.bm, srt.offsets, srt.tiles, base);
+	for (int p = threadIdx.x; p < P; p += blockDim.x) {
+		const int e = min(max(__ldcg(ids + p), 0), E - 1), at = base[e] + __ldcg(srt.inv + p);
+		srt.order[at] = p, srt.inv[p] = at;
+	}
+}
+
 template <int TOK>
 __device__ __forceinline__ void moe_add_norm_route_impl(int *ids, float *weights, bf16 *x, bf16 *residual,
                                                         const bf16 *norm_w, float eps, const bf16 *router, int T,
-                                                        int E, int H, int k, int norm) {
+                                                        int E, int H, int k, int norm, MoeRouteSort srt) {
 #if __CUDA_ARCH__ >= 900
 	constexpr int OWN = TOK / MOE_NR_RANKS, GROUP = OWN / 2, NT = TOK / 8;
 	// Dynamic shared memory (moeNormRouteShared): the slices' sums, block
@@ -398,24 +482,32 @@ __device__ __forceinline__ void moe_add_norm_route_impl(int *ids, float *weights
 	}
 	cluster_sync();
 	const int valid = (int)min((long long)TOK, T - t0);
-	if (rank != 0 || warp >= valid) return;
-	float v[8];
+	if (rank != 0) return;
+	if (warp < valid) {
+		float v[8];
 #pragma unroll
-	for (int i = 0; i < 8; i++) v[i] = lane + 32 * i < E ? logits[warp][lane + 32 * i] : -EBB_INF;
-	moe_route_row(v, ids + (t0 + warp) * k, weights + (t0 + warp) * k, E, k, norm);
+		for (int i = 0; i < 8; i++) v[i] = lane + 32 * i < E ? logits[warp][lane + 32 * i] : -EBB_INF;
+		const long long at = (t0 + warp) * k;
+		moe_route_row(v, ids + at, weights + at, E, k, norm, srt.counts, srt.counts ? srt.inv + at : nullptr);
+	}
+	if (srt.counts) moe_route_sorted(srt, ids, T * k, E);
 #endif
 }
 
 // moe_add_norm_route: eight tokens a cluster; moe_add_norm_route16: sixteen.
 extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 1)
     moe_add_norm_route(int *ids, float *weights, bf16 *x, bf16 *residual, const bf16 *norm_w, float eps,
-                       const bf16 *router, int T, int E, int H, int k, int norm) {
-	moe_add_norm_route_impl<8>(ids, weights, x, residual, norm_w, eps, router, T, E, H, k, norm);
+                       const bf16 *router, int T, int E, int H, int k, int norm, int *order, int *inv,
+                       int *offsets, int *tiles, int *counts, int bm) {
+	moe_add_norm_route_impl<8>(ids, weights, x, residual, norm_w, eps, router, T, E, H, k, norm,
+	                              MoeRouteSort{order, inv, offsets, tiles, counts, bm});
 }
 extern "C" __global__ void __launch_bounds__(MOE_NR_WARPS * 32, 1)
     moe_add_norm_route16(int *ids, float *weights, bf16 *x, bf16 *residual, const bf16 *norm_w, float eps,
-                         const bf16 *router, int T, int E, int H, int k, int norm) {
-	moe_add_norm_route_impl<16>(ids, weights, x, residual, norm_w, eps, router, T, E, H, k, norm);
+                         const bf16 *router, int T, int E, int H, int k, int norm, int *order, int *inv,
+                         int *offsets, int *tiles, int *counts, int bm) {
+	moe_add_norm_route_impl<16>(ids, weights, x, residual, norm_w, eps, router, T, E, H, k, norm,
+	                              MoeRouteSort{order, inv, offsets, tiles, counts, bm});
 }
 
 // moe_sort (one block of 1024 threads) lists the P = T*k pairs grouped by
@@ -447,7 +539,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(int *order, int *inv
                                                             const int *ids, int P, int E, int bm) {
 	__shared__ int start[32][MOE_MAX_EXPERTS]; // a warp's count, then its start within the expert
 	__shared__ int base[MOE_MAX_EXPERTS];
-	__shared__ int scan_rows[32], scan_tiles[32];
 	__shared__ unsigned char cache[MOE_SORT_CACHE];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) start[i / E][i % E] = 0;
@@ -489,31 +580,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(int *order, int *inv
 			start[w][threadIdx.x] = rows;
 			rows += c;
 		}
-	// The experts' offsets and first tiles: an exclusive scan over the
-	// threads, warp by warp.
-	int r = rows, t = (rows + bm - 1) / bm;
-	for (int o = 1; o < 32; o <<= 1) {
-		const int ar = __shfl_up_sync(0xffffffffu, r, o), at = __shfl_up_sync(0xffffffffu, t, o);
-		if (lane >= o) r += ar, t += at;
-	}
-	if (lane == 31) scan_rows[warp] = r, scan_tiles[warp] = t;
-	__syncthreads();
-	if (warp == 0) {
-		int wr = scan_rows[lane], wt = scan_tiles[lane];
-		for (int o = 1; o < 32; o <<= 1) {
-			const int ar = __shfl_up_sync(0xffffffffu, wr, o), at = __shfl_up_sync(0xffffffffu, wt, o);
-			if (lane >= o) wr += ar, wt += at;
-		}
-		scan_rows[lane] = wr, scan_tiles[lane] = wt;
-	}
-	__syncthreads();
-	if (warp > 0) r += scan_rows[warp - 1], t += scan_tiles[warp - 1];
-	if (threadIdx.x < E) {
-		const int first = r - rows;
-		base[threadIdx.x] = first, offsets[threadIdx.x] = first, tiles[threadIdx.x] = t - (rows + bm - 1) / bm;
-		if (threadIdx.x == E - 1) offsets[E] = r, tiles[E] = t;
-	}
-	__syncthreads();
+	moe_expert_starts(rows, E, bm, offsets, tiles, base);
 	for (int p0 = lo; p0 < hi; p0 += 32) {
 		const int p = p0 + lane;
 		const int e = expert(p);

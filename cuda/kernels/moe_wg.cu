@@ -119,8 +119,9 @@ __device__ void moe_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, bf16 *out,
 		}
 		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 	}
-	// Rows in a box (order null) come from a kernel after moe_sort: the
-	// sorted rows or gate and up. moe_sort, which wrote tiles and offsets,
+	// Rows in a box (order null) come from a kernel after the grouping
+	// (moe_sort, or moe_add_norm_route's last cluster; "moe_sort" below):
+	// the sorted rows or gate and up. moe_sort, which wrote tiles and offsets,
 	// then finished before the kernel before this one passed its wait (DEP
 	// waits, then lets the next kernel launch), so the block finds its
 	// expert and asks for its first weight stages before it waits, and they
@@ -131,7 +132,8 @@ __device__ void moe_wg_impl(const TmaDesc *wmap, const TmaDesc *xmap, bf16 *out,
 	// With first set, block y < E takes expert y's first row tile, so it
 	// knows its weights before moe_sort has run and asks for its first
 	// stages before it waits: they stream while moe_sort runs, one block
-	// on one SM. Blocks past E take the experts' further tiles in order
+	// on one SM (or while the routing runs on a cluster of four a 16
+	// tokens, whose last cluster groups the pairs). Blocks past E take the experts' further tiles in order
 	// (moe_wg_further). An expert with no rows still reads those stages.
 	const int y = blockIdx.y, tile = blockIdx.x, nt = K / MWG_BK;
 	const bool known = first && y < E;
