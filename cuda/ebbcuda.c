@@ -252,7 +252,7 @@ static void lt_release(void *desc, void *lay[3]) {
 }
 
 int ebb_lt_algos(cublasLtHandle_t h, int m, int n, int k, int out_type, size_t ws_size, ebbLtAlgo *algos, int *splitk,
-                 int max, int *count) {
+                 float *waves, int max, int *count) {
 	void *desc = NULL, *lay[3] = {NULL, NULL, NULL}, *pref = NULL;
 	ebbLtHeuristic res[16];
 	*count = 0;
@@ -267,6 +267,7 @@ int ebb_lt_algos(cublasLtHandle_t h, int m, int n, int k, int out_type, size_t w
 		algos[i] = res[i].algo;
 		if (ebb_cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, LT_CONFIG_SPLITK, &sk, sizeof sk, &got)) sk = 0;
 		splitk[i] = (int)sk;
+		if (waves) waves[i] = res[i].wavesCount;
 	}
 	if (pref) ebb_cublasLtMatmulPreferenceDestroy(pref);
 	lt_release(desc, lay);

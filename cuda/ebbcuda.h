@@ -256,10 +256,11 @@ int ebb_gemm_bf16(cublasHandle_t h, int m, int n, int k, CUdeviceptr x, CUdevice
                   float beta);
 
 // The same product through cuBLASLt. ebb_lt_algos lists up to max
-// algorithms in the heuristic's order with each one's split-K count;
+// algorithms in the heuristic's order with each one's split-K count (and
+// waves, the heuristic's estimate of the grid in waves, where not null);
 // ebb_lt_gemm runs one of them.
 int ebb_lt_algos(cublasLtHandle_t h, int m, int n, int k, int out_type, size_t ws_size, ebbLtAlgo *algos, int *splitk,
-                 int max, int *count);
+                 float *waves, int max, int *count);
 int ebb_lt_gemm(cublasLtHandle_t h, int m, int n, int k, CUdeviceptr x, CUdeviceptr w, CUdeviceptr out, int out_type,
                 const ebbLtAlgo *algo, CUdeviceptr ws, size_t ws_size, CUstream s);
 

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"math/bits"
 	"os"
+	"unsafe"
 
 	"ebb/device"
 	"ebb/memory"
@@ -155,7 +156,7 @@ func (d *Device) tuneGemm(out uintptr, outF32 bool, x, w uintptr, m, n, k int) (
 	var splitk [tuneCandidate]C.int
 	var count C.int
 	if r := C.ebb_lt_algos(d.tuner.lt, C.int(m), C.int(n), C.int(k), ct, C.size_t(d.blas.wsSize), &algos[0], &splitk[0],
-		tuneCandidate, &count); r != 0 || count == 0 || splitk[0] != 1 {
+		nil, tuneCandidate, &count); r != 0 || count == 0 || splitk[0] != 1 {
 		// Nothing to choose from that keeps the bits: cublasGemmEx as before.
 		return gemmChoice{}, d.blas.gemm(out, outF32, x, w, m, n, k, false)
 	}
@@ -224,6 +225,33 @@ func (d *Device) tuneGemm(out uintptr, outF32 bool, x, w uintptr, m, n, k int) (
 		best = 0
 	}
 	return gemmChoice{lt: true, algo: algos[best]}, run(best)
+}
+
+// ltCandidates lists cuBLASLt's heuristic algorithms for out = x w^T
+// (bf16 out) with their configurations, in the heuristic's order.
+func (d *Device) ltCandidates(m, n, k int) ([]C.ebbLtAlgo, []LtCandidate, error) {
+	var algos [16]C.ebbLtAlgo
+	var splitk [16]C.int
+	var waves [16]C.float
+	var count C.int
+	if r := C.ebb_lt_algos(d.tuner.lt, C.int(m), C.int(n), C.int(k), C.int(cudaR16BF), C.size_t(d.blas.wsSize), &algos[0],
+		&splitk[0], &waves[0], 16, &count); r != 0 {
+		return nil, nil, fmt.Errorf("cublasLtMatmulAlgoGetHeuristic(m=%d n=%d k=%d): status %d", m, n, k, int(r))
+	}
+	cands := make([]LtCandidate, int(count))
+	for i := range cands {
+		attr := func(a C.int, bytes int) int {
+			var v C.uint
+			var got C.size_t
+			if C.ebb_cublasLtMatmulAlgoConfigGetAttribute(&algos[i], a, unsafe.Pointer(&v), C.size_t(bytes), &got) != 0 {
+				return -1
+			}
+			return int(v)
+		}
+		cands[i] = LtCandidate{Index: i, AlgoID: attr(0, 4), TileID: attr(1, 4), StagesID: attr(6, 4),
+			SplitK: int(splitk[i]), Cluster: attr(8, 2), Waves: float64(waves[i])}
+	}
+	return algos[:count], cands, nil
 }
 
 // outputHash is bits_hash over size bytes at p (whole 32-bit words).

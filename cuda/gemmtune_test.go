@@ -106,3 +106,31 @@ func (p *pair) bits(x device.Tensor) []uint16 {
 	}
 	return out
 }
+
+// TestBenchMatMulCandidates: the matmul benchmark's cuBLASLt candidates
+// are listed with their configurations, timed, and the ones without
+// split-K (whose bits cublasGemmEx's first choice shares on H100 and
+// H200 at decode rows) include one with the product's bits.
+func TestBenchMatMulCandidates(t *testing.T) {
+	p := newPair(t)
+	if p.gpu.tuner == nil {
+		t.Skip("no cuBLASLt")
+	}
+	r, err := BenchMatMul(p.gpu, MatMulBenchSpec{M: 256, N: 1024, K: 2048, Iters: 3, Candidates: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.LtCandidates) == 0 {
+		t.Fatal("no candidates")
+	}
+	same := false
+	for i, c := range r.LtCandidates {
+		if c.Index != i || c.SplitK < 0 || (c.MedianUs <= 0 && c.MedianUs != -1) {
+			t.Fatalf("candidate %d: %+v", i, c)
+		}
+		same = same || c.SameBits
+	}
+	if !same {
+		t.Errorf("no candidate gives cublasGemmEx's bits: %+v", r.LtCandidates)
+	}
+}

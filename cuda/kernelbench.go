@@ -348,6 +348,10 @@ type MatMulBenchSpec struct {
 	// first launch has read it: the product's cost with its weights' HBM
 	// reads taken away.
 	FromL2 bool
+	// Candidates also times each of cuBLASLt's heuristic algorithms for
+	// the shape (LtCandidates), to see whether one beats the product's
+	// own and keeps its bits.
+	Candidates bool
 }
 
 // MatMulBenchResult is the median of Iters launches. Weights are read
@@ -355,8 +359,23 @@ type MatMulBenchSpec struct {
 // not from L2 (unless FromL2).
 type MatMulBenchResult struct {
 	MatMulBenchSpec
-	Kernel       string `json:"kernel"`
-	KernelTiming        // Bytes: weights, inputs and outputs once
+	Kernel       string        `json:"kernel"`
+	KernelTiming               // Bytes: weights, inputs and outputs once
+	LtCandidates []LtCandidate `json:"lt_candidates,omitempty"`
+}
+
+// LtCandidate is one of cuBLASLt's heuristic algorithms for a shape, in
+// the heuristic's order, with its configuration as cuBLASLt reports it.
+type LtCandidate struct {
+	Index    int     `json:"index"`
+	AlgoID   int     `json:"algo_id"`
+	TileID   int     `json:"tile_id"`
+	StagesID int     `json:"stages_id"`
+	SplitK   int     `json:"split_k"`
+	Cluster  int     `json:"cluster_shape_id"`
+	Waves    float64 `json:"waves"`
+	SameBits bool    `json:"same_bits"` // as d.MatMul's output
+	MedianUs float64 `json:"median_us"`
 }
 
 // BenchMatMul times d.MatMul on the spec's shape with bf16 output.
@@ -378,11 +397,13 @@ func BenchMatMul(d *Device, s MatMulBenchSpec) (MatMulBenchResult, error) {
 	}
 	x, out := a.alloc(device.BF16, s.M, s.K), a.alloc(device.BF16, s.M, s.N)
 	ws := make([]device.Tensor, copies)
+	// Random operands: constant ones draw less power and give every
+	// algorithm the same bits.
 	for i := range ws {
 		ws[i] = a.alloc(device.BF16, s.N, s.K)
-		d.Fill(ws[i], 0.01)
+		d.FillUniform(ws[i], uint64(i+1), 0.02)
 	}
-	d.Fill(x, 0.5)
+	d.FillUniform(x, 1<<40, 1)
 	d.MatMul(out, x, ws[0], device.Tensor{}) // first launch loads the function
 	if err := d.Sync(); err != nil {
 		return res, err
@@ -393,5 +414,48 @@ func BenchMatMul(d *Device, s MatMulBenchSpec) (MatMulBenchResult, error) {
 	}
 	res.Kernel = d.matMulKernel(s.M, s.N, s.K)
 	res.set(d, us, wBytes+int64(s.M)*int64(s.K+s.N)*2, 2*float64(s.M)*float64(s.N)*float64(s.K))
+	if s.Candidates {
+		if res.LtCandidates, err = d.benchLtCandidates(s, out, x, ws, launches); err != nil {
+			return res, err
+		}
+	}
 	return res, d.Sync()
+}
+
+// benchLtCandidates times cuBLASLt's heuristic algorithms for s as
+// BenchMatMul times d.MatMul, each checked against d.MatMul's bits.
+func (d *Device) benchLtCandidates(s MatMulBenchSpec, out, x device.Tensor, ws []device.Tensor, launches int) ([]LtCandidate, error) {
+	if d.tuner == nil {
+		return nil, fmt.Errorf("matmul bench: no cuBLASLt to list candidates")
+	}
+	size := int64(s.M) * int64(s.N) * 2
+	d.MatMul(out, x, ws[0], device.Tensor{})
+	want, err := d.outputHash(out.Ptr, size)
+	if err != nil {
+		return nil, err
+	}
+	algos, cands, err := d.ltCandidates(s.M, s.N, s.K)
+	if err != nil {
+		return nil, err
+	}
+	for i := range cands {
+		c := &cands[i]
+		if err := d.ltGemm(out.Ptr, false, x.Ptr, ws[0].Ptr, s.M, s.N, s.K, &algos[i]); err != nil {
+			c.MedianUs = -1 // cuBLASLt refused it
+			continue
+		}
+		h, err := d.outputHash(out.Ptr, size)
+		if err != nil {
+			return nil, err
+		}
+		c.SameBits = h == want
+		us, err := timeLaunches(d, s.Iters, launches, func(j int) {
+			d.fail(d.ltGemm(out.Ptr, false, x.Ptr, ws[j%len(ws)].Ptr, s.M, s.N, s.K, &algos[i]))
+		})
+		if err != nil {
+			return nil, err
+		}
+		c.MedianUs = us[len(us)/2]
+	}
+	return cands, nil
 }

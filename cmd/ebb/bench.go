@@ -257,6 +257,10 @@ func matMulCmd() *cobra.Command {
 				fmt.Printf("%5s %7s %7s %-16s %10s %9s %8s %8s\n", "m", "n", "k", "kernel", "median us", "GB/s", "% peak", "TFLOP/s")
 				for _, r := range out {
 					fmt.Printf("%5d %7d %7d %-16s %10.2f %9.0f %8.1f %8.1f\n", r.M, r.N, r.K, r.Kernel, r.MedianUs, r.GBPerS, r.PeakPercent, r.TFLOPS)
+					for _, c := range r.LtCandidates {
+						fmt.Printf("      lt %2d: algo %d tile %d stages %d split-k %d cluster %d waves %.2f same bits %v: %.2f us\n",
+							c.Index, c.AlgoID, c.TileID, c.StagesID, c.SplitK, c.Cluster, c.Waves, c.SameBits, c.MedianUs)
+					}
 				}
 			})
 		},
@@ -265,6 +269,7 @@ func matMulCmd() *cobra.Command {
 	f.StringVar(&ms, "m", "1,4,8,16,32,64,128,256", "comma-separated row counts (the batch at decode)")
 	f.StringVar(&shapes, "nk", "4096x1024,1024x2048,6144x1024,1024x3072", "comma-separated weight shapes NxK (default: Qwen3-0.6B's qkv, o, gate_up, down)")
 	f.BoolVar(&spec.FromL2, "from-l2", false, "one copy of the weights, so that they come from L2 after the first launch")
+	f.BoolVar(&spec.Candidates, "lt-candidates", false, "also time each of cuBLASLt's heuristic algorithms for the shape, and say which keep the product's bits")
 	f.IntVar(&spec.Iters, "iters", 50, "timed graph replays per shape")
 	f.IntVar(&gpu, "gpu", 0, "GPU ordinal")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
