@@ -227,15 +227,25 @@ func (d *Device) tuneGemm(out uintptr, outF32 bool, x, w uintptr, m, n, k int) (
 	return gemmChoice{lt: true, algo: algos[best]}, run(best)
 }
 
+// cublasLtMatmulAlgoConfigAttributes_t's values that ltCandidates reads
+// (the cluster shape's a uint16, the others uint32).
+const (
+	ltConfigID      = 0
+	ltConfigTile    = 1
+	ltConfigStages  = 6
+	ltConfigCluster = 8
+)
+
 // ltCandidates lists cuBLASLt's heuristic algorithms for out = x w^T
 // (bf16 out) with their configurations, in the heuristic's order.
 func (d *Device) ltCandidates(m, n, k int) ([]C.ebbLtAlgo, []LtCandidate, error) {
-	var algos [16]C.ebbLtAlgo
-	var splitk [16]C.int
-	var waves [16]C.float
+	const most = 16 // ebb_lt_algos' bound
+	var algos [most]C.ebbLtAlgo
+	var splitk [most]C.int
+	var waves [most]C.float
 	var count C.int
 	if r := C.ebb_lt_algos(d.tuner.lt, C.int(m), C.int(n), C.int(k), C.int(cudaR16BF), C.size_t(d.blas.wsSize), &algos[0],
-		&splitk[0], &waves[0], 16, &count); r != 0 {
+		&splitk[0], &waves[0], most, &count); r != 0 {
 		return nil, nil, fmt.Errorf("cublasLtMatmulAlgoGetHeuristic(m=%d n=%d k=%d): status %d", m, n, k, int(r))
 	}
 	cands := make([]LtCandidate, int(count))
@@ -248,8 +258,9 @@ func (d *Device) ltCandidates(m, n, k int) ([]C.ebbLtAlgo, []LtCandidate, error)
 			}
 			return int(v)
 		}
-		cands[i] = LtCandidate{Index: i, AlgoID: attr(0, 4), TileID: attr(1, 4), StagesID: attr(6, 4),
-			SplitK: int(splitk[i]), Cluster: attr(8, 2), Waves: float64(waves[i])}
+		cands[i] = LtCandidate{Index: i, AlgoID: attr(ltConfigID, 4), TileID: attr(ltConfigTile, 4),
+			StagesID: attr(ltConfigStages, 4), SplitK: int(splitk[i]), Cluster: attr(ltConfigCluster, 2),
+			Waves: float64(waves[i])}
 	}
 	return algos[:count], cands, nil
 }

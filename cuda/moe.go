@@ -148,14 +148,15 @@ type routeSorted struct {
 // (MOE_MAX_EXPERTS + 1), offsets and tiles (each experts + 1), then order
 // and inv for the most pairs moe_add_norm_route takes.
 const (
-	routeSortMaxPairs = moeNormRouteMaxRows * moeMaxTopK
-	routeSortInts     = 3*512 + 2*routeSortMaxPairs
+	routeSortMaxPairs   = moeNormRouteMaxRows * moeMaxTopK
+	routeSortExpertInts = 2 * moeMaxExperts // counts, offsets and tiles each take moeMaxExperts + 1
+	routeSortInts       = 3*routeSortExpertInts + 2*routeSortMaxPairs
 )
 
 // routeSortAt lays routeSort out from base.
 func routeSortAt(base uintptr) (l struct{ counts, offsets, tiles, order, inv uintptr }) {
-	l.counts, l.offsets, l.tiles = base, base+4*512, base+4*1024
-	l.order = base + 4*1536
+	const n = 4 * routeSortExpertInts
+	l.counts, l.offsets, l.tiles, l.order = base, base+n, base+2*n, base+3*n
 	l.inv = l.order + 4*routeSortMaxPairs
 	return l
 }
