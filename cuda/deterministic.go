@@ -476,8 +476,12 @@ func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * m
 // with the K splits matmul_wg would use; a block takes warps / splits
 // groups of 16 weight rows, a warp a split of one group.
 func (d *Device) matMulWGFew(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm normFold) {
-	_, _, grid, kps, _ := d.matMulWGShape(m, n, k)
-	splits := int(grid.Z)
+	// A full cluster's splits even where matmul_wg's clusters would not all
+	// fit (splitsCap): the Qwen3-8B shape's o_proj and down_proj in 3
+	// splits, not 4, made decode steps 1.2-1.5 % slower at batch 2, 4 and 8
+	// (H200, one-batch, 128 in, 64 out); the 30B-A3B shape's o_proj in 6,
+	// not 8, 2-4.6 % faster (not taken: no rule yet says which).
+	splits, kps := d.kSplits((n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK, matMulWGMaxCluster)
 	per := max(1, d.few.warps/splits)
 	blocks := (n/16 + per - 1) / per
 	d.launch(matMulWGFewName(m), D1(blocks), D1(per*splits*32), matMulWGFewShared(per*splits), P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),

@@ -51,6 +51,8 @@ type Device struct {
 	noPartOne     bool           // deterministic products of one split keep a block a tile (EBB_DET_PART_ONE=0)
 	wgOneTile     bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)
 	wgBlock       int            // matmul_wg's threads a block (matMulWGBlock)
+	wgClusters    clusterFit     // clusters of matmul_wg blocks that run at once
+	wgSplits      int            // the most K splits outside deterministic inference (EBB_MATMUL_WG_SPLITS; 0: the clusters that fit)
 	wgNo192       bool           // batches of 129-192 rows take the 256-row tile (EBB_MATMUL_WG_N192=0)
 	noQKVEpilogue bool           // deterministic qkv products leave q, k and v to prepare_qkv16 (EBB_DET_QKV_EPILOGUE=0)
 	detPartFrom   int            // deterministic qkv products run on matmul_wg_part past this many rows (EBB_DET_PART_FROM; 0: matMulWGDetPartFrom)

@@ -27,6 +27,9 @@ static int (*p_cuGetErrorName)(int, const char **);
 // cuLaunchKernelEx (CUDA 12.0+) is optional: without it kernels launch the
 // classic way and programmatic dependent launch is off.
 static int (*p_cuLaunchKernelEx)(const ebbLaunchConfig *, CUfunction, void **, void **);
+// cuOccupancyMaxActiveClusters (CUDA 12.0+) is optional as well: without it
+// a grid of clusters is taken to fit wherever its blocks do.
+static int (*p_cuOccupancyMaxActiveClusters)(int *, CUfunction, const ebbLaunchConfig *);
 // cuTensorMapEncodeTiled (CUDA 12.0+) is optional too: without it the
 // products that read through the tensor memory accelerator stay off.
 static int (*p_cuTensorMapEncodeTiled)(void *, int, unsigned int, void *, const unsigned long long *,
@@ -63,6 +66,8 @@ int ebb_load_cuda(char *err, int n) {
 	EBB_CU_FUNCS(EBB_RESOLVE)
 	p_cuGetErrorName = (int (*)(int, const char **))dlsym(h, "cuGetErrorName");
 	p_cuLaunchKernelEx = (int (*)(const ebbLaunchConfig *, CUfunction, void **, void **))dlsym(h, "cuLaunchKernelEx");
+	p_cuOccupancyMaxActiveClusters = (int (*)(int *, CUfunction, const ebbLaunchConfig *))dlsym(h,
+		"cuOccupancyMaxActiveClusters");
 	p_cuTensorMapEncodeTiled = (int (*)(void *, int, unsigned int, void *, const unsigned long long *,
 		const unsigned long long *, const unsigned int *, const unsigned int *, int, int, int, int))dlsym(h,
 		"cuTensorMapEncodeTiled");
@@ -171,6 +176,24 @@ int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, 
 }
 
 int ebb_has_launch_ex(void) { return p_cuLaunchKernelEx != NULL; }
+
+int ebb_max_active_clusters(int *n, CUfunction f, unsigned int bx, unsigned int shmem, unsigned int cluster_z) {
+	if (!p_cuOccupancyMaxActiveClusters) return 801; // CUDA_ERROR_NOT_SUPPORTED
+	ebbLaunchAttribute attr;
+	ebbLaunchConfig cfg;
+	memset(&attr, 0, sizeof attr);
+	memset(&cfg, 0, sizeof cfg);
+	attr.id = 4; /* CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION */
+	attr.value.clusterDim.x = 1, attr.value.clusterDim.y = 1, attr.value.clusterDim.z = cluster_z;
+	// The grid only has to be a multiple of the cluster; its size does not
+	// change the answer.
+	cfg.gridDimX = 1, cfg.gridDimY = 1, cfg.gridDimZ = cluster_z;
+	cfg.blockDimX = bx, cfg.blockDimY = 1, cfg.blockDimZ = 1;
+	cfg.sharedMemBytes = shmem;
+	cfg.attrs = &attr;
+	cfg.numAttrs = 1;
+	return p_cuOccupancyMaxActiveClusters(n, f, &cfg);
+}
 
 int ebb_has_tensor_maps(void) { return p_cuTensorMapEncodeTiled != NULL; }
 

@@ -230,6 +230,10 @@ int ebb_launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, 
 	unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, unsigned long long *args, int nargs, int pdl,
 	unsigned int cluster_z, void *maps, int nmaps);
 int ebb_has_launch_ex(void);
+// ebb_max_active_clusters is how many clusters of cluster_z blocks of bx
+// threads and shmem bytes of dynamic shared memory can run at once
+// (CUDA_ERROR_NOT_SUPPORTED where the driver cannot say).
+int ebb_max_active_clusters(int *n, CUfunction f, unsigned int bx, unsigned int shmem, unsigned int cluster_z);
 int ebb_has_tensor_maps(void);
 
 // ebb_tensor_map_bf16 encodes a tiled tensor map (CUtensorMap, 128 bytes)

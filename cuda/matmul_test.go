@@ -522,6 +522,35 @@ func TestMatMulWGPartShape(t *testing.T) {
 	}
 }
 
+// TestMatMulWGSplitsFit: outside deterministic inference a product's
+// clusters of K splits all run at once (an H200's counts), not in a second
+// wave; deterministic products and a driver that cannot say keep 8.
+func TestMatMulWGSplitsFit(t *testing.T) {
+	h200 := clusterFit{0, 0, 66, 39, 30, 22, 17, 15, 15}
+	for _, c := range []struct {
+		name      string
+		clusters  clusterFit
+		det       bool
+		capSplits int
+		m, n, k   int
+		grid      Dim3
+		kps       int
+	}{
+		{"30B-A3B o_proj (16 tiles)", h200, false, 0, 64, 2048, 4096, Dim3{16, 1, 6}, 11},
+		{"30B-A3B o_proj, deterministic", h200, true, 0, 64, 2048, 4096, Dim3{16, 1, 8}, 8},
+		{"30B-A3B o_proj, clusters not known", clusterFit{}, false, 0, 64, 2048, 4096, Dim3{16, 1, 8}, 8},
+		{"30B-A3B o_proj, EBB_MATMUL_WG_SPLITS=8", h200, false, 8, 64, 2048, 4096, Dim3{16, 1, 8}, 8},
+		{"0.6B o_proj (8 tiles)", h200, false, 0, 64, 1024, 2048, Dim3{8, 1, 8}, 4},
+		{"0.6B gate_up (48 tiles)", h200, false, 0, 64, 6144, 1024, Dim3{48, 1, 2}, 8},
+	} {
+		d := &Device{ctx: &Context{SMs: 132}, wgmma: true, det: c.det, wgClusters: c.clusters, wgSplits: c.capSplits}
+		_, _, grid, kps, _ := d.matMulWGShape(c.m, c.n, c.k)
+		if grid != c.grid || kps != c.kps {
+			t.Errorf("%s: %v, %d k-steps a block; want %v, %d", c.name, grid, kps, c.grid, c.kps)
+		}
+	}
+}
+
 // TestMatMulWGUsed: a block asks for the stages it fills and, with splits,
 // room for its sums; never more than the whole ring.
 func TestMatMulWGUsed(t *testing.T) {
@@ -555,5 +584,19 @@ func TestLaunchOfUnknownKernelIsAnError(t *testing.T) {
 	d.launch("gemv_m0", D1(0), D1(256), 0) // an empty grid runs nothing
 	if d.err != nil {
 		t.Fatalf("empty grid: %v", d.err)
+	}
+}
+
+func TestMatMulWGClusters(t *testing.T) {
+	p := newPair(t)
+	if !p.gpu.wgmma {
+		t.Skip("matmul_wg is not built for this GPU")
+	}
+	for s := 2; s <= matMulWGMaxCluster; s++ {
+		n := p.gpu.wgClusters[s]
+		t.Logf("clusters of %d: %d at once (%d SMs)", s, n, p.gpu.ctx.SMs)
+		if n != 0 && (n < 1 || n*s > p.gpu.ctx.SMs) {
+			t.Errorf("clusters of %d: %d at once on %d SMs", s, n, p.gpu.ctx.SMs)
+		}
 	}
 }

@@ -47,6 +47,10 @@ const (
 	matMulWGRingBytes = 192 << 10
 )
 
+// clusterFit is how many clusters of s matmul_wg blocks run at once, by s
+// (0: the driver cannot say).
+type clusterFit [matMulWGMaxCluster + 1]int
+
 // matMulWGBlock is matmul_wg's block (MWG_BLOCK): two consumer warpgroups
 // and a producer warpgroup that gives them its registers, or with MWG_REGS=0
 // in EBB_KERNEL_DEFINES a producer warp.
@@ -107,6 +111,19 @@ func (d *Device) initMatMulWG() error {
 		d.wgMaxRows = n
 	}
 	d.wgBlock = matMulWGBlock()
+	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_WG_SPLITS")); err == nil && n >= 1 && n <= matMulWGMaxCluster {
+		d.wgSplits = n
+	}
+	// Every batch tile's ring takes most of an SM's shared memory, so the
+	// largest tile's clusters are every tile's.
+	bn := matMulWGRows[len(matMulWGRows)-1]
+	for s := 2; s <= matMulWGMaxCluster; s++ {
+		n, err := d.k[fmt.Sprintf("matmul_wg_n%d", bn)].MaxActiveClusters(d.wgBlock, matMulWGShared(bn), s)
+		if err != nil {
+			break // the driver cannot say: clusters are taken to fit wherever their blocks do
+		}
+		d.wgClusters[s] = n
+	}
 	d.wgmma = true
 	return nil
 }
@@ -224,9 +241,7 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 		}
 	}
 	tiles, kt := (n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK
-	splits := max(1, min(kt, matMulWGMaxCluster, d.ctx.SMs/tiles))
-	kps = (kt + splits - 1) / splits
-	splits = (kt + kps - 1) / kps
+	splits, kps := d.kSplits(tiles, kt, d.splitsCap(tiles))
 	// Deterministic products of too few splits for the 64-row part tiles
 	// below (gate_up's two) take 128-row ones from two tiles.
 	pt := (m + matMulWGPartRows - 1) / matMulWGPartRows
@@ -256,6 +271,39 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 	// tile a blockIdx.y.
 	ytiles := (m + bn - 1) / bn
 	return fmt.Sprintf("matmul_wg_n%d", bn), bn, Dim3{uint32(tiles), uint32(ytiles), uint32(splits)}, kps, 0
+}
+
+// kSplits is how a product of tiles weight tiles and kt k-steps splits
+// its K (at most most splits) so that its blocks fill the SMs once: the
+// splits and each one's k-steps.
+func (d *Device) kSplits(tiles, kt, most int) (splits, kps int) {
+	splits = max(1, min(kt, most, d.ctx.SMs/tiles))
+	kps = (kt + splits - 1) / splits
+	return (kt + kps - 1) / kps, kps
+}
+
+// splitsCap is the most K splits a product of tiles weight tiles takes:
+// a full cluster, or outside deterministic inference (whose products keep
+// their bits at every batch size in matmul_wg_few and matmul_wg_part too)
+// the largest cluster of which the tiles all run at once. An H200 holds 15
+// clusters of 8 or 7 blocks one an SM, 17 of 6, so the 30B-A3B shape's
+// o_proj (16 tiles) in eight splits ran in two waves: `ebb bench matmul`,
+// 16 / 64 / 128 rows, us, 10.50 / 10.93 / 15.22, in six splits 7.88 / 8.31
+// / 9.86 (cuBLAS at 64 / 128: 9.12 / 9.31). EBB_MATMUL_WG_SPLITS caps the
+// splits instead, for A/B runs. matmul_wg_few launches no clusters and
+// keeps a full cluster's splits.
+func (d *Device) splitsCap(tiles int) int {
+	if d.det {
+		return matMulWGMaxCluster
+	}
+	if d.wgSplits > 0 {
+		return d.wgSplits
+	}
+	s := matMulWGMaxCluster
+	for s > 1 && d.wgClusters[s] > 0 && tiles > d.wgClusters[s] {
+		s--
+	}
+	return s
 }
 
 // persistentGrid is matmul_wg_part's grid for n tiles: blocks that each

@@ -341,6 +341,16 @@ func (k *Kernel) SetMaxDynamicShared(bytes int) error {
 	return check("cuFuncSetAttribute", C.ebb_cuFuncSetAttribute(k.f, 8 /* MAX_DYNAMIC_SHARED_SIZE_BYTES */, C.int(bytes)))
 }
 
+// MaxActiveClusters is how many clusters of cluster blocks (threads each,
+// with shared bytes of dynamic shared memory) the GPU runs at once: a
+// cluster's blocks must share a GPC, so a grid of clusters may need more
+// than one wave where the same blocks unclustered would fit.
+func (k *Kernel) MaxActiveClusters(threads, shared, cluster int) (int, error) {
+	var n C.int
+	err := check("cuOccupancyMaxActiveClusters", C.ebb_max_active_clusters(&n, k.f, C.uint(threads), C.uint(shared), C.uint(cluster)))
+	return int(n), err
+}
+
 // Dim3 is a grid or block shape.
 type Dim3 struct{ X, Y, Z uint32 }
 
