@@ -473,8 +473,9 @@ const (
 func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * matMulWGFewStageBytes }
 
 // matMulWGFew launches matmul_wg_few for m rows (at most detFewMaxRows)
-// with the K splits matmul_wg would use; a block takes warps / splits
-// groups of 16 weight rows, a warp a split of one group.
+// with the K splits matmul_wg uses in deterministic inference; a block
+// takes warps / splits groups of 16 weight rows, a warp a split of one
+// group.
 func (d *Device) matMulWGFew(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm normFold) {
 	// A full cluster's splits even where matmul_wg's clusters would not all
 	// fit (splitsCap): the Qwen3-8B shape's o_proj and down_proj in 3

@@ -587,6 +587,8 @@ func TestLaunchOfUnknownKernelIsAnError(t *testing.T) {
 	}
 }
 
+// TestMatMulWGClusters logs the clusters of matmul_wg blocks this GPU runs
+// at once (splitsCap's table) and checks they fit its SMs.
 func TestMatMulWGClusters(t *testing.T) {
 	p := newPair(t)
 	if !p.gpu.wgmma {
