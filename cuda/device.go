@@ -76,6 +76,7 @@ type Device struct {
 	noMoEFold     bool           // a sparse layer's norms and routing are not folded into its decode launches (EBB_MOE_FOLD=0)
 	noRouteSort   bool           // moe_add_norm_route leaves the grouping by expert to moe_sort (EBB_MOE_ROUTE_SORT=0)
 	moeFirstTiles int            // pairs an expert averages from which moe_wg's gate and up take experts' first tiles by block (EBB_MOE_FIRST_TILES; moeFirstTilesFrom)
+	noDownFirst   bool           // moe_wg's down looks its tiles up as before, where gate and up take first tiles by block (EBB_MOE_DOWN_FIRST=0)
 	moeRouteWarps int            // moe_norm_route's warps a block (MOE_ROUTE_WARPS)
 	normRouteRows int            // the most tokens moe_add_norm_route takes (EBB_MOE_NORM_ROUTE_ROWS)
 	routeEights   int            // the most it takes in clusters of eight tokens (moeNormRouteEights; tests change it)
@@ -267,6 +268,7 @@ func (d *Device) init() error {
 	d.noMoEFold = os.Getenv("EBB_MOE_FOLD") == "0"
 	d.noRouteSort = os.Getenv("EBB_MOE_ROUTE_SORT") == "0"
 	d.moeFirstTiles = moeFirstTilesFrom
+	d.noDownFirst = os.Getenv("EBB_MOE_DOWN_FIRST") == "0"
 	if n, err := strconv.Atoi(os.Getenv("EBB_MOE_FIRST_TILES")); err == nil {
 		d.moeFirstTiles = n
 	}
