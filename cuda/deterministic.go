@@ -425,10 +425,12 @@ func (d *Device) tokenLogprobsDet(out, logits, targets device.Tensor) {
 // split's chain of tensor-core steps for 16 weight rows, and outside it
 // takes 2-8 rows of large weights. The environment sets them for A/B runs.
 type fewSettings struct {
-	rows        int // outside deterministic inference, 2 to this many rows of large weights (EBB_MATMUL_FEW; 0: none)
-	detRows     int // deterministic inference, at most this many rows (EBB_DET_FEW_ROWS; 0: none)
-	warps       int // warps a block, at least a tile's splits (EBB_DET_FEW_WARPS)
-	detFoldRows int // detFoldRows where EBB_DET_FOLD_ROWS sets it (0: detFoldRows)
+	rows        int  // outside deterministic inference, 2 to this many rows of large weights (EBB_MATMUL_FEW; 0: none)
+	detRows     int  // deterministic inference, at most this many rows (EBB_DET_FEW_ROWS; 0: none)
+	warps       int  // warps a block, at least a tile's splits (EBB_DET_FEW_WARPS)
+	detFoldRows int  // detFoldRows where EBB_DET_FOLD_ROWS sets it (0: detFoldRows)
+	splits      int  // outside deterministic inference, the most K splits (EBB_MATMUL_FEW_SPLITS; 0: a full cluster's)
+	anyWaves    bool // outside deterministic inference, the splits stay as they start whatever waves they take (EBB_MATMUL_FEW_WAVE=0)
 }
 
 // detFewMaxRows is the most rows matmul_wg_few takes: two batch tiles
@@ -448,6 +450,10 @@ func fewFromEnv() fewSettings {
 	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FOLD_ROWS")); err == nil && n >= 1 {
 		f.detFoldRows = min(n, detFewMaxRows)
+	}
+	f.anyWaves = os.Getenv("EBB_MATMUL_FEW_WAVE") == "0"
+	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_FEW_SPLITS")); err == nil && n >= 1 {
+		f.splits = min(n, matMulWGMaxCluster)
 	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_DET_FEW_WARPS")); err == nil && n >= 1 {
 		f.warps = min(n, matMulWGMaxCluster)
@@ -477,14 +483,45 @@ func matMulWGFewShared(warps int) int { return warps * 2 * matMulWGFewStages * m
 // takes warps / splits groups of 16 weight rows, a warp a split of one
 // group.
 func (d *Device) matMulWGFew(out uintptr, outF32 bool, x, w uintptr, m, n, k int, glu bool, norm normFold) {
-	// A full cluster's splits even where matmul_wg's clusters would not all
-	// fit (splitsCap): the Qwen3-8B shape's o_proj and down_proj in 3
-	// splits, not 4, made decode steps 1.2-1.5 % slower at batch 2, 4 and 8
-	// (H200, one-batch, 128 in, 64 out); the 30B-A3B shape's o_proj in 6,
-	// not 8, 2-4.6 % faster (not taken: no rule yet says which).
-	splits, kps := d.kSplits((n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK, matMulWGMaxCluster)
-	per := max(1, d.few.warps/splits)
-	blocks := (n/16 + per - 1) / per
+	blocks, per, splits, kps := d.matMulWGFewShape(n, k)
 	d.launch(matMulWGFewName(m), D1(blocks), D1(per*splits*32), matMulWGFewShared(per*splits), P(out), I(boolInt(outF32)), P(x), P(w), I(m), I(n), I(k),
 		I(boolInt(glu)), I(kps), I(splits), P(norm.residual), P(norm.normW), F(norm.eps))
+}
+
+// matMulWGFewShape is matmul_wg_few's grid for an n x k product: blocks of
+// per groups of 16 weight rows, splits warps a group, kps k-steps a warp.
+// It starts from a full cluster's splits: where matmul_wg's clusters
+// would not all fit (splitsCap), the Qwen3-8B shape's o_proj and down_proj
+// in 3 splits, not 4, made decode steps 1.2-1.5 % slower at batch 2, 4
+// and 8 (H200, one-batch, 128 in, 64 out). Outside deterministic
+// inference (whose bits fix the splits) it then takes fewer splits where
+// that is what brings the blocks into one wave: the 30B-A3B shape's qkv
+// (5120 x 2048) in 3 splits is 320 blocks of 3 warps, two an SM by their
+// rings, 1.2 waves; in 2 it is 160 blocks of 4 warps. `ebb bench matmul`
+// on an H200, 2 / 4 / 8 rows: 11.19 / 11.32 / 10.60 us -> 8.15 / 8.18 /
+// 7.83; decode steps at batch 2 / 4 / 8 (128 in, 64 out) 2.7 / 3.5 /
+// 1.7 % faster. Every other large product of that shape and of the 8B
+// shape already fits and keeps its splits. EBB_MATMUL_FEW_WAVE=0 keeps the
+// splits as they start, EBB_MATMUL_FEW_SPLITS caps them, for A/B runs.
+func (d *Device) matMulWGFewShape(n, k int) (blocks, per, splits, kps int) {
+	shape := func(most int) (blocks, per, splits, kps int) {
+		splits, kps = d.kSplits((n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK, most)
+		per = max(1, d.few.warps/splits)
+		return (n/16 + per - 1) / per, per, splits, kps
+	}
+	most := matMulWGMaxCluster
+	if !d.det && d.few.splits > 0 {
+		most = d.few.splits
+	}
+	blocks, per, splits, kps = shape(most)
+	if d.det || d.few.anyWaves || d.fewResident[per*splits] == 0 || blocks <= d.fewResident[per*splits] {
+		return blocks, per, splits, kps
+	}
+	for s := splits - 1; s >= 1; s-- {
+		b, p, sp, kp := shape(s)
+		if r := d.fewResident[p*sp]; r > 0 && b <= r {
+			return b, p, sp, kp
+		}
+	}
+	return blocks, per, splits, kps
 }

@@ -551,6 +551,38 @@ func TestMatMulWGSplitsFit(t *testing.T) {
 	}
 }
 
+// TestMatMulWGFewWave: outside deterministic inference matmul_wg_few takes
+// fewer K splits where that brings its blocks into one wave (residency by
+// warps as an H200's driver gives it: 7 blocks an SM of one warp, 4 of two,
+// 2 of three or four, 1 above); products that fit, deterministic ones, a
+// driver that cannot say and EBB_MATMUL_FEW_WAVE=0 keep a full cluster's.
+func TestMatMulWGFewWave(t *testing.T) {
+	h200 := clusterFit{0, 924, 528, 264, 264, 132, 132, 132, 132} // cuOccupancyMaxActiveClusters, H200
+	for _, c := range []struct {
+		name                     string
+		resident                 clusterFit
+		det, anyWaves            bool
+		n, k                     int
+		blocks, per, splits, kps int
+	}{
+		{"30B-A3B qkv: 320 blocks of 3 warps in 1.2 waves", h200, false, false, 5120, 2048, 160, 2, 2, 16},
+		{"30B-A3B qkv, deterministic", h200, true, false, 5120, 2048, 320, 1, 3, 11},
+		{"30B-A3B qkv, EBB_MATMUL_FEW_WAVE=0", h200, false, true, 5120, 2048, 320, 1, 3, 11},
+		{"30B-A3B qkv, residency not known", clusterFit{}, false, false, 5120, 2048, 320, 1, 3, 11},
+		{"30B-A3B o_proj fits", h200, false, false, 2048, 4096, 128, 1, 8, 8},
+		{"8B qkv fits", h200, false, false, 6144, 4096, 192, 2, 2, 32},
+		{"8B o_proj fits", h200, false, false, 4096, 4096, 256, 1, 4, 16},
+		{"8B gate_up: one split, more than a wave", h200, false, false, 24576, 4096, 384, 4, 1, 64},
+	} {
+		d := &Device{ctx: &Context{SMs: 132}, det: c.det, fewResident: c.resident, few: fewSettings{warps: 4, anyWaves: c.anyWaves}}
+		blocks, per, splits, kps := d.matMulWGFewShape(c.n, c.k)
+		if blocks != c.blocks || per != c.per || splits != c.splits || kps != c.kps {
+			t.Errorf("%s: %d blocks of %d groups, %d splits of %d k-steps; want %d, %d, %d, %d", c.name,
+				blocks, per, splits, kps, c.blocks, c.per, c.splits, c.kps)
+		}
+	}
+}
+
 // TestMatMulWGUsed: a block asks for the stages it fills and, with splits,
 // room for its sums; never more than the whole ring.
 func TestMatMulWGUsed(t *testing.T) {
@@ -599,6 +631,15 @@ func TestMatMulWGClusters(t *testing.T) {
 		t.Logf("clusters of %d: %d at once (%d SMs)", s, n, p.gpu.ctx.SMs)
 		if n != 0 && (n < 1 || n*s > p.gpu.ctx.SMs) {
 			t.Errorf("clusters of %d: %d at once on %d SMs", s, n, p.gpu.ctx.SMs)
+		}
+	}
+	// matmul_wg_few's blocks: at least one an SM, fewer the more warps
+	// (their rings take 25.6 KB a warp).
+	for w := 1; w <= matMulWGMaxCluster; w++ {
+		n := p.gpu.fewResident[w]
+		t.Logf("matmul_wg_few blocks of %d warps: %d at once", w, n)
+		if n != 0 && (n < p.gpu.ctx.SMs || w > 1 && n > p.gpu.fewResident[w-1]) {
+			t.Errorf("matmul_wg_few blocks of %d warps: %d at once on %d SMs (%d of %d warps)", w, n, p.gpu.ctx.SMs, p.gpu.fewResident[w-1], w-1)
 		}
 	}
 }

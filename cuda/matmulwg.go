@@ -96,6 +96,15 @@ func (d *Device) initMatMulWG() error {
 			}
 		}
 	}
+	// Outside deterministic inference matmul_wg_few takes 2-8 rows (one
+	// batch tile): its blocks' residency by warps, for matMulWGFewShape.
+	for w := 1; w <= matMulWGMaxCluster; w++ {
+		n, err := d.k[matMulWGFewName(matMulFewRows)].MaxActiveClusters(32*w, matMulWGFewShared(w), 1)
+		if err != nil {
+			break // the driver cannot say: the splits stay as they start
+		}
+		d.fewResident[w] = n
+	}
 	d.moeWGRing32 = kernelDefineInt("MOE_WG_RING32", moeWGRing32)
 	for _, bn := range moeWGRows {
 		if err := d.k[fmt.Sprintf("moe_wg_n%d", bn)].SetMaxDynamicShared(d.moeWGShared(bn)); err != nil {
