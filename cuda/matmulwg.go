@@ -300,7 +300,7 @@ func (d *Device) kSplits(tiles, kt, most int) (splits, kps int) {
 // 16 / 64 / 128 rows, us, 10.50 / 10.93 / 15.22, in six splits 7.88 / 8.31
 // / 9.86 (cuBLAS at 64 / 128: 9.12 / 9.31). EBB_MATMUL_WG_SPLITS caps the
 // splits instead, for A/B runs. matmul_wg_few launches no clusters and
-// keeps a full cluster's splits.
+// starts from a full cluster's splits (matMulWGFewShape).
 func (d *Device) splitsCap(tiles int) int {
 	if d.det {
 		return matMulWGMaxCluster
