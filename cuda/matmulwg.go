@@ -120,6 +120,9 @@ func (d *Device) initMatMulWG() error {
 		d.wgMaxRows = n
 	}
 	d.wgBlock = matMulWGBlock()
+	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_WG_TILES")); err == nil && n >= 1 {
+		d.wgMaxTiles = n
+	}
 	if n, err := strconv.Atoi(os.Getenv("EBB_MATMUL_WG_SPLITS")); err == nil && n >= 1 && n <= matMulWGMaxCluster {
 		d.wgSplits = n
 	}
@@ -185,7 +188,7 @@ func matMulWGUsed(bn, kps, splits int) int {
 func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 	tiles := (n + matMulWGTileRows - 1) / matMulWGTileRows
 	return d.wgmma && m > 8 && m <= cmp.Or(d.wgMaxRows, matMulWGMaxRows) && k%matMulWGBK == 0 &&
-		n%16 == 0 && (glu || tiles*matMulWGMaxCluster <= d.ctx.SMs)
+		n%16 == 0 && (glu || tiles <= cmp.Or(d.wgMaxTiles, d.ctx.SMs/matMulWGMaxCluster))
 }
 
 // matMulWGPartRows is matmul_wg_part's batch tile.
