@@ -382,6 +382,11 @@ func TestMatMulRoute(t *testing.T) {
 			t.Errorf("%d rows of %dx%d (glu %v): route %d, want %d", c.m, c.n, c.k, c.glu, got, c.want)
 		}
 	}
+	d.wgMaxTiles = 32 // EBB_MATMUL_WG_TILES=32: the 8B o_proj's 32 tiles on matmul_wg
+	if got := d.matMulRoute(17, 4096, 4096, false); got != routeWG {
+		t.Errorf("EBB_MATMUL_WG_TILES=32: route %d, want matmul_wg", got)
+	}
+	d.wgMaxTiles = 0
 	d.few.rows = 0 // EBB_MATMUL_FEW=0: one tile of matmul_tc keeps every weight
 	if got := d.matMulRoute(8, 24576, 4096, true); got != routeTC {
 		t.Errorf("EBB_MATMUL_FEW=0: route %d, want matmul_tc", got)

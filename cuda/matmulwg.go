@@ -184,7 +184,9 @@ func matMulWGUsed(bn, kps, splits int) int {
 // batch 32 1.68 -> 1.49 ms, 64 1.87 -> 1.76, 128 2.56 -> 2.54; qkv (32
 // tiles) on it too made 96 and 128 slower than cuBLAS (2.32 -> 2.38, 2.58
 // -> 2.76: a cluster of four splits a tile, and the grid's 32 clusters do
-// not fit at once).
+// not fit at once). EBB_MATMUL_WG_TILES=N lets it take products of up to N
+// tiles, whose splits now shrink to clusters that fit (splitsCap), for A/B
+// runs.
 func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 	tiles := (n + matMulWGTileRows - 1) / matMulWGTileRows
 	return d.wgmma && m > 8 && m <= cmp.Or(d.wgMaxRows, matMulWGMaxRows) && k%matMulWGBK == 0 &&
