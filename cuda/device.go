@@ -53,7 +53,7 @@ type Device struct {
 	wgOneTile     bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)
 	wgBlock       int            // matmul_wg's threads a block (matMulWGBlock)
 	wgClusters    clusterFit     // clusters of matmul_wg blocks that run at once
-	fewResident   clusterFit     // matmul_wg_few blocks that run at once, by warps a block (0: the driver cannot say)
+	fewResident   blocksByWarps  // matmul_wg_few blocks that run at once, by warps a block (0: the driver cannot say)
 	wgSplits      int            // the most K splits outside deterministic inference (EBB_MATMUL_WG_SPLITS; 0: the clusters that fit)
 	wgNo192       bool           // batches of 129-192 rows take the 256-row tile (EBB_MATMUL_WG_N192=0)
 	noQKVEpilogue bool           // deterministic qkv products leave q, k and v to prepare_qkv16 (EBB_DET_QKV_EPILOGUE=0)

@@ -562,10 +562,10 @@ func TestMatMulWGSplitsFit(t *testing.T) {
 // 2 of three or four, 1 above); products that fit, deterministic ones, a
 // driver that cannot say and EBB_MATMUL_FEW_WAVE=0 keep a full cluster's.
 func TestMatMulWGFewWave(t *testing.T) {
-	h200 := clusterFit{0, 924, 528, 264, 264, 132, 132, 132, 132} // cuOccupancyMaxActiveClusters, H200
+	h200 := blocksByWarps{0, 924, 528, 264, 264, 132, 132, 132, 132} // cuOccupancyMaxActiveClusters, H200
 	for _, c := range []struct {
 		name                     string
-		resident                 clusterFit
+		resident                 blocksByWarps
 		det, anyWaves            bool
 		n, k                     int
 		blocks, per, splits, kps int
@@ -573,7 +573,7 @@ func TestMatMulWGFewWave(t *testing.T) {
 		{"30B-A3B qkv: 320 blocks of 3 warps in 1.2 waves", h200, false, false, 5120, 2048, 160, 2, 2, 16},
 		{"30B-A3B qkv, deterministic", h200, true, false, 5120, 2048, 320, 1, 3, 11},
 		{"30B-A3B qkv, EBB_MATMUL_FEW_WAVE=0", h200, false, true, 5120, 2048, 320, 1, 3, 11},
-		{"30B-A3B qkv, residency not known", clusterFit{}, false, false, 5120, 2048, 320, 1, 3, 11},
+		{"30B-A3B qkv, residency not known", blocksByWarps{}, false, false, 5120, 2048, 320, 1, 3, 11},
 		{"30B-A3B o_proj fits", h200, false, false, 2048, 4096, 128, 1, 8, 8},
 		{"8B qkv fits", h200, false, false, 6144, 4096, 192, 2, 2, 32},
 		{"8B o_proj fits", h200, false, false, 4096, 4096, 256, 1, 4, 16},

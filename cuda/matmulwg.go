@@ -51,6 +51,10 @@ const (
 // (0: the driver cannot say).
 type clusterFit [matMulWGMaxCluster + 1]int
 
+// blocksByWarps is how many blocks of w warps a kernel runs at once, by w
+// (0: the driver cannot say).
+type blocksByWarps [matMulWGMaxCluster + 1]int
+
 // matMulWGBlock is matmul_wg's block (MWG_BLOCK): two consumer warpgroups
 // and a producer warpgroup that gives them its registers, or with MWG_REGS=0
 // in EBB_KERNEL_DEFINES a producer warp.
