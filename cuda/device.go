@@ -47,7 +47,7 @@ type Device struct {
 	peers         *peerAllReduce // the tensor-parallel group's all-reduce, released with cuda_graph
 	wgmma         bool           // matmul_wg runs: the kernels were built for sm_90a
 	wgMaxRows     int            // matmul_wg's most rows where EBB_MATMUL_WG_ROWS sets it (0: matMulWGMaxRows)
-	wgMaxTiles    int            // the most weight tiles of a product without glu that matmul_wg takes where EBB_MATMUL_WG_TILES sets it (0: a full cluster's splits each)
+	wgMaxTiles    int            // the most weight tiles of a product without glu that matmul_wg takes where EBB_MATMUL_WG_TILES sets it (0: matMulWGMaxTiles)
 	noPart        bool           // matmul_wg_part is not used (EBB_MATMUL_WG_PART=0): prefills split K over clusters
 	noPartOne     bool           // deterministic products of one split keep a block a tile (EBB_DET_PART_ONE=0)
 	wgOneTile     bool           // matmul_wg_part's blocks take one tile each (EBB_MATMUL_WG_PERSIST=0)

@@ -162,7 +162,11 @@ const matMulTCNormRows = 8
 // foldRoute is the kernels that take part in add_rmsnorm for m rows (2 or
 // more) of an n x k product (glu: gate_up with silu): matmul_tc up to
 // matMulTCNormRows, matmul_wg from 25 to matMulWGNormRows, or none
-// (routeBLAS). EBB_NORM_FOLD=0 turns both off, =tc or =wg leaves one.
+// (routeBLAS). matmul_wg folds only products without glu of a full
+// cluster's splits a tile (16 weight tiles on an H200): the 8B o_proj (32
+// tiles) adding to the residual and gate_up normalising it made decode
+// steps slower (H200, 128 in / 64 out, batch 32 5.091 -> 5.994 ms, 48
+// 5.285 -> 6.452). EBB_NORM_FOLD=0 turns both off, =tc or =wg leaves one.
 // Under deterministic inference, matmul_wg_few for detFold's rows.
 func (d *Device) foldRoute(m, n, k int, glu bool) matMulRoute {
 	if d.det { // a norm product: k is the hidden size
@@ -173,7 +177,8 @@ func (d *Device) foldRoute(m, n, k int, glu bool) matMulRoute {
 	}
 	switch r := d.matMulRoute(m, n, k, glu); {
 	case r == routeTC && d.foldTC && m <= matMulTCNormRows,
-		r == routeWG && d.foldWG && m > 8*matMulTCMaxTiles && m <= matMulWGNormRows:
+		r == routeWG && d.foldWG && m > 8*matMulTCMaxTiles && m <= matMulWGNormRows &&
+			(glu || matMulWGTiles(n) <= d.ctx.SMs/matMulWGMaxCluster):
 		return r
 	}
 	return routeBLAS
@@ -186,7 +191,7 @@ func foldParts(route matMulRoute, n int) int {
 	if route == routeTC {
 		return (n + 15) / 16
 	}
-	return (n + matMulWGTileRows - 1) / matMulWGTileRows
+	return matMulWGTiles(n)
 }
 
 // matMulRoute is the family of kernels that takes a product.

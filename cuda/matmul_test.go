@@ -370,11 +370,13 @@ func TestMatMulRoute(t *testing.T) {
 		{8, 24576, 4096, true, routeFew},     // 8B gate_up, 201 MB
 		{2, 4096, 4096, false, routeFew},     // 8B o_proj, 34 MB
 		{8, 6144, 4096, false, routeFew},     // 8B qkv
-		{9, 4096, 4096, false, routeBLAS},    // past 8 rows matmul_tc keeps small weights only
-		{9, 6144, 4096, false, routeBLAS},    // 8B qkv, 50 MB
-		{17, 4096, 4096, false, routeBLAS},   // 8B o_proj: too many tiles for matmul_wg alone
+		{9, 4096, 4096, false, routeWG},      // past 8 rows matmul_tc keeps small weights only
+		{9, 6144, 4096, false, routeWG},      // 8B qkv, 50 MB
+		{17, 4096, 4096, false, routeWG},     // 8B o_proj: 32 tiles
+		{64, 6144, 4096, false, routeWG},     // 8B qkv: 48 tiles
+		{64, 10240, 5120, false, routeBLAS},  // 32B qkv: 80 tiles
 		{17, 24576, 4096, true, routeWG},     // 8B gate_up with silu
-		{24, 4096, 2048, false, routeBLAS},   // exactly 16 MiB
+		{24, 4096, 2048, false, routeWG},     // exactly 16 MiB: past matmul_tc
 		{25, 1024, 2048, false, routeWG},     // 0.6B o_proj
 		{129, 1024, 2048, false, routeBLAS},
 	} {
@@ -382,9 +384,26 @@ func TestMatMulRoute(t *testing.T) {
 			t.Errorf("%d rows of %dx%d (glu %v): route %d, want %d", c.m, c.n, c.k, c.glu, got, c.want)
 		}
 	}
-	d.wgMaxTiles = 32 // EBB_MATMUL_WG_TILES=32: the 8B o_proj's 32 tiles on matmul_wg
-	if got := d.matMulRoute(17, 4096, 4096, false); got != routeWG {
-		t.Errorf("EBB_MATMUL_WG_TILES=32: route %d, want matmul_wg", got)
+	d.foldTC, d.foldWG = true, true
+	for _, c := range []struct {
+		m, n, k int
+		glu     bool
+		want    matMulRoute
+	}{
+		{32, 1024, 2048, false, routeWG},   // 0.6B o_proj adds to the residual
+		{32, 6144, 1024, true, routeWG},    // 0.6B gate_up normalises it
+		{32, 4096, 1024, false, routeBLAS}, // 0.6B qkv: 32 tiles on matmul_wg, not folded
+		{32, 4096, 4096, false, routeBLAS}, // 8B o_proj
+		{64, 1024, 2048, false, routeBLAS}, // past matMulWGNormRows
+		{8, 4096, 4096, false, routeBLAS},  // matmul_wg_few
+	} {
+		if got := d.foldRoute(c.m, c.n, c.k, c.glu); got != c.want {
+			t.Errorf("fold, %d rows of %dx%d (glu %v): route %d, want %d", c.m, c.n, c.k, c.glu, got, c.want)
+		}
+	}
+	d.wgMaxTiles = 16 // EBB_MATMUL_WG_TILES=16: the 8B o_proj's 32 tiles back on cuBLAS
+	if got := d.matMulRoute(17, 4096, 4096, false); got != routeBLAS {
+		t.Errorf("EBB_MATMUL_WG_TILES=16: route %d, want cuBLAS", got)
 	}
 	d.wgMaxTiles = 0
 	d.few.rows = 0 // EBB_MATMUL_FEW=0: one tile of matmul_tc keeps every weight

@@ -182,20 +182,36 @@ func matMulWGUsed(bn, kps, splits int) int {
 // useMatMulWG says whether matmul_wg takes m rows of an n x k product
 // (n a multiple of 16 for its tensor map's 16-row groups) that matmul_tc
 // does not (more than 8 rows: it asks after useMatMulTC). With glu it
-// replaces cuBLAS and a silu_mul pass; alone, only where the weight tiles
-// are few enough for K splits of a full cluster each. H100, 0.6B decode
-// steps: o_proj and down_proj (8 tiles) and gate_up with glu on matmul_wg,
-// batch 32 1.68 -> 1.49 ms, 64 1.87 -> 1.76, 128 2.56 -> 2.54; qkv (32
-// tiles) on it too made 96 and 128 slower than cuBLAS (2.32 -> 2.38, 2.58
-// -> 2.76: a cluster of four splits a tile, and the grid's 32 clusters do
-// not fit at once). EBB_MATMUL_WG_TILES=N lets it take products of up to N
-// tiles, whose splits now shrink to clusters that fit (splitsCap), for A/B
-// runs.
+// replaces cuBLAS and a silu_mul pass; alone, up to matMulWGMaxTiles
+// weight tiles (EBB_MATMUL_WG_TILES=N for A/B runs; 16, a full cluster's
+// splits a tile on an H200, is the route before).
 func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
-	tiles := (n + matMulWGTileRows - 1) / matMulWGTileRows
 	return d.wgmma && m > 8 && m <= cmp.Or(d.wgMaxRows, matMulWGMaxRows) && k%matMulWGBK == 0 &&
-		n%16 == 0 && (glu || tiles <= cmp.Or(d.wgMaxTiles, d.ctx.SMs/matMulWGMaxCluster))
+		n%16 == 0 && (glu || matMulWGTiles(n) <= cmp.Or(d.wgMaxTiles, matMulWGMaxTiles))
 }
+
+// matMulWGMaxTiles is the most weight tiles of a product without glu that
+// matmul_wg takes. At first it took only those of a full cluster's splits
+// each (SMs / 8: 16 on an H200): H100, 0.6B decode steps, o_proj and
+// down_proj (8 tiles) and gate_up with glu on matmul_wg, batch 32 1.68 ->
+// 1.49 ms, 64 1.87 -> 1.76, 128 2.56 -> 2.54, but qkv (32 tiles) made 96
+// and 128 slower (2.32 -> 2.38, 2.58 -> 2.76), its 32 clusters of four
+// splits not all resident. Since splitsCap shrinks the splits to clusters
+// that fit, more tiles pay: H200, 128 in / 64 out, dummy weights,
+// temperature 1, decode ms a step with 16 tiles -> 64 (two rounds each):
+// 8B shape (qkv 48 tiles, o_proj and down_proj 32) batch 9 / 16 / 32 / 64
+// / 96 / 128 5.043 / 5.098 / 5.292 / 5.566 / 6.287 / 6.853 -> 4.906 /
+// 4.978 / 5.106 / 5.417 / 6.110 / 6.824; 0.6B (qkv 32) batch 25 / 32 / 64
+// / 96 1.132 / 1.167 / 1.506 / 1.746 -> 1.094 / 1.119 / 1.438 / 1.714;
+// 30B-A3B (qkv 40) batch 12 / 16 / 32 10.147 / 11.344 / 14.515 -> 9.965 /
+// 11.180 / 14.404. Past 128 rows cuBLAS stays faster (EBB_MATMUL_WG_ROWS=256:
+// 8B batch 160 / 256 +10.8 / +9.6 %, 30B-A3B +0.2 / +1.9 %), and the
+// lm_head's thousand tiles stay on it.
+const matMulWGMaxTiles = 64
+
+// matMulWGTiles is how many of matmul_wg's 128-row weight tiles n rows of
+// weights make.
+func matMulWGTiles(n int) int { return (n + matMulWGTileRows - 1) / matMulWGTileRows }
 
 // matMulWGPartRows is matmul_wg_part's batch tile.
 const matMulWGPartRows = 128

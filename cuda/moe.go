@@ -511,7 +511,7 @@ func (d *Device) moeExpertsWG(x, ids, gateUp, down device.Tensor, w moeWork, bn 
 	rowTiles := (p+bn-1)/bn + min(e, p) // at most one partial tile per expert that has rows
 	name, shared := fmt.Sprintf("moe_wg_n%d", bn), d.moeWGShared(bn)
 	wgrid := func(n int) Dim3 {
-		return Dim3{X: uint32((n + matMulWGTileRows - 1) / matMulWGTileRows), Y: uint32(rowTiles), Z: 1}
+		return Dim3{X: uint32(matMulWGTiles(n)), Y: uint32(rowTiles), Z: 1}
 	}
 	// gate and up: x's rows gathered one at a time, or where the tiles are
 	// tall, first written in sorted order into y (which down fills later)
