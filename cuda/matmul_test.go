@@ -46,15 +46,17 @@ func TestMatMul(t *testing.T) {
 }
 
 // TestMatMulWG runs matmul_wg on shapes MatMul gives it and on those it
-// leaves to cuBLAS: every batch tile, one to eight K splits, N past the
-// last full tile, fp32 and bf16 out.
+// leaves to cuBLAS: every batch tile, one to eight K splits, up to 48
+// weight tiles (the 8B o_proj at 16 rows, the 30B-A3B qkv at 12), N past
+// the last full tile, fp32 and bf16 out.
 func TestMatMulWG(t *testing.T) {
 	p := newPair(t)
 	if !p.gpu.wgmma {
 		t.Skipf("matmul_wg needs sm_90a kernels (these are %s)", p.gpu.mod.Arch)
 	}
 	for _, s := range []struct{ m, k, n int }{{25, 1024, 4096}, {32, 2048, 1024}, {48, 3072, 1024}, {64, 1024, 6144},
-		{90, 1024, 4096}, {128, 2048, 1008}, {100, 1024, 304}, {97, 64, 256}, {128, 3072, 1024}, {120, 4096, 2048}} {
+		{90, 1024, 4096}, {128, 2048, 1008}, {100, 1024, 304}, {97, 64, 256}, {128, 3072, 1024}, {120, 4096, 2048},
+		{16, 4096, 4096}, {12, 2048, 5120}} {
 		x := p.random(device.BF16, 1, s.m, s.k)
 		w := p.random(device.BF16, 1/float32(math.Sqrt(float64(s.k))), s.n, s.k)
 		out := p.random(device.BF16, 1, s.m, s.n)
