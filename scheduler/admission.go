@@ -112,6 +112,47 @@ func (c *Core) mayAdmit(plan []kvFuture, r *request) bool {
 	return peakSlots(probe) <= c.pool.total-len(probe)
 }
 
+// A waiting request that shares more than sharedPrefixMin tokens beyond
+// its cached prefix with the prompt of a running request not yet in the
+// cache waits for that prompt instead of computing the tokens itself:
+// GRPO's samples of a prompt sent as separate requests (verl's and slime's
+// way) arrive together, and admitted in one step each would compute the
+// prompt and hold its own copy of the KV. SGLang does the same under its
+// lpm policy (IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD, 32). A step
+// passes over at most maxSharedWaits such requests, so that a long queue
+// of them costs a scan of bounded length.
+const (
+	sharedPrefixMin = 32
+	maxSharedWaits  = 128
+)
+
+// awaitsShared reports whether r (admitted: its cached prefix matched)
+// should wait for a running request's prompt, which becomes the cache's
+// as each of its chunks lands (cacheUnfinished).
+func (c *Core) awaitsShared(r *request) bool {
+	if c.opts.DisableRadixCache {
+		return false
+	}
+	toks := r.tokens()[:r.matchLimit()]
+	want := r.nodeTokens + sharedPrefixMin + 1
+	if len(toks) < want {
+		return false
+	}
+	for _, s := range c.running {
+		// s's tokens past its cached prefix are not anyone's yet, and a
+		// prompt still running has no output; the tokens r would share
+		// are compared from the end of what it found cached, where two
+		// unrelated prompts differ soonest.
+		if len(s.output) > 0 || s.nodeTokens >= want || len(s.InputIDs) < want ||
+			!slices.Equal(toks[r.nodeTokens:want], s.InputIDs[r.nodeTokens:want]) ||
+			!slices.Equal(toks[:r.nodeTokens], s.InputIDs[:r.nodeTokens]) {
+			continue
+		}
+		return true
+	}
+	return false
+}
+
 // headBlocked reports whether the head of the queue cannot start now, so
 // that a decode step may be launched ahead without waiting for the
 // results that admission would need.

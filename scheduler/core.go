@@ -300,9 +300,10 @@ func (c *Core) scheduleDecodes(decodes int) ([]*request, []int) {
 }
 
 // schedulePrefill appends prompt chunks to batch within budget tokens:
-// unfinished prompts first, then new requests, admitted only where the
-// cache holds what they and the running requests are expected to hold at
-// once (mayAdmit) and a step of each of the decodes.
+// unfinished prompts first, then new requests in order, admitted only
+// where the cache holds what they and the running requests are expected to
+// hold at once (mayAdmit) and a step of each of the decodes; those that
+// wait for a prompt they share (awaitsShared) are passed over.
 func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget int) ([]*request, []int) {
 	rows := len(batch)
 	lim := c.run.Limits()
@@ -323,20 +324,30 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 		c.last.NewTokens += n
 	}
 	var plan []kvFuture
-	for !c.holdWaiting && budget > 0 && len(c.waiting) > 0 && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
+	next, waits := 0, 0 // the queue's next request; those passed over, waiting for a prompt they share
+	for !c.holdWaiting && budget > 0 && next < len(c.waiting) && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
 		if plan == nil {
 			plan = c.kvPlan()
 		}
-		r := c.waiting[0]
+		r := c.waiting[next]
 		c.admit(r)
+		if c.awaitsShared(r) {
+			c.unadmit(r)
+			if waits++; waits == maxSharedWaits {
+				break
+			}
+			next++
+			continue
+		}
 		n := c.chunkSize(r, budget, lim.MaxLogitRows-rows)
 		if n == 0 || !c.mayAdmit(plan, r) || !c.ensureFree(n+decodes) {
 			c.unadmit(r)
 			break
 		}
 		plan = withFuture(plan, c.future(r))
-		c.waiting = c.waiting[1:]
+		c.waiting = slices.Delete(c.waiting, next, next+1)
 		c.running = append(c.running, r)
+		c.started(r)
 		c.countRecomputed(r, n)
 		c.grow(r, n)
 		batch, chunks = append(batch, r), append(chunks, n)
@@ -383,24 +394,34 @@ func (c *Core) ensureFree(n int) bool {
 
 // admit reuses the longest cached prefix of r's tokens.
 func (c *Core) admit(r *request) {
-	toks := r.tokens()
-	limit := len(toks) - 1 // at least one token must run to produce logits
-	if r.wantsInputLogprobs() {
-		limit = min(limit, max(r.LogprobStartLen-1, 0))
-	}
 	var slots []int32
 	var node *radixNode
 	if !c.opts.DisableRadixCache {
-		slots, node = c.cache.Match(toks[:limit])
+		slots, node = c.cache.Match(r.tokens()[:r.matchLimit()])
 		c.cache.Lock(node)
 	}
 	r.node, r.nodeTokens = node, len(slots)
 	r.slots = append([]int32(nil), slots...)
 	r.recompute = max(r.computed-len(slots), 0)
+}
+
+// matchLimit is how many of r's tokens may come from the cache: all but
+// the last, which must run to produce logits, and none from the first
+// whose input logprob r asks for.
+func (r *request) matchLimit() int {
+	limit := r.numTokens() - 1
+	if r.wantsInputLogprobs() {
+		limit = min(limit, max(r.LogprobStartLen-1, 0))
+	}
+	return limit
+}
+
+// started counts r's prompt and what it found cached when it first runs.
+func (c *Core) started(r *request) {
 	if !r.admitted {
 		r.admitted = true
-		r.cached = len(slots)
-		c.Stats.CachedTokens += int64(len(slots))
+		r.cached = r.nodeTokens
+		c.Stats.CachedTokens += int64(r.nodeTokens)
 		c.Stats.PromptTokens += int64(len(r.InputIDs))
 	}
 }

@@ -424,3 +424,41 @@ func TestMixedLengthRolloutsShareTheCache(t *testing.T) {
 		}
 	}
 }
+
+// TestSamplesOfAPromptShareItsPrefill: copies of one prompt sent as
+// separate requests together (GRPO as verl and slime send it) compute the
+// prompt once: the first prefills it and the others wait for it, then find
+// it cached. A prompt that shares only a few tokens does not wait, and the
+// copies decode as a lone run does.
+func TestSamplesOfAPromptShareItsPrefill(t *testing.T) {
+	ids := prompt(41, 120)
+	lone := newHarnessChunk(t, false, 4096, 512)
+	lone.generate("lone", ids, 6)
+	lone.runToIdle()
+
+	h := newHarnessChunk(t, false, 4096, 512)
+	for i := range 4 {
+		h.generate(fmt.Sprint("copy-", i), ids, 6)
+	}
+	near := append(slices.Clone(ids[:sharedPrefixMin/2]), prompt(42, 100)...)
+	h.generate("near", near, 6)
+	h.generate("other", prompt(43, 90), 6)
+	h.runToIdle()
+	for i := range 4 {
+		rid := fmt.Sprint("copy-", i)
+		if !slices.Equal(h.tokens[rid], lone.tokens["lone"]) {
+			t.Errorf("%s: %v, alone %v", rid, h.tokens[rid], lone.tokens["lone"])
+		}
+		if want := len(ids) - 1; i > 0 && h.cached[rid] != want {
+			t.Errorf("%s found %d prompt tokens cached, want %d", rid, h.cached[rid], want)
+		}
+	}
+	st := h.s.core.Stats
+	computed := st.PromptTokens - st.CachedTokens
+	if want := int64(len(ids) + 3 + len(near) + 90); computed != want {
+		t.Errorf("%d prompt tokens computed (%d cached of %d), want %d", computed, st.CachedTokens, st.PromptTokens, want)
+	}
+	if err := h.s.core.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
