@@ -119,6 +119,9 @@ func engineArgs(e engine.Config) []string {
 	if e.ScheduleConservativeness > 0 && e.ScheduleConservativeness != 1 {
 		args = append(args, "--schedule-conservativeness", strconv.FormatFloat(e.ScheduleConservativeness, 'f', -1, 64))
 	}
+	if e.SchedulePolicy != "" && e.SchedulePolicy != "fcfs" {
+		args = append(args, "--schedule-policy", e.SchedulePolicy)
+	}
 	if e.DisableCUDAGraph {
 		args = append(args, "--disable-cuda-graph")
 	}

@@ -58,6 +58,9 @@ type Config struct {
 	// requests that may stop early are expected to need when admitted
 	// (--schedule-conservativeness; 0 means 1).
 	ScheduleConservativeness float64
+	// SchedulePolicy orders the waiting queue: fcfs (default), lpm,
+	// dfs-weight, lof or random (--schedule-policy, SGLang's names).
+	SchedulePolicy string
 	// DistTimeout bounds waiting on a trainer's process group (--dist-timeout).
 	DistTimeout time.Duration
 	// WatchdogTimeout stops a scheduler process whose step has run this

@@ -13,7 +13,8 @@ import (
 func TestSGLangLaunchFlagsAndAPIKey(t *testing.T) {
 	s := startServer(t, "--model-path", modelDir, "--tp-size", "1", "--dp-size", "1", "--enable-memory-saver",
 		"--skip-server-warmup", "--trust-remote-code", "--random-seed", "1", "--api-key", "k", "--dtype", "bfloat16",
-		"--disable-radix-cache", "--enable-metrics", "--served-model-name", "ebb-test", "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25")
+		"--disable-radix-cache", "--enable-metrics", "--served-model-name", "ebb-test", "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25",
+		"--schedule-policy", "lpm")
 	call := func(method, path, key, body string) int {
 		req, _ := http.NewRequest(method, s.url+path, strings.NewReader(body))
 		if key != "" {
@@ -51,12 +52,23 @@ func TestSGLangLaunchFlagsAndAPIKey(t *testing.T) {
 			t.Errorf("%s %s with key %q: %d, want %d", c.method, c.path, c.key, got, c.want)
 		}
 	}
-	// SGLang's metric names, so its Grafana dashboards read ebb.
-	resp, err := http.Get(s.url + "/metrics")
+	info, _ := http.NewRequest("GET", s.url+"/server_info", nil)
+	info.Header.Set("Authorization", "Bearer k")
+	resp, err := http.DefaultClient.Do(info)
 	if err != nil {
 		t.Fatal(err)
 	}
 	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), `"schedule_policy":"lpm"`) {
+		t.Errorf("/server_info does not report --schedule-policy lpm: %s", body)
+	}
+	// SGLang's metric names, so its Grafana dashboards read ebb.
+	resp, err = http.Get(s.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ = io.ReadAll(resp.Body)
 	resp.Body.Close()
 	for _, name := range []string{"sglang:prompt_tokens_total{model_name=\"ebb-test\"}", "sglang:generation_tokens_total",
 		"sglang:num_running_reqs{", "sglang:num_queue_reqs{", "sglang:token_usage{", "sglang:cache_hit_rate{",
@@ -94,6 +106,7 @@ func TestUnsupportedLaunchFlagsAreErrors(t *testing.T) {
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--dp-size", "2", "--load-balance-method", "follow_bootstrap_room"}, "prefill/decode disaggregation"},
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--load-balance-method", "shortest_queue"}, "round_robin"},
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--tool-call-parser", "pythonic"}, `--tool-call-parser "pythonic": ebb takes hermes, llama3, qwen, qwen25`},
+		{[]string{"--model-path", modelDir, "--device", "cpu", "--schedule-policy", "priority"}, `unknown schedule policy "priority" (ebb takes fcfs, lpm, dfs-weight, lof, random)`},
 		{[]string{"--model-path", modelDir, "--device", "cpu", "--reasoning-parser", "kimi"}, `--reasoning-parser "kimi": ebb takes deepseek-r1, qwen3, qwen3-thinking`},
 	} {
 		out, err := exec.Command(ebbBin, append([]string{"serve", "--port", "0"}, c.args...)...).CombinedOutput()

@@ -42,27 +42,32 @@ type Options struct {
 	// that requests which may stop early are expected to produce
 	// (--schedule-conservativeness; 0 is SGLang's default, 1).
 	ScheduleConservativeness float64
+	// SchedulePolicy orders the waiting queue (--schedule-policy; empty is
+	// fcfs).
+	SchedulePolicy SchedulePolicy
 }
 
 // Core is the scheduling state machine, free of I/O: Add requests, call Step
 // until Idle. Not safe for concurrent use.
 type Core struct {
-	opts     Options
-	run      *runner.Runner
-	ctxLen   int
-	vocab    int
-	pool     *kvPool
-	cache    *RadixCache
-	waiting  []*request
-	running  []*request
-	byRid    map[string]*request
-	rng      *rand.Rand
-	events   []Event  // produced while scheduling, returned by the next Step
-	flight   *flight  // launched, results not absorbed yet
-	owners   []int32  // CheckInvariants' table of slot owners, kept between checks
-	last     StepInfo // the step launched by the last Step, if launched
-	launched bool
-	ratio    tokenRatio // admission's expectation of early stops (admission.go)
+	opts    Options
+	run     *runner.Runner
+	ctxLen  int
+	vocab   int
+	pool    *kvPool
+	cache   *RadixCache
+	waiting []*request
+	running []*request
+	byRid   map[string]*request
+	rng     *rand.Rand
+	// policyRng shuffles the queue under the random policy.
+	policyRng *rand.Rand
+	events    []Event  // produced while scheduling, returned by the next Step
+	flight    *flight  // launched, results not absorbed yet
+	owners    []int32  // CheckInvariants' table of slot owners, kept between checks
+	last      StepInfo // the step launched by the last Step, if launched
+	launched  bool
+	ratio     tokenRatio // admission's expectation of early stops (admission.go)
 	// holdWaiting: no queued request is admitted (a weight update waits
 	// for the running ones).
 	holdWaiting bool
@@ -100,6 +105,11 @@ func NewCore(run *runner.Runner, opts Options) (*Core, error) {
 	if opts.ChunkedPrefillSize <= 0 || opts.ChunkedPrefillSize+opts.MaxRunningRequests > lim.MaxTokens {
 		opts.ChunkedPrefillSize = max(1, lim.MaxTokens-opts.MaxRunningRequests)
 	}
+	policy, err := ParseSchedulePolicy(string(opts.SchedulePolicy))
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %w", err)
+	}
+	opts.SchedulePolicy = policy
 	// An end id outside the vocabulary (a config shared by model sizes) can
 	// never be sampled; banning it would index past the logits.
 	vocab := run.Model.Config.Vocab
@@ -111,7 +121,7 @@ func NewCore(run *runner.Runner, opts Options) (*Core, error) {
 	return &Core{
 		opts: opts, run: run, ctxLen: run.Model.ContextLen(), vocab: run.Model.Config.Vocab,
 		pool: newKVPool(slots), cache: NewRadixCache(), byRid: map[string]*request{},
-		rng: rand.New(rand.NewPCG(seed1, seed2)), ratio: newTokenRatio(opts.ScheduleConservativeness),
+		rng: rand.New(rand.NewPCG(seed1, seed2)), policyRng: policyRand(seed1, seed2), ratio: newTokenRatio(opts.ScheduleConservativeness),
 	}, nil
 }
 
@@ -322,6 +332,9 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 		rows += c.rowsFor(r, n)
 		c.last.NewSeqs++
 		c.last.NewTokens += n
+	}
+	if !c.holdWaiting && budget > 0 {
+		c.orderWaiting()
 	}
 	var plan []kvFuture
 	next, waits := 0, 0 // the queue's next request; those passed over, waiting for a prompt they share

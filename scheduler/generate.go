@@ -38,6 +38,7 @@ func NewCoreFor(e *engine.Engine) (*Core, error) {
 		EnableMixedChunk:   e.Config.EnableMixedChunk,
 
 		ScheduleConservativeness: e.Config.ScheduleConservativeness,
+		SchedulePolicy:           SchedulePolicy(e.Config.SchedulePolicy),
 	})
 }
 

@@ -71,6 +71,27 @@ func (c *RadixCache) Match(tokens []int32) ([]int32, *radixNode) {
 	return slots, node
 }
 
+// matchLen is how many leading tokens are cached and the node where they
+// end (the one they end inside, where that is partway), without Match's
+// splits and recency: the schedule policies only look.
+func (c *RadixCache) matchLen(tokens []int32) (int, *radixNode) {
+	node, matched := c.root, 0
+	for len(tokens) > 0 {
+		child, ok := node.children[tokens[0]]
+		if !ok {
+			break
+		}
+		n := commonPrefix(child.key, tokens)
+		matched += n
+		node = child
+		if n < len(child.key) {
+			break
+		}
+		tokens = tokens[n:]
+	}
+	return matched, node
+}
+
 // split cuts node after n tokens and returns the new upper part.
 func (c *RadixCache) split(node *radixNode, n int) *radixNode {
 	upper := &radixNode{

@@ -489,6 +489,7 @@ func (s *Server) Info() map[string]any {
 		"device": e.Dev.Name(), "architecture": string(e.Model.Config.Arch), "context_length": e.Model.ContextLen(),
 		"max_total_num_tokens": total, "dp_rank": s.dpRank, "tp_size": e.Config.TPSize, "max_running_requests": s.core.Options().MaxRunningRequests,
 		"chunked_prefill_size": s.core.Options().ChunkedPrefillSize, "enable_mixed_chunk": s.core.Options().EnableMixedChunk,
+		"schedule_policy":                string(s.core.Options().SchedulePolicy),
 		"enable_deterministic_inference": e.Config.EnableDeterministicInference, "cuda_graph_bs": e.Runner.GraphBatchSizes(),
 		"enable_return_routed_experts": e.Runner.RoutedExpertsEnabled(), "load_format": e.Config.LoadFormat,
 		"vocab_size": e.Model.Config.Vocab, "weight_version": s.weightVersion, "paused": s.paused,

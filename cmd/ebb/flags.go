@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"ebb/engine"
+	"ebb/scheduler"
 )
 
 // addEngineFlags registers the model and memory flags shared by serve,
@@ -48,6 +49,9 @@ func addEngineFlags(f *pflag.FlagSet, cfg *engine.Config) {
 	f.StringVar(&cfg.LoadFormat, "load-format", "auto", "auto (the model's safetensors) or dummy (random weights from config.json alone, for benchmarks)")
 	f.Float64Var(&cfg.ScheduleConservativeness, "schedule-conservativeness", 1, "scale of the output that requests which may stop early are expected to need at admission "+
 		"(requests with ignore_eos and no stop tokens or strings are expected to run to max_new_tokens)")
+	cfg.SchedulePolicy = string(scheduler.PolicyFCFS)
+	f.Var(&policyFlag{&cfg.SchedulePolicy}, "schedule-policy", "order of the waiting requests: fcfs (as they came), lpm (longest cached prefix first), "+
+		"dfs-weight (requests sharing a cached prefix together), lof (longest max_new_tokens first) or random")
 	f.BoolVar(&cfg.DisableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly")
 	f.IntVar(&cfg.CUDAGraphMaxBS, "cuda-graph-max-bs", 0, "largest decode batch captured as a CUDA graph (default 256 on a GPU)")
 	f.IntVar(&cfg.DecodeLogInterval, "decode-log-interval", 40, "decode steps per \"Decode batch\" log line (with the output tok/s over them)")
@@ -75,6 +79,27 @@ func (s *secondsFlag) Set(v string) error {
 }
 
 func (s *secondsFlag) Type() string { return "seconds" }
+
+// policyFlag is a --schedule-policy, refused at parse time when unknown.
+type policyFlag struct{ p *string }
+
+func (f *policyFlag) String() string {
+	if f.p == nil {
+		return ""
+	}
+	return *f.p
+}
+
+func (f *policyFlag) Set(v string) error {
+	p, err := scheduler.ParseSchedulePolicy(v)
+	if err != nil {
+		return err
+	}
+	*f.p = string(p)
+	return nil
+}
+
+func (f *policyFlag) Type() string { return "policy" }
 
 // seedFlag is an optional uint64: unset leaves the pointer nil.
 type seedFlag struct{ p **uint64 }
