@@ -133,3 +133,40 @@ func TestParseSchedulePolicy(t *testing.T) {
 		}
 	}
 }
+
+// TestRadixMatchLen: the policies' look at the cache agrees with Match on
+// the length and leaves the tree as it was (no split, no recency).
+func TestRadixMatchLen(t *testing.T) {
+	cache := func() *RadixCache {
+		c := NewRadixCache()
+		c.Insert([]int32{1, 2, 3, 4}, []int32{10, 11, 12, 13})
+		c.Insert([]int32{1, 2, 3, 4, 5, 6}, []int32{10, 11, 12, 13, 14, 15})
+		c.Insert([]int32{9}, []int32{20})
+		return c
+	}
+	for _, tc := range []struct {
+		tokens  []int32
+		matched int
+		nodeKey []int32
+	}{
+		{nil, 0, nil},
+		{[]int32{7}, 0, nil},
+		{[]int32{1, 2}, 2, []int32{1, 2, 3, 4}}, // inside the first node
+		{[]int32{1, 2, 3, 4}, 4, []int32{1, 2, 3, 4}},
+		{[]int32{1, 2, 3, 4, 5, 8}, 5, []int32{5, 6}},
+		{[]int32{9, 9}, 1, []int32{9}},
+	} {
+		c := cache()
+		clock := c.clock
+		matched, node := c.matchLen(tc.tokens)
+		if matched != tc.matched || !slices.Equal(node.key, tc.nodeKey) {
+			t.Errorf("%v: %d tokens ending in node %v, want %d in %v", tc.tokens, matched, node.key, tc.matched, tc.nodeKey)
+		}
+		if c.clock != clock || len(c.root.children[1].key) != 4 {
+			t.Fatalf("%v: matchLen changed the tree", tc.tokens)
+		}
+		if slots, _ := c.Match(tc.tokens); len(slots) != matched {
+			t.Errorf("%v: Match finds %d tokens, matchLen %d", tc.tokens, len(slots), matched)
+		}
+	}
+}

@@ -8,6 +8,11 @@ machine:
     # this decoder alone
     python3 tools/torch_decoder.py --model /tmp/q8b --batch-size 1,64
 
+Each batch size compiles for 85-106 s on the 8B shape (H200, with gpt-fast's
+coordinate-descent tuning), so five of them and ebb's run pass the device's
+10-minute calls: run --batch-size 1,8,64 and 128,256 in two calls (each ratio
+still comes from one run).
+
 The decoder is what gpt-fast builds: a static KV cache per layer, the
 attention through scaled_dot_product_attention over the whole cache with a
 causal mask (a kv head's query heads as one query's rows, so the cache is
