@@ -55,39 +55,74 @@ func (r *request) runsToLength() bool {
 }
 
 // kvFuture is what a request is expected to hold from now on: base slots
-// (its tokens so far, computed or not), one more each step for rest steps
-// (all of its remaining output, or the ratio's share where it may end
-// early), and then none: it finishes and its KV can be evicted.
+// (its tokens so far, computed or not, less cached ones that another
+// request holds longer), one more each step for rest steps (all of its
+// remaining output, or the ratio's share where it may end early), and then
+// none: it finishes and its KV can be evicted.
 type kvFuture struct{ base, rest int }
 
-func (c *Core) future(r *request) kvFuture {
+// kvPlan is the requests admission plans the KV for: the running ones
+// and those admitted since the plan was made, with their rests.
+type kvPlan struct {
+	reqs  []*request
+	rests []int
+}
+
+func (c *Core) rest(r *request) int {
 	rest := max(r.Params.MaxNewTokens-len(r.output), 0)
 	if !r.runsToLength() {
 		rest = int(math.Ceil(float64(rest) * c.ratio.value))
 	}
-	return kvFuture{base: r.numTokens(), rest: rest}
+	return rest
 }
 
-// kvPlan is the running requests' futures, by rest.
-func (c *Core) kvPlan() []kvFuture {
-	plan := make([]kvFuture, 0, len(c.running)+1)
+func (c *Core) kvPlan() *kvPlan {
+	p := &kvPlan{reqs: make([]*request, 0, len(c.running)+1), rests: make([]int, 0, len(c.running)+1)}
 	for _, r := range c.running {
-		plan = append(plan, c.future(r))
+		p.add(c, r)
 	}
-	slices.SortFunc(plan, func(a, b kvFuture) int { return a.rest - b.rest })
-	return plan
+	return p
 }
 
-// withFuture is plan with f in its place.
-func withFuture(plan []kvFuture, f kvFuture) []kvFuture {
-	i, _ := slices.BinarySearchFunc(plan, f, func(a, b kvFuture) int { return a.rest - b.rest })
-	return slices.Insert(plan, i, f)
+// add puts admitted request r into the plan.
+func (p *kvPlan) add(c *Core, r *request) {
+	p.reqs, p.rests = append(p.reqs, r), append(p.rests, c.rest(r))
+}
+
+// futures are the kvFutures of p's requests and of extra (when not nil),
+// by rest. A cached node that several of them hold (GRPO's samples of a
+// prompt) stays as long as the last of them runs, so it counts in that
+// one's base alone.
+func (c *Core) futures(p *kvPlan, extra *request) []kvFuture {
+	reqs, rests := p.reqs, p.rests
+	if extra != nil {
+		reqs, rests = append(slices.Clip(reqs), extra), append(slices.Clip(rests), c.rest(extra))
+	}
+	holder := map[*radixNode]int{} // the index in reqs of the one that holds it longest
+	for i, r := range reqs {
+		for n := r.node; n != nil && n != c.cache.root; n = n.parent {
+			if h, ok := holder[n]; !ok || rests[h] < rests[i] {
+				holder[n] = i
+			}
+		}
+	}
+	fs := make([]kvFuture, len(reqs))
+	for i, r := range reqs {
+		shared := 0
+		for n := r.node; n != nil && n != c.cache.root; n = n.parent {
+			if holder[n] != i {
+				shared += len(n.key)
+			}
+		}
+		fs[i] = kvFuture{base: r.numTokens() - shared, rest: rests[i]}
+	}
+	slices.SortFunc(fs, func(a, b kvFuture) int { return a.rest - b.rest })
+	return fs
 }
 
 // peakSlots is the most KV a plan holds at once: the requests still
 // running at step t hold base + t each, so the peak is at one of their
-// ends (a prompt shared by several counts for each, so it errs high).
-// Reserving every request's whole output instead kept the cache half
+// ends. Reserving every request's whole output instead kept the cache half
 // empty under rollouts of mixed lengths (H100, 512 rollouts of 1k-16k
 // tokens: token usage 0.5 with requests waiting).
 func peakSlots(plan []kvFuture) int {
@@ -100,15 +135,15 @@ func peakSlots(plan []kvFuture) int {
 }
 
 // mayAdmit reports whether a waiting request (admitted, its cached prefix
-// matched) fits beside the running ones (plan): their KV and its own never
+// matched) fits beside the running ones (p): their KV and its own never
 // exceed the cache, less a slot each for a step launched ahead. When none
 // runs it is always taken, so that one that can never fit whole still
 // runs as far as the cache allows.
-func (c *Core) mayAdmit(plan []kvFuture, r *request) bool {
+func (c *Core) mayAdmit(p *kvPlan, r *request) bool {
 	if len(c.running) == 0 {
 		return true
 	}
-	probe := withFuture(slices.Clip(plan), c.future(r))
+	probe := c.futures(p, r)
 	return peakSlots(probe) <= c.pool.total-len(probe)
 }
 

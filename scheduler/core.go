@@ -336,7 +336,7 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 	if !c.holdWaiting && budget > 0 {
 		c.orderWaiting()
 	}
-	var plan []kvFuture
+	var plan *kvPlan
 	next, waits := 0, 0 // the queue's next request; those passed over, waiting for a prompt they share
 	for !c.holdWaiting && budget > 0 && next < len(c.waiting) && len(c.running) < c.opts.MaxRunningRequests && len(batch) < lim.MaxSeqs {
 		if plan == nil {
@@ -357,7 +357,7 @@ func (c *Core) schedulePrefill(batch []*request, chunks []int, decodes, budget i
 			c.unadmit(r)
 			break
 		}
-		plan = withFuture(plan, c.future(r))
+		plan.add(c, r)
 		c.waiting = slices.Delete(c.waiting, next, next+1)
 		c.running = append(c.running, r)
 		c.started(r)

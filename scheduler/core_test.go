@@ -462,3 +462,29 @@ func TestSamplesOfAPromptShareItsPrefill(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestSamplesOfAPromptFitTogether: admission counts a prompt that several
+// running samples share once, so a GRPO group whose copies would not fit
+// each with its own prompt runs at once, without retraction.
+func TestSamplesOfAPromptFitTogether(t *testing.T) {
+	// Each copy alone peaks at 300 slots; four with one shared prompt at
+	// 200 + 4 x 100 = 600, four with their own at 1,200.
+	ids := prompt(71, 200)
+	h := newHarnessChunk(t, false, 700, 512)
+	for i := range 4 {
+		h.generate(fmt.Sprint("copy-", i), ids, 100)
+	}
+	most := 0
+	for !h.s.core.Idle() {
+		h.step(1)
+		most = max(most, len(h.s.core.running))
+	}
+	if st := h.s.core.Stats; most != 4 || st.Retractions != 0 {
+		t.Fatalf("%d copies ran at once (want 4), %d retractions", most, st.Retractions)
+	}
+	for i := range 4 {
+		if rid := fmt.Sprint("copy-", i); len(h.tokens[rid]) != 100 {
+			t.Fatalf("%s: %d tokens, want 100", rid, len(h.tokens[rid]))
+		}
+	}
+}
