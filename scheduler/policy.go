@@ -110,17 +110,19 @@ func (c *Core) dfsWeightOrder() []*request {
 	}
 	for i, r := range c.waiting {
 		matched, end := c.cache.matchLen(r.tokens()[:r.matchLimit()])
-		w, _ := at(end, i)
+		w, seen := at(end, i)
 		w.own = append(w.own, ending{r, matched})
+		// Each node joins its parent's children when it is first seen.
 		for n := end; ; n = n.parent {
-			w, _ := at(n, i)
-			w.weight++
+			nodes[n].weight++
 			if n == c.cache.root {
 				break
 			}
-			if p, seen := at(n.parent, i); !seen || !slices.Contains(p.children, n) {
+			p, parentSeen := at(n.parent, i)
+			if !seen {
 				p.children = append(p.children, n)
 			}
+			seen = parentSeen
 		}
 	}
 	order := make([]*request, 0, len(c.waiting))
