@@ -184,7 +184,7 @@ func matMulWGUsed(bn, kps, splits int) int {
 // does not (more than 8 rows: it asks after useMatMulTC). With glu it
 // replaces cuBLAS and a silu_mul pass; alone, up to matMulWGMaxTiles
 // weight tiles (EBB_MATMUL_WG_TILES=N for A/B runs; 16, a full cluster's
-// splits a tile on an H200, is the route before).
+// splits a tile on the 132 SMs of an H100 or H200, is the route before).
 func (d *Device) useMatMulWG(m, n, k int, glu bool) bool {
 	return d.wgmma && m > 8 && m <= cmp.Or(d.wgMaxRows, matMulWGMaxRows) && k%matMulWGBK == 0 &&
 		n%16 == 0 && (glu || matMulWGTiles(n) <= cmp.Or(d.wgMaxTiles, matMulWGMaxTiles))
