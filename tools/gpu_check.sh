@@ -93,7 +93,8 @@ ran() {
 # note picks the figure worth quoting from a step's log.
 note() {
 	case $1 in
-	serving-*) grep -hE '^throughput|^bandwidth floor|retracted|^chaos:|^checks' "$out/$1.log" | sed 's/^/  /' | tr '\n' ';' | sed 's/^/: /' ;;
+	serving-*) grep -hE '^throughput|^bandwidth floor|retracted|^chaos:|^checks|radix cache' "$out/$1.log" |
+		sed 's/, so their prefill was skipped.*//; s/^/  /' | tr '\n' ';' | sed 's/^/: /' ;;
 	kernels | goldens) grep -cE '^--- PASS' "$out/$1.log" | sed 's/^/: /; s/$/ tests passed/' ;;
 	deterministic) grep -hE '^decode vs prefill' "$out/$1.log" | sed 's/^/: /' ;;
 	input-top) tail -n 1 "$out/$1.log" | sed 's/^/: /' ;;
