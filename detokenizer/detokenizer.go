@@ -19,9 +19,13 @@ type Detokenizer struct {
 }
 
 type reqState struct {
-	dec        *tokenizer.StreamDecoder
-	text       string // decoded so far
-	emitted    int    // bytes of text already sent
+	dec *tokenizer.StreamDecoder
+	// text is decoded so far. It grows in place: copied whole each step
+	// it cost 5.3 us a token in a 16,384-token output (a 256-request
+	// batch of such rollouts 1.4 ms a step), 0.24-0.35 us grown
+	// (BenchmarkLongRollout).
+	text       strings.Builder
+	emitted    int // bytes of text already sent
 	stop       []string
 	noStopTrim bool
 }
@@ -79,30 +83,29 @@ func (st *reqState) advance(ids []int32, fr *ioschema.FinishReason) string {
 	if st.dec == nil {
 		return ""
 	}
-	var b strings.Builder
-	b.WriteString(st.text)
 	for _, id := range ids {
-		b.WriteString(st.dec.Add(id))
+		st.text.WriteString(st.dec.Add(id))
 	}
-	st.text = b.String()
-	end := len(st.text)
 	if fr != nil {
-		st.text += st.dec.Flush()
-		end = len(st.text)
+		st.text.WriteString(st.dec.Flush())
+	}
+	text := st.text.String() // no copy: the builder's bytes so far
+	end := len(text)
+	if fr != nil {
 		if s, ok := fr.Matched.(string); ok && fr.Type == "stop" && !st.noStopTrim {
 			// The scheduler stopped at the first occurrence; it cannot lie in
 			// text already sent, which held back every partial match.
-			if k := strings.Index(st.text[min(st.emitted, len(st.text)):], s); k >= 0 {
+			if k := strings.Index(text[min(st.emitted, len(text)):], s); k >= 0 {
 				end = st.emitted + k
 			}
 		}
 	} else if !st.noStopTrim {
-		end -= holdBack(st.text, st.stop)
+		end -= holdBack(text, st.stop)
 	}
 	if end <= st.emitted {
 		return ""
 	}
-	delta := st.text[st.emitted:end]
+	delta := text[st.emitted:end]
 	st.emitted = end
 	return delta
 }

@@ -96,3 +96,25 @@ func TestHoldBack(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkLongRollout is a token's cost in a 16,384-token output, the
+// length of a long chain of thought, one token a step as decode sends them.
+func BenchmarkLongRollout(b *testing.B) {
+	tok, err := tokenizer.Embedded("qwen3")
+	if err != nil {
+		b.Fatal(err)
+	}
+	ids := tok.Encode(strings.Repeat("Let the chain of thought run on, step by step. ", 1500), false)[:16384]
+	batch := &ioschema.BatchTokenIDOutput{SkipSpecialTokens: []bool{true}}
+	batch.Outputs().Rids = []string{"long"}
+	batch.Outputs().FinishedReasons = []*ioschema.FinishReason{nil}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		d := New(tok)
+		for _, id := range ids {
+			batch.Outputs().OutputIDs = []ioschema.Int32s{{id}}
+			d.Process(batch)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(ids)), "ns/token")
+}
