@@ -270,9 +270,8 @@ func (m *Manager) routedEngine(in *ioschema.GenerateReqInput) (int, error) {
 // away) the request is aborted so its KV is freed.
 func (m *Manager) wait(ctx context.Context, st *reqState) error {
 	for {
-		s := st.snapshot()
-		if s.Done {
-			return s.Err
+		if done, err := st.outcome(); done {
+			return err
 		}
 		select {
 		case <-st.notify:

@@ -115,9 +115,17 @@ func (r *reqState) fail(err error) {
 }
 
 func (r *reqState) finished() bool {
+	done, _ := r.outcome()
+	return done
+}
+
+// outcome reports whether r is done and with what error, without the copy
+// of everything so far that a snapshot makes: a waiter woken at every token
+// of a 16,384-token rollout would copy its ids and logprobs 16,384 times.
+func (r *reqState) outcome() (bool, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.done
+	return r.done, r.err
 }
 
 // snapshot is a consistent copy of the accumulated outputs.

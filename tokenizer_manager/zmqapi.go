@@ -129,12 +129,13 @@ func (m *Manager) externalGenerate(ctx context.Context, in *ioschema.GenerateReq
 	}
 	for _, p := range prompts {
 		for {
-			s := p.state.snapshot()
-			if s.Err != nil {
-				send(&ioschema.ErrorOutput{Rid: s.Rid, Request: in.TypeName(), Message: s.Err.Error()})
-				break
-			}
-			if s.Done || in.Stream {
+			// Unstreamed, only the finished request is looked at whole.
+			if in.Stream || p.state.finished() {
+				s := p.state.snapshot()
+				if s.Err != nil {
+					send(&ioschema.ErrorOutput{Rid: s.Rid, Request: in.TypeName(), Message: s.Err.Error()})
+					break
+				}
 				res := m.generateResult(s, in.ReturnTextInLogprobs)
 				out := &ioschema.GenerateReqOutput{Rid: s.Rid, OutputIDs: res["output_ids"].([]int32),
 					MetaInfo: res["meta_info"].(map[string]any), Finished: s.Done}
@@ -142,9 +143,9 @@ func (m *Manager) externalGenerate(ctx context.Context, in *ioschema.GenerateReq
 					out.Text = &text
 				}
 				send(out)
-			}
-			if s.Done {
-				break
+				if s.Done {
+					break
+				}
 			}
 			select {
 			case <-p.state.notify:
