@@ -46,6 +46,8 @@ type Config struct {
 	// AllowAutoTruncate (--allow-auto-truncate) clips prompts and
 	// max_new_tokens to the context instead of refusing them.
 	AllowAutoTruncate bool
+	// IncrementalStreamingOutput is --incremental-streaming-output.
+	IncrementalStreamingOutput bool
 	// MaxRequestBodyBytes caps a generate request's body (0: sized from
 	// the context length).
 	MaxRequestBodyBytes int64
@@ -153,7 +155,8 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 		SchedulerEndpoints: schedEndpoints, InputEndpoint: ep("tokenizer"), ZMQEndpoint: zmqEndpoint, APIKey: cfg.APIKey,
 		DisableRadixCache: cfg.Engine.DisableRadixCache, LoadBalanceMethod: cfg.LoadBalanceMethod,
 		ContextLength: cfg.Engine.ContextLength, AllowAutoTruncate: cfg.AllowAutoTruncate,
-		MaxRequestBodyBytes: cfg.MaxRequestBodyBytes, ReasoningParser: cfg.ReasoningParser,
+		IncrementalStreamingOutput: cfg.IncrementalStreamingOutput,
+		MaxRequestBodyBytes:        cfg.MaxRequestBodyBytes, ReasoningParser: cfg.ReasoningParser,
 		ToolCallParser: cfg.ToolCallParser}, log.Named("tokenizer_manager"))
 	if err != nil {
 		return err

@@ -234,6 +234,7 @@ func (m *Manager) serverInfo(w http.ResponseWriter, r *http.Request) {
 	info["dp_size"] = m.engines
 	info["load_balance_method"] = m.cfg.LoadBalanceMethod
 	info["allow_auto_truncate"] = m.cfg.AllowAutoTruncate
+	info["incremental_streaming_output"] = m.cfg.IncrementalStreamingOutput
 	info["reasoning_parser"] = nilIfEmpty(m.cfg.ReasoningParser)
 	info["tool_call_parser"] = nilIfEmpty(m.cfg.ToolCallParser)
 	info["max_request_body_bytes"] = m.maxBody
@@ -288,7 +289,7 @@ func (m *Manager) generate(w http.ResponseWriter, r *http.Request) {
 	sse := newSSE(w)
 	// Each chunk carries the request's whole output so far, as SGLang's
 	// /generate stream does; batches add "index".
-	m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
+	m.stream(r.Context(), prompts, m.cfg.IncrementalStreamingOutput, func(i int, s snapshot) bool {
 		if s.Err != nil {
 			sse.send(map[string]any{"error": map[string]any{"message": s.Err.Error()}, "index": i})
 			return false
@@ -302,9 +303,10 @@ func (m *Manager) generate(w http.ResponseWriter, r *http.Request) {
 	sse.done()
 }
 
-// stream calls f with every update of every prompt until all are done; if
+// stream calls f with every update of every prompt until all are done
+// (incremental: with what is new since the last call, else all of it); if
 // the client goes away the unfinished ones are aborted.
-func (m *Manager) stream(ctx context.Context, prompts []*prompt, f func(i int, s snapshot) bool) {
+func (m *Manager) stream(ctx context.Context, prompts []*prompt, incremental bool, f func(i int, s snapshot) bool) {
 	updates := make(chan int, len(prompts))
 	stop := make(chan struct{})
 	defer close(stop)
@@ -327,6 +329,7 @@ func (m *Manager) stream(ctx context.Context, prompts []*prompt, f func(i int, s
 	}
 	remaining := len(prompts)
 	finished := make([]bool, len(prompts))
+	sentIDs, sentText := make([]int, len(prompts)), make([]int, len(prompts)) // sent so far, where chunks are incremental
 	for remaining > 0 {
 		select {
 		case <-ctx.Done():
@@ -340,7 +343,7 @@ func (m *Manager) stream(ctx context.Context, prompts []*prompt, f func(i int, s
 			if finished[i] {
 				continue
 			}
-			s := prompts[i].state.snapshot()
+			s := nextChunk(prompts[i].state, incremental, &sentIDs[i], &sentText[i])
 			if len(s.OutputIDs) == 0 && !s.Done {
 				continue
 			}
@@ -358,6 +361,19 @@ func (m *Manager) stream(ctx context.Context, prompts []*prompt, f func(i int, s
 			}
 		}
 	}
+}
+
+// nextChunk is a stream's next look at st: all of its output so far, or
+// where incremental (--incremental-streaming-output) what came after the
+// ids and text bytes already sent (which it advances).
+func nextChunk(st *reqState, incremental bool, ids, text *int) snapshot {
+	if !incremental {
+		return st.snapshot()
+	}
+	s := st.snapshotSince(*ids, *text)
+	*ids += len(s.OutputIDs)
+	*text += len(s.Text)
+	return s
 }
 
 // sse writes server-sent events.

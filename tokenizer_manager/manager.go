@@ -51,6 +51,11 @@ type Config struct {
 	// in it unless AllowAutoTruncate (--allow-auto-truncate) clips them.
 	ContextLength     int
 	AllowAutoTruncate bool
+	// IncrementalStreamingOutput (--incremental-streaming-output) makes
+	// each streamed /generate and ZMQ chunk carry only what is new: text,
+	// output ids and output logprobs since the last chunk (SGLang's flag;
+	// by default every chunk is all of the output so far).
+	IncrementalStreamingOutput bool
 	// MaxRequestBodyBytes caps the body of a generate request (0: 1 KiB a
 	// token of context, at least 16 MiB).
 	MaxRequestBodyBytes int64

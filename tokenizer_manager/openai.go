@@ -209,7 +209,7 @@ func (m *Manager) completions(w http.ResponseWriter, r *http.Request) {
 		echoed := make([]bool, len(prompts)) // a chunk went out: the prompt, where echo asks for it, with it
 		sentIDs := make([]int, len(prompts))
 		final := make([]snapshot, len(prompts))
-		m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
+		m.stream(r.Context(), prompts, false, func(i int, s snapshot) bool {
 			final[i] = s
 			if s.Err != nil {
 				sse.send(map[string]any{"error": map[string]any{"message": s.Err.Error()}})
@@ -464,7 +464,7 @@ func (m *Manager) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		final := make([]snapshot, len(prompts))
 		reply.object = "chat.completion.chunk"
 		chunk := func(c map[string]any) bool { return sse.send(reply.body([]any{c})) }
-		m.stream(r.Context(), prompts, func(i int, s snapshot) bool {
+		m.stream(r.Context(), prompts, false, func(i int, s snapshot) bool {
 			final[i] = s
 			if s.Err != nil {
 				sse.send(map[string]any{"error": map[string]any{"message": s.Err.Error()}})

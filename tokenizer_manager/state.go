@@ -151,15 +151,27 @@ type snapshot struct {
 	Latency       time.Duration
 }
 
-func (r *reqState) snapshot() snapshot {
+func (r *reqState) snapshot() snapshot { return r.snapshotSince(0, 0) }
+
+// snapshotSince is a snapshot of the output after its first ids tokens and
+// textFrom bytes of text (an incremental stream's next chunk): only those
+// tails are copied. Input logprobs and the counts are whole.
+func (r *reqState) snapshotSince(ids, textFrom int) snapshot {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return snapshot{Rid: r.rid, Text: r.text.String(), OutputIDs: append([]int32(nil), r.outputIDs...),
-		OutLogprobs: append([]float32(nil), r.outLogprobs...), OutTopVals: append([][]float32(nil), r.outTopVals...),
-		OutTopIdx: append([][]int32(nil), r.outTopIdx...), InLogprobs: r.inLogprobs, InIdx: r.inIdx,
+	text := r.text.String()
+	return snapshot{Rid: r.rid, Text: text[min(textFrom, len(text)):], OutputIDs: tail(r.outputIDs, ids),
+		OutLogprobs: tail(r.outLogprobs, ids), OutTopVals: tail(r.outTopVals, ids),
+		OutTopIdx: tail(r.outTopIdx, ids), InLogprobs: r.inLogprobs, InIdx: r.inIdx,
 		InTopVals: r.inTopVals, InTopIdx: r.inTopIdx,
 		PromptTokens: r.promptTokens, Completion: r.completion, Cached: r.cached, Routed: r.routed, Finish: r.finish,
 		WeightVersion: r.weightVersion, Err: r.err, Done: r.done, Latency: time.Since(r.created)}
+}
+
+// tail copies s from n on; nil stays nil (a field the request did not ask
+// for), an empty tail of a non-nil s is empty and not nil.
+func tail[T any](s []T, n int) []T {
+	return append(s[:0:0], s[min(n, len(s)):]...)
 }
 
 // topEntries renders top logprobs: a list of triples a position, null

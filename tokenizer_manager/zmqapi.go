@@ -128,10 +128,16 @@ func (m *Manager) externalGenerate(ctx context.Context, in *ioschema.GenerateReq
 		return
 	}
 	for _, p := range prompts {
+		sentIDs, sentText := 0, 0 // sent so far, where chunks are incremental
 		for {
 			// Unstreamed, only the finished request is looked at whole.
 			if in.Stream || p.state.finished() {
-				s := p.state.snapshot()
+				var s snapshot
+				if in.Stream {
+					s = nextChunk(p.state, m.cfg.IncrementalStreamingOutput, &sentIDs, &sentText)
+				} else {
+					s = p.state.snapshot()
+				}
 				if s.Err != nil {
 					send(&ioschema.ErrorOutput{Rid: s.Rid, Request: in.TypeName(), Message: s.Err.Error()})
 					break

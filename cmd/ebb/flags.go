@@ -135,6 +135,8 @@ func addServerFlags(f *pflag.FlagSet, s *serverFlags) {
 	f.BoolVar(&s.trustRemoteCode, "trust-remote-code", false, "accepted: ebb runs no code from the model directory")
 	f.BoolVar(&s.allowAutoTruncate, "allow-auto-truncate", false,
 		"clip a prompt longer than the context (keeping its start) and max_new_tokens to what is left, instead of answering 400")
+	f.BoolVar(&s.incrementalStreaming, "incremental-streaming-output", false,
+		"streamed /generate and ZMQ chunks carry only the new text, output ids and output logprobs (default: all of the output so far)")
 	f.Int64Var(&s.maxRequestBodyMB, "max-request-body-mb", 0,
 		"refuse generate requests whose body is larger (413); default: 1 KiB a token of context, at least 16")
 	f.StringVar(&s.reasoningParser, "reasoning-parser", "",
@@ -146,6 +148,7 @@ func addServerFlags(f *pflag.FlagSet, s *serverFlags) {
 type serverFlags struct {
 	apiKey, reasoningParser, toolCallParser                                    string
 	skipWarmup, enableMetrics, memorySaver, trustRemoteCode, allowAutoTruncate bool
+	incrementalStreaming                                                       bool
 	maxRequestBodyMB                                                           int64
 }
 

@@ -56,6 +56,7 @@ func serveCmd() *cobra.Command {
 				return fmt.Errorf("--max-request-body-mb must be positive, got %d", sf.maxRequestBodyMB)
 			}
 			cfg.AllowAutoTruncate, cfg.MaxRequestBodyBytes = sf.allowAutoTruncate, sf.maxRequestBodyMB<<20
+			cfg.IncrementalStreamingOutput = sf.incrementalStreaming
 			cfg.ReasoningParser, cfg.ToolCallParser = sf.reasoningParser, sf.toolCallParser
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
