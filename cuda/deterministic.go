@@ -505,7 +505,7 @@ func (d *Device) matMulWGFew(out uintptr, outF32 bool, x, w uintptr, m, n, k int
 // splits as they start, EBB_MATMUL_FEW_SPLITS caps them, for A/B runs.
 func (d *Device) matMulWGFewShape(n, k int) (blocks, per, splits, kps int) {
 	shape := func(most int) (blocks, per, splits, kps int) {
-		splits, kps = d.kSplits((n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK, most)
+		splits, kps = d.kSplits(matMulWGTiles(n), k/matMulWGBK, most)
 		per = max(1, d.few.warps/splits)
 		return (n/16 + per - 1) / per, per, splits, kps
 	}

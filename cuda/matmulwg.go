@@ -274,7 +274,7 @@ func (d *Device) matMulWGShape(m, n, k int) (name string, bn int, grid Dim3, kps
 			break
 		}
 	}
-	tiles, kt := (n+matMulWGTileRows-1)/matMulWGTileRows, k/matMulWGBK
+	tiles, kt := matMulWGTiles(n), k/matMulWGBK
 	splits, kps := d.kSplits(tiles, kt, d.splitsCap(tiles))
 	// Deterministic products of too few splits for the 64-row part tiles
 	// below (gate_up's two) take 128-row ones from two tiles.

@@ -8,10 +8,10 @@ import (
 	"ebb/engine"
 )
 
-func policyHarness(t *testing.T, policy string) *harness {
+func policyHarness(t *testing.T, policy string, seed *uint64) *harness {
 	t.Helper()
 	return newHarnessConfig(t, engine.Config{Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 512,
-		MaxTotalTokens: 4096, CUDAGraphMaxBS: 4, SchedulePolicy: policy})
+		MaxTotalTokens: 4096, CUDAGraphMaxBS: 4, SchedulePolicy: policy, RandomSeed: seed})
 }
 
 func waitingRids(c *Core) []string {
@@ -54,7 +54,7 @@ func TestSchedulePolicyOrder(t *testing.T) {
 		{"dfs-weight", []string{"all-p1", "half-p1", "p2-a", "p2-b", "other"}},
 	} {
 		t.Run(c.policy, func(t *testing.T) {
-			h := policyHarness(t, c.policy)
+			h := policyHarness(t, c.policy, nil)
 			h.generate("warm-p1", p1, 1)
 			h.generate("warm-p2", p2, 1)
 			h.runToIdle()
@@ -88,8 +88,7 @@ func TestSchedulePolicyRandom(t *testing.T) {
 	seeds := map[string][]uint64{}
 	var orders [][]string
 	for _, policy := range []string{"fcfs", "random"} {
-		h := newHarnessConfig(t, engine.Config{Device: "cpu", MaxRunningRequests: 8, ChunkedPrefillSize: 512,
-			MaxTotalTokens: 4096, CUDAGraphMaxBS: 4, SchedulePolicy: policy, RandomSeed: &seed})
+		h := policyHarness(t, policy, &seed)
 		h.s.core.HoldWaiting(true)
 		var rids []string
 		for i := range 8 {
